@@ -1,0 +1,198 @@
+package canon_test
+
+import (
+	"bytes"
+	"errors"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"github.com/gowebpki/jcs"
+
+	"github.com/converge-run/converge/internal/canon"
+	"github.com/converge-run/converge/internal/corpus"
+)
+
+// TestJCSVectors proves the transform against the RFC 8785 test vectors of the
+// reference implementation (../shared/corpus/jcs): byte-for-byte.
+func TestJCSVectors(t *testing.T) {
+	t.Parallel()
+	inputs, err := corpus.Glob("jcs/input/*.json")
+	if err != nil || len(inputs) == 0 {
+		t.Fatalf("corpus jcs/input missing: %v", err)
+	}
+	for _, in := range inputs {
+		t.Run(filepath.Base(in), func(t *testing.T) {
+			doc := mustRead(t, in)
+			want := mustRead(t, filepath.Join(filepath.Dir(in), "..", "output", filepath.Base(in)))
+			got, err := canon.Transform(doc)
+			if err != nil {
+				t.Fatalf("Transform: %v", err)
+			}
+			if !bytes.Equal(got, want) {
+				t.Fatalf("got  %q\nwant %q", got, want)
+			}
+		})
+	}
+}
+
+// TestJSONTestSuite checks every JSONTestSuite case: y_ cases that are I-JSON
+// canonicalize to what an independent RFC 8785 implementation (gowebpki/jcs)
+// produces; n_ cases are rejected with a syntax code; i_ cases either way,
+// never a panic.
+func TestJSONTestSuite(t *testing.T) {
+	t.Parallel()
+	files, err := corpus.Glob("jsontestsuite/*.json")
+	if err != nil || len(files) < 300 {
+		t.Fatalf("corpus jsontestsuite missing (%d files): %v", len(files), err)
+	}
+	for _, f := range files {
+		name := filepath.Base(f)
+		doc := mustRead(t, f)
+		got, err := canon.Transform(doc)
+		var cerr *canon.Error
+		if err != nil && !errors.As(err, &cerr) {
+			t.Errorf("%s: error is %T, want *canon.Error", name, err)
+			continue
+		}
+		switch {
+		case strings.HasPrefix(name, "y_"):
+			if code, bad := corpus.NotIJSON[name]; bad {
+				if cerr == nil || cerr.Code != code {
+					t.Errorf("%s: got %v, want %s", name, err, code)
+				}
+				continue
+			}
+			if err != nil {
+				t.Errorf("%s: rejected: %v", name, err)
+				continue
+			}
+			want, jerr := jcs.Transform(doc)
+			if jerr != nil {
+				t.Errorf("%s: independent implementation rejects it: %v", name, jerr)
+				continue
+			}
+			if !bytes.Equal(got, want) {
+				t.Errorf("%s: got %q, independent implementation %q", name, got, want)
+			}
+		case strings.HasPrefix(name, "n_"):
+			if err == nil {
+				t.Errorf("%s: accepted %q", name, got)
+			}
+		}
+	}
+}
+
+func TestNumberPolicy(t *testing.T) {
+	t.Parallel()
+	tests := []struct {
+		in   string
+		want string // canonical form, or error code
+	}{
+		{"1", "1"},
+		{"-0", "0"},
+		{"1.0", "1"},
+		{"1e23", "1e+23"},
+		{"100000000000000000000000", "1e+23"},
+		{"9007199254740992", "9007199254740992"},
+		{"9007199254740993", canon.CodeNumberPrecisionLoss},
+		{"12345678901234567", canon.CodeNumberPrecisionLoss},
+		{"12345678901234567890", canon.CodeNumberPrecisionLoss},
+		{"-65.613616999999977", "-65.61361699999998"},
+		{"0.30000000000000001", "0.3"},
+		{"0.10000000000000000000001", canon.CodeNumberPrecisionLoss},
+		{"0.1000000000000000000000", "0.1"},
+		{"1e400", canon.CodeNumberOutOfRange},
+		{"-1e400", canon.CodeNumberOutOfRange},
+		{"1e-400", canon.CodeNumberOutOfRange},
+		{"0e-400", "0"},
+		{"5e-324", "5e-324"},
+		{"1.7976931348623157e308", "1.7976931348623157e+308"},
+	}
+	for _, tt := range tests {
+		got, err := canon.Transform([]byte(tt.in))
+		if err != nil {
+			var cerr *canon.Error
+			if !errors.As(err, &cerr) || cerr.Code != tt.want {
+				t.Errorf("%s: error %v, want %s", tt.in, err, tt.want)
+			}
+			continue
+		}
+		if string(got) != tt.want {
+			t.Errorf("%s: got %s, want %s", tt.in, got, tt.want)
+		}
+	}
+}
+
+func TestRejections(t *testing.T) {
+	t.Parallel()
+	tests := []struct{ in, code string }{
+		{``, canon.CodeMalformedJSON},
+		{`{"a":1`, canon.CodeMalformedJSON},
+		{`{"a":1} {}`, canon.CodeMalformedJSON},
+		{"\"\xff\"", canon.CodeInvalidUTF8},
+		{`"\ud800"`, canon.CodeLoneSurrogate},
+		{`{"a":1,"a":1}`, canon.CodeDuplicateMemberName},
+		{strings.Repeat("[", canon.MaxDepth+1) + strings.Repeat("]", canon.MaxDepth+1), canon.CodeNestingTooDeep},
+		{strings.Repeat("[", 100000), canon.CodeNestingTooDeep},
+	}
+	for _, tt := range tests {
+		_, err := canon.Transform([]byte(tt.in))
+		var cerr *canon.Error
+		if !errors.As(err, &cerr) || cerr.Code != tt.code {
+			t.Errorf("%.30q: error %v, want %s", tt.in, err, tt.code)
+		}
+	}
+	if _, err := canon.Transform([]byte(strings.Repeat("[", canon.MaxDepth) + strings.Repeat("]", canon.MaxDepth))); err != nil {
+		t.Errorf("depth %d rejected: %v", canon.MaxDepth, err)
+	}
+}
+
+func TestRealWorld(t *testing.T) {
+	t.Parallel()
+	files, err := corpus.Glob("realworld/*.json")
+	if err != nil || len(files) < 20 {
+		t.Fatalf("corpus realworld missing: %v", err)
+	}
+	for _, f := range files {
+		doc := mustRead(t, f)
+		got, err := canon.Transform(doc)
+		if err != nil {
+			t.Errorf("%s: %v", filepath.Base(f), err)
+			continue
+		}
+		want, err := jcs.Transform(doc)
+		if err != nil {
+			t.Errorf("%s: independent implementation: %v", filepath.Base(f), err)
+			continue
+		}
+		if !bytes.Equal(got, want) {
+			t.Errorf("%s: differs from the independent implementation", filepath.Base(f))
+		}
+	}
+}
+
+func FuzzTransform(f *testing.F) {
+	f.Add([]byte(`{"a":[1,2.5e10,"x"]}`))
+	f.Add([]byte(`"\ud800"`))
+	f.Fuzz(func(t *testing.T, doc []byte) {
+		out, err := canon.Transform(doc)
+		if err != nil {
+			return
+		}
+		again, err := canon.Transform(out)
+		if err != nil || !bytes.Equal(again, out) {
+			t.Fatalf("canonical form is not a fixed point: %q -> %q (%v)", out, again, err)
+		}
+	})
+}
+
+func mustRead(t *testing.T, path string) []byte {
+	t.Helper()
+	b, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return b
+}

@@ -1,0 +1,238 @@
+// Package fault provides named fault points: places in converge's code where
+// a test or `converge experiment` can make a step fail, crash the process, or
+// corrupt data on purpose, to prove that the system converges anyway.
+//
+// Fault points are off by default. A component holds a *Set (nil when no
+// faults are configured) and calls s.Hit(name) at each point; on a nil Set,
+// Hit is a nil check and returns ActionNone, so points cost nothing when off.
+//
+// A Set is configured from a spec string (CONVERGE_FAULTS or --faults):
+//
+//	name=action[@n][,name=action[@n]...]
+//
+// where action is "error" (the step returns ErrInjected), "crash" (the
+// process exits at once with status 137, running no deferred code), or
+// "corrupt" (a point that writes data alters it), and @n fires only on the
+// n-th hit (1-based); without @n the point fires on every hit.
+package fault
+
+import (
+	"errors"
+	"fmt"
+	"os"
+	"sort"
+	"strconv"
+	"strings"
+	"sync"
+)
+
+// Action is what a fault point does when it fires.
+type Action int
+
+const (
+	// ActionNone: the point does not fire.
+	ActionNone Action = iota
+	// ActionError: the step fails with ErrInjected.
+	ActionError
+	// ActionCrash: the process ends at once (os.Exit(137)).
+	ActionCrash
+	// ActionCorrupt: the data written at this point is altered.
+	ActionCorrupt
+)
+
+func (a Action) String() string {
+	switch a {
+	case ActionError:
+		return "error"
+	case ActionCrash:
+		return "crash"
+	case ActionCorrupt:
+		return "corrupt"
+	default:
+		return "none"
+	}
+}
+
+// ErrInjected is returned (wrapped) by a step whose fault point fired with
+// ActionError.
+var ErrInjected = errors.New("injected fault")
+
+// Known fault point names. Components call Hit with these constants; the
+// spec parser rejects any other name, so a typo cannot silently disable an
+// experiment.
+const (
+	// RelayAfterAckBeforeConfirm: the relay got Kafka's acknowledgement and
+	// marked published_at, but has not advanced the replication slot.
+	RelayAfterAckBeforeConfirm = "relay.after-ack-before-confirm"
+	// RelayBeforeMarkPublished: Kafka acknowledged, published_at not yet set.
+	RelayBeforeMarkPublished = "relay.before-mark-published"
+	// WorkerAfterArtifactWrite: the artifact is written, the completion
+	// transaction has not run.
+	WorkerAfterArtifactWrite = "worker.after-artifact-write"
+	// WorkerBeforeOffsetCommit: the completion transaction committed, the
+	// Kafka offset is not committed (the ack is lost).
+	WorkerBeforeOffsetCommit = "worker.before-offset-commit"
+	// ArtifactPutTimeoutAfterCommit: the store durably wrote the artifact
+	// but the caller sees a timeout.
+	ArtifactPutTimeoutAfterCommit = "artifact.put-timeout-after-commit"
+	// ArtifactCorruptAfterWrite: the stored bytes are altered after the
+	// write (use action "corrupt").
+	ArtifactCorruptAfterWrite = "artifact.corrupt-after-write"
+	// APIAfterCommitResponseLost: the create transaction committed, the
+	// response is not sent (the connection is closed).
+	APIAfterCommitResponseLost = "api.after-commit-response-lost"
+)
+
+var known = map[string]bool{
+	RelayAfterAckBeforeConfirm:    true,
+	RelayBeforeMarkPublished:      true,
+	WorkerAfterArtifactWrite:      true,
+	WorkerBeforeOffsetCommit:      true,
+	ArtifactPutTimeoutAfterCommit: true,
+	ArtifactCorruptAfterWrite:     true,
+	APIAfterCommitResponseLost:    true,
+}
+
+// Names returns the known fault point names, sorted.
+func Names() []string {
+	out := make([]string, 0, len(known))
+	for n := range known {
+		out = append(out, n)
+	}
+	sort.Strings(out)
+	return out
+}
+
+type rule struct {
+	action Action
+	nth    int // 0: every hit
+	hits   int
+}
+
+// Set is a configured collection of armed fault points. The zero value and
+// nil are valid and have no point armed. A Set is safe for concurrent use.
+type Set struct {
+	mu    sync.Mutex
+	rules map[string]*rule
+	fired map[string]int
+	// Exit ends the process for ActionCrash; tests replace it. Defaults to
+	// os.Exit.
+	Exit func(code int)
+}
+
+// Parse builds a Set from a spec (see the package doc). An empty spec gives a
+// nil Set.
+func Parse(spec string) (*Set, error) {
+	spec = strings.TrimSpace(spec)
+	if spec == "" {
+		return nil, nil
+	}
+	s := &Set{}
+	for _, part := range strings.Split(spec, ",") {
+		part = strings.TrimSpace(part)
+		name, act, ok := strings.Cut(part, "=")
+		if !ok {
+			return nil, fmt.Errorf("fault spec %q: want name=action", part)
+		}
+		nth := 0
+		if a, n, ok := strings.Cut(act, "@"); ok {
+			v, err := strconv.Atoi(n)
+			if err != nil || v < 1 {
+				return nil, fmt.Errorf("fault spec %q: @n must be a positive integer", part)
+			}
+			act, nth = a, v
+		}
+		var action Action
+		switch act {
+		case "error":
+			action = ActionError
+		case "crash":
+			action = ActionCrash
+		case "corrupt":
+			action = ActionCorrupt
+		default:
+			return nil, fmt.Errorf("fault spec %q: unknown action %q (error, crash, corrupt)", part, act)
+		}
+		if err := s.Arm(name, action, nth); err != nil {
+			return nil, err
+		}
+	}
+	return s, nil
+}
+
+// Arm arms point name with action, firing on the nth hit only (nth >= 1) or
+// on every hit (nth == 0). Unknown names are an error.
+func (s *Set) Arm(name string, action Action, nth int) error {
+	if !known[name] {
+		return fmt.Errorf("unknown fault point %q (known: %s)", name, strings.Join(Names(), ", "))
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.rules == nil {
+		s.rules = map[string]*rule{}
+	}
+	s.rules[name] = &rule{action: action, nth: nth}
+	return nil
+}
+
+// Disarm removes the rule of point name.
+func (s *Set) Disarm(name string) {
+	if s == nil {
+		return
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	delete(s.rules, name)
+}
+
+// Hit records a pass through point name and returns the action to take.
+// ActionCrash never returns: the process exits with status 137.
+func (s *Set) Hit(name string) Action {
+	if s == nil {
+		return ActionNone
+	}
+	s.mu.Lock()
+	r := s.rules[name]
+	if r == nil {
+		s.mu.Unlock()
+		return ActionNone
+	}
+	r.hits++
+	if r.nth != 0 && r.hits != r.nth {
+		s.mu.Unlock()
+		return ActionNone
+	}
+	if s.fired == nil {
+		s.fired = map[string]int{}
+	}
+	s.fired[name]++
+	exit := s.Exit
+	s.mu.Unlock()
+	if r.action == ActionCrash {
+		if exit == nil {
+			exit = os.Exit
+		}
+		fmt.Fprintf(os.Stderr, "converge: fault point %s: crashing the process\n", name)
+		exit(137)
+	}
+	return r.action
+}
+
+// Err is Hit for points whose only meaningful actions are error and crash:
+// it returns a wrapped ErrInjected when the point fires, nil otherwise.
+func (s *Set) Err(name string) error {
+	if s.Hit(name) != ActionNone {
+		return fmt.Errorf("%s: %w", name, ErrInjected)
+	}
+	return nil
+}
+
+// Fired returns how many times point name fired.
+func (s *Set) Fired(name string) int {
+	if s == nil {
+		return 0
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.fired[name]
+}

@@ -1,0 +1,249 @@
+// Package localpg runs a local PostgreSQL cluster as a child process, with
+// wal_level=logical, for `converge dev` (make run) and for tests.
+//
+// It uses the installed server binaries (pg_config --bindir, else the newest
+// /usr/lib/postgresql/*/bin). PostgreSQL refuses to run as root, so when the
+// caller is root the cluster is created and run as the "postgres" system user
+// (the data directory is chowned to it). The server process gets a parent
+// death signal, so it never outlives the process that started it.
+package localpg
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"os"
+	"os/exec"
+	"os/user"
+	"path/filepath"
+	"sort"
+	"strconv"
+	"strings"
+	"syscall"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+)
+
+// Config describes the cluster to run. Zero values take the documented
+// defaults.
+type Config struct {
+	// DataDir is the cluster's data directory; created with initdb when it
+	// holds no cluster. Required.
+	DataDir string
+	// Port is the TCP port on 127.0.0.1. Required (use FreePort in tests).
+	Port int
+	// Fsync keeps fsync on. Defaults to false; `converge dev` and benchmarks
+	// set it, tests leave it off for speed.
+	Fsync bool
+	// Settings are extra -c name=value server settings.
+	Settings map[string]string
+	// Logger receives progress messages. Defaults to slog.Default().
+	Logger *slog.Logger
+}
+
+// Cluster is a running local PostgreSQL server.
+type Cluster struct {
+	cfg  Config
+	cmd  *exec.Cmd
+	done chan struct{}
+	err  error
+}
+
+// ErrNoBinaries: no PostgreSQL server binaries are installed.
+var ErrNoBinaries = errors.New("PostgreSQL server binaries not found (install Debian's postgresql-15 package)")
+
+// BinDir returns the directory of the PostgreSQL server binaries.
+func BinDir() (string, error) {
+	if out, err := exec.Command("pg_config", "--bindir").Output(); err == nil {
+		d := strings.TrimSpace(string(out))
+		if _, err := os.Stat(filepath.Join(d, "initdb")); err == nil {
+			return d, nil
+		}
+	}
+	dirs, _ := filepath.Glob("/usr/lib/postgresql/*/bin")
+	sort.Slice(dirs, func(i, j int) bool { return versionOf(dirs[i]) > versionOf(dirs[j]) })
+	for _, d := range dirs {
+		if _, err := os.Stat(filepath.Join(d, "initdb")); err == nil {
+			return d, nil
+		}
+	}
+	return "", ErrNoBinaries
+}
+
+func versionOf(dir string) int {
+	v, _ := strconv.Atoi(filepath.Base(filepath.Dir(dir)))
+	return v
+}
+
+// Start initialises DataDir when needed, starts the server and waits until it
+// accepts connections (at most 60 s).
+func Start(ctx context.Context, cfg Config) (*Cluster, error) {
+	if cfg.Logger == nil {
+		cfg.Logger = slog.Default()
+	}
+	if cfg.DataDir == "" || cfg.Port == 0 {
+		return nil, errors.New("localpg: DataDir and Port are required")
+	}
+	bin, err := BinDir()
+	if err != nil {
+		return nil, err
+	}
+	cred, err := credential()
+	if err != nil {
+		return nil, err
+	}
+	dataDir, err := filepath.Abs(cfg.DataDir)
+	if err != nil {
+		return nil, err
+	}
+	cfg.DataDir = dataDir
+	if _, err := os.Stat(filepath.Join(dataDir, "PG_VERSION")); errors.Is(err, os.ErrNotExist) {
+		if err := os.MkdirAll(dataDir, 0o700); err != nil {
+			return nil, err
+		}
+		if err := chown(dataDir, cred); err != nil {
+			return nil, err
+		}
+		cfg.Logger.Info("initdb", "data_dir", dataDir)
+		cmd := exec.CommandContext(ctx, filepath.Join(bin, "initdb"), "-D", dataDir, "-U", "postgres",
+			"--auth=trust", "-E", "UTF8", "--locale=C", "--no-sync")
+		cmd.SysProcAttr = &syscall.SysProcAttr{Credential: cred}
+		cmd.Dir = os.TempDir()
+		if out, err := cmd.CombinedOutput(); err != nil {
+			return nil, fmt.Errorf("initdb %s: %w\n%s", dataDir, err, out)
+		}
+	} else if err != nil {
+		return nil, err
+	}
+	if err := chown(dataDir, cred); err != nil {
+		return nil, err
+	}
+	logPath := filepath.Join(dataDir, "server.log")
+	logf, err := os.OpenFile(logPath, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644)
+	if err != nil {
+		return nil, err
+	}
+	settings := map[string]string{
+		"listen_addresses":        "127.0.0.1",
+		"port":                    strconv.Itoa(cfg.Port),
+		"unix_socket_directories": "",
+		"wal_level":               "logical",
+		"max_replication_slots":   "32",
+		"max_wal_senders":         "32",
+		"max_connections":         "200",
+		"fsync":                   onOff(cfg.Fsync),
+		"synchronous_commit":      onOff(cfg.Fsync),
+		"full_page_writes":        onOff(cfg.Fsync),
+		"shared_buffers":          "256MB",
+		"max_slot_wal_keep_size":  "4GB",
+	}
+	for k, v := range cfg.Settings {
+		settings[k] = v
+	}
+	args := []string{"-D", dataDir}
+	keys := make([]string, 0, len(settings))
+	for k := range settings {
+		keys = append(keys, k)
+	}
+	sort.Strings(keys)
+	for _, k := range keys {
+		args = append(args, "-c", k+"="+settings[k])
+	}
+	cmd := exec.Command(filepath.Join(bin, "postgres"), args...)
+	cmd.Dir = os.TempDir()
+	cmd.Stdout, cmd.Stderr = logf, logf
+	// SIGINT is PostgreSQL's fast shutdown: it ends sessions and checkpoints.
+	cmd.SysProcAttr = &syscall.SysProcAttr{Credential: cred, Pdeathsig: syscall.SIGINT, Setpgid: true}
+	if err := cmd.Start(); err != nil {
+		logf.Close()
+		return nil, fmt.Errorf("start postgres: %w", err)
+	}
+	c := &Cluster{cfg: cfg, cmd: cmd, done: make(chan struct{})}
+	go func() {
+		c.err = cmd.Wait()
+		logf.Close()
+		close(c.done)
+	}()
+	deadline := time.Now().Add(60 * time.Second)
+	for {
+		conn, err := pgx.Connect(ctx, c.URL("postgres"))
+		if err == nil {
+			conn.Close(ctx)
+			break
+		}
+		select {
+		case <-c.done:
+			return nil, fmt.Errorf("postgres exited during start-up (%v); see %s", c.err, logPath)
+		case <-ctx.Done():
+			c.Stop()
+			return nil, ctx.Err()
+		case <-time.After(100 * time.Millisecond):
+		}
+		if time.Now().After(deadline) {
+			c.Stop()
+			return nil, fmt.Errorf("postgres did not accept connections within 60s: %v; see %s", err, logPath)
+		}
+	}
+	cfg.Logger.Info("postgres started", "port", cfg.Port, "data_dir", dataDir, "fsync", cfg.Fsync)
+	return c, nil
+}
+
+// URL returns a connection URL for database db.
+func (c *Cluster) URL(db string) string {
+	return fmt.Sprintf("postgres://postgres@127.0.0.1:%d/%s?sslmode=disable", c.cfg.Port, db)
+}
+
+// Port returns the TCP port.
+func (c *Cluster) Port() int { return c.cfg.Port }
+
+// Stop shuts the server down (fast shutdown, then kill after 30 s) and waits
+// for it to exit.
+func (c *Cluster) Stop() error {
+	if c == nil || c.cmd == nil || c.cmd.Process == nil {
+		return nil
+	}
+	_ = c.cmd.Process.Signal(syscall.SIGINT)
+	select {
+	case <-c.done:
+	case <-time.After(30 * time.Second):
+		_ = c.cmd.Process.Kill()
+		<-c.done
+	}
+	return nil
+}
+
+func onOff(b bool) string {
+	if b {
+		return "on"
+	}
+	return "off"
+}
+
+// credential returns the identity to run PostgreSQL as: the postgres system
+// user when we are root, nil (ourselves) otherwise.
+func credential() (*syscall.Credential, error) {
+	if os.Geteuid() != 0 {
+		return nil, nil
+	}
+	u, err := user.Lookup("postgres")
+	if err != nil {
+		return nil, fmt.Errorf("running as root needs the postgres system user (from the postgresql package): %w", err)
+	}
+	uid, _ := strconv.Atoi(u.Uid)
+	gid, _ := strconv.Atoi(u.Gid)
+	return &syscall.Credential{Uid: uint32(uid), Gid: uint32(gid)}, nil
+}
+
+func chown(dir string, cred *syscall.Credential) error {
+	if cred == nil {
+		return nil
+	}
+	return filepath.Walk(dir, func(p string, _ os.FileInfo, err error) error {
+		if err != nil {
+			return err
+		}
+		return os.Lchown(p, int(cred.Uid), int(cred.Gid))
+	})
+}

@@ -1,0 +1,106 @@
+// Package localredis runs a local redis-server as a child process for
+// `converge dev` (make run) and tests. Nothing is persisted unless Dir is set
+// and Persist is true: Redis is a derived view in converge.
+package localredis
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"syscall"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+)
+
+// ErrNoBinary: redis-server is not installed.
+var ErrNoBinary = errors.New("redis-server not found (install Debian's redis-server package)")
+
+// Config describes the server to run.
+type Config struct {
+	// Port on 127.0.0.1. Required.
+	Port int
+	// Dir is the working directory (log file, dump). Required.
+	Dir string
+	// Persist enables RDB snapshots in Dir. Defaults to false.
+	Persist bool
+}
+
+// Server is a running redis-server.
+type Server struct {
+	cfg  Config
+	cmd  *exec.Cmd
+	done chan struct{}
+}
+
+// Start starts redis-server and waits until it answers PING (at most 20 s).
+func Start(ctx context.Context, cfg Config) (*Server, error) {
+	bin, err := exec.LookPath("redis-server")
+	if err != nil {
+		return nil, ErrNoBinary
+	}
+	dir, err := filepath.Abs(cfg.Dir)
+	if err != nil {
+		return nil, err
+	}
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		return nil, err
+	}
+	args := []string{"--bind", "127.0.0.1", "--port", strconv.Itoa(cfg.Port), "--dir", dir,
+		"--logfile", filepath.Join(dir, "redis.log"), "--appendonly", "no", "--daemonize", "no",
+		"--maxmemory-policy", "allkeys-lru"}
+	if !cfg.Persist {
+		args = append(args, "--save", "")
+	}
+	cmd := exec.Command(bin, args...)
+	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGTERM, Setpgid: true}
+	if err := cmd.Start(); err != nil {
+		return nil, fmt.Errorf("start redis-server: %w", err)
+	}
+	s := &Server{cfg: cfg, cmd: cmd, done: make(chan struct{})}
+	go func() { _ = cmd.Wait(); close(s.done) }()
+	cl := redis.NewClient(&redis.Options{Addr: s.Addr()})
+	defer cl.Close()
+	deadline := time.Now().Add(20 * time.Second)
+	for {
+		if err := cl.Ping(ctx).Err(); err == nil {
+			return s, nil
+		}
+		select {
+		case <-s.done:
+			return nil, fmt.Errorf("redis-server exited during start-up; see %s", filepath.Join(dir, "redis.log"))
+		case <-ctx.Done():
+			s.Stop()
+			return nil, ctx.Err()
+		case <-time.After(50 * time.Millisecond):
+		}
+		if time.Now().After(deadline) {
+			s.Stop()
+			return nil, errors.New("redis-server did not answer PING within 20s")
+		}
+	}
+}
+
+// Addr returns host:port.
+func (s *Server) Addr() string { return "127.0.0.1:" + strconv.Itoa(s.cfg.Port) }
+
+// URL returns a redis:// URL for database 0.
+func (s *Server) URL() string { return "redis://" + s.Addr() + "/0" }
+
+// Stop ends the server and waits for it.
+func (s *Server) Stop() {
+	if s == nil || s.cmd.Process == nil {
+		return
+	}
+	_ = s.cmd.Process.Signal(syscall.SIGTERM)
+	select {
+	case <-s.done:
+	case <-time.After(10 * time.Second):
+		_ = s.cmd.Process.Kill()
+		<-s.done
+	}
+}

@@ -1,0 +1,150 @@
+// Package taskevent is the Kafka contract of converge's task events (topic
+// converge.task-events.v1, documented in docs/events.md and schemas/events).
+//
+// One event is written per task state change, as a row of outbox_event in the
+// same transaction as the change. The record the CDC relay produces has:
+//
+//   - key: the task id (so all events of a task land on one partition, in
+//     commit order);
+//   - value: the RFC 8785 canonical JSON of Event (UTF-8, no whitespace);
+//   - headers: HeaderEventID (= outbox_id, the message identity the inboxes
+//     deduplicate on), HeaderEventType, HeaderAggregateVersion (decimal task
+//     version after the change), HeaderPayloadSHA256 (lowercase hex SHA-256
+//     of the value bytes), HeaderContentType ("application/json").
+//
+// Consumers must treat delivery as at-least-once: the same event id can
+// arrive more than once, with the same value.
+package taskevent
+
+import (
+	"encoding/json"
+	"errors"
+	"fmt"
+	"strconv"
+	"time"
+
+	"github.com/converge-run/converge/internal/canon"
+)
+
+// Event types (outbox_event.event_type).
+const (
+	TypeTaskCreated   = "TaskCreated"
+	TypeTaskCompleted = "TaskCompleted"
+	TypeTaskFailed    = "TaskFailed"
+)
+
+// SchemaVersion is the major version of the event schema; a breaking change
+// bumps it and the topic name.
+const SchemaVersion = 1
+
+// DefaultTopic is the task-events topic name.
+const DefaultTopic = "converge.task-events.v1"
+
+// Header names of every task-event record.
+const (
+	HeaderEventID          = "event-id"
+	HeaderEventType        = "event-type"
+	HeaderAggregateVersion = "aggregate-version"
+	HeaderPayloadSHA256    = "payload-sha256"
+	HeaderContentType      = "content-type"
+)
+
+// Task status values (task.status).
+const (
+	StatusQueued       = "queued"
+	StatusRunning      = "running"
+	StatusCompleted    = "completed"
+	StatusFailed       = "failed"
+	StatusCompensating = "compensating"
+	StatusCompensated  = "compensated"
+)
+
+// Terminal reports whether status is final: completed, failed or compensated.
+func Terminal(status string) bool {
+	return status == StatusCompleted || status == StatusFailed || status == StatusCompensated
+}
+
+// Task is the task snapshot every event carries and the Redis task view
+// stores. Versions are below 2^53 (a CHECK constraint guarantees it), so they
+// survive JSON and Lua doubles.
+type Task struct {
+	TaskID            string     `json:"task_id"`
+	Status            string     `json:"status"`
+	Version           int64      `json:"version"`
+	Attempt           int        `json:"attempt"`
+	OutputFormat      string     `json:"output_format"`
+	InputSHA256       string     `json:"input_sha256"`
+	InputSize         int64      `json:"input_size"`
+	ArtifactSHA256    *string    `json:"artifact_sha256"`
+	ArtifactSize      *int64     `json:"artifact_size"`
+	TerminalErrorCode *string    `json:"terminal_error_code"`
+	CreatedAt         time.Time  `json:"created_at"`
+	UpdatedAt         time.Time  `json:"updated_at"`
+	CompletedAt       *time.Time `json:"completed_at"`
+}
+
+// Event is the value of a task-events record.
+type Event struct {
+	EventID       string    `json:"event_id"`
+	EventType     string    `json:"event_type"`
+	SchemaVersion int       `json:"schema_version"`
+	TaskID        string    `json:"task_id"`
+	TaskVersion   int64     `json:"task_version"`
+	OccurredAt    time.Time `json:"occurred_at"`
+	Task          Task      `json:"task"`
+}
+
+// Encode returns the canonical value bytes of e and their SHA-256 (hex).
+func Encode(e *Event) ([]byte, string, error) {
+	raw, err := json.Marshal(e)
+	if err != nil {
+		return nil, "", fmt.Errorf("encode %s event: %w", e.EventType, err)
+	}
+	return Canonical(raw)
+}
+
+// Canonical returns the RFC 8785 form of a JSON payload (as stored in
+// outbox_event.payload) and its SHA-256: the record value and the
+// HeaderPayloadSHA256 value.
+func Canonical(payload []byte) ([]byte, string, error) {
+	v, err := canon.Transform(payload)
+	if err != nil {
+		return nil, "", fmt.Errorf("canonicalize event payload: %w", err)
+	}
+	return v, canon.SHA256Hex(v), nil
+}
+
+// ErrInvalidEvent wraps every decoding failure of Decode.
+var ErrInvalidEvent = errors.New("invalid task event")
+
+// Decode parses a record value. It checks the fields every consumer relies
+// on; it does not check the payload hash (see VerifyHash).
+func Decode(value []byte) (*Event, error) {
+	var e Event
+	if err := json.Unmarshal(value, &e); err != nil {
+		return nil, fmt.Errorf("%w: %v", ErrInvalidEvent, err)
+	}
+	switch {
+	case e.EventID == "":
+		return nil, fmt.Errorf("%w: event_id missing", ErrInvalidEvent)
+	case e.TaskID == "" || e.Task.TaskID != e.TaskID:
+		return nil, fmt.Errorf("%w: task_id missing or inconsistent", ErrInvalidEvent)
+	case e.SchemaVersion != SchemaVersion:
+		return nil, fmt.Errorf("%w: schema_version %d, want %d", ErrInvalidEvent, e.SchemaVersion, SchemaVersion)
+	case e.TaskVersion != e.Task.Version || e.TaskVersion < 0:
+		return nil, fmt.Errorf("%w: task_version inconsistent", ErrInvalidEvent)
+	}
+	return &e, nil
+}
+
+// Headers returns the record headers for an event as key/value pairs in a
+// fixed order.
+func Headers(eventID, eventType string, version int64, payloadSHA256 string) [][2]string {
+	return [][2]string{
+		{HeaderEventID, eventID},
+		{HeaderEventType, eventType},
+		{HeaderAggregateVersion, strconv.FormatInt(version, 10)},
+		{HeaderPayloadSHA256, payloadSHA256},
+		{HeaderContentType, "application/json"},
+	}
+}

@@ -1,0 +1,328 @@
+// Package testenv is converge's shared test harness: real PostgreSQL (with
+// wal_level=logical), real Kafka protocol (a franz-go kfake cluster per test)
+// and a real redis-server.
+//
+// PostgreSQL: CONVERGE_TEST_DATABASE_URL when set (a superuser URL of a
+// server with wal_level=logical), else one ephemeral cluster per test binary,
+// started on first use on a free port. Each test gets its own database,
+// cloned from a migrated template, so tests run in parallel.
+//
+// Redis: CONVERGE_TEST_REDIS_URL when set, else one redis-server per test
+// binary on a free port. Keys are namespaced by task id, which is unique.
+//
+// When a service cannot be had, the test is skipped, except under CI=true,
+// where it fails: a green CI run that skipped everything is a defect.
+//
+// Every package that uses the harness calls testenv.Main from TestMain so the
+// processes are stopped when the binary ends.
+package testenv
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"net"
+	"net/url"
+	"os"
+	"path/filepath"
+	"strconv"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/redis/go-redis/v9"
+	"github.com/twmb/franz-go/pkg/kfake"
+	"github.com/twmb/franz-go/pkg/kgo"
+
+	"github.com/converge-run/converge/internal/localpg"
+	"github.com/converge-run/converge/internal/localredis"
+	"github.com/converge-run/converge/internal/taskevent"
+	"github.com/converge-run/converge/schemas"
+)
+
+var (
+	pgOnce     sync.Once
+	pgCluster  *localpg.Cluster
+	pgAdminURL string
+	pgErr      error
+	pgTmpDir   string
+	tmplMu     sync.Mutex
+	dbSeq      atomic.Int64
+
+	redisOnce   sync.Once
+	redisServer *localredis.Server
+	redisURL    string
+	redisErr    error
+)
+
+const templateDB = "converge_template"
+
+// Main runs the tests and stops the processes the harness started.
+func Main(m *testing.M) {
+	code := m.Run()
+	if pgCluster != nil {
+		pgCluster.Stop()
+	}
+	if pgTmpDir != "" {
+		os.RemoveAll(pgTmpDir)
+	}
+	if redisServer != nil {
+		redisServer.Stop()
+	}
+	os.Exit(code)
+}
+
+// InCI reports whether CI=true: missing services fail instead of skipping.
+func InCI() bool { return os.Getenv("CI") == "true" }
+
+func unavailable(t testing.TB, what string, err error) {
+	t.Helper()
+	if InCI() {
+		t.Fatalf("%s unavailable under CI=true (tests never skip in CI): %v", what, err)
+	}
+	t.Skipf("%s unavailable: %v", what, err)
+}
+
+// FreePort returns a TCP port on 127.0.0.1 that was free a moment ago.
+func FreePort(t testing.TB) int {
+	t.Helper()
+	p, err := freePort()
+	if err != nil {
+		t.Fatal(err)
+	}
+	return p
+}
+
+func freePort() (int, error) {
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return 0, err
+	}
+	defer l.Close()
+	return l.Addr().(*net.TCPAddr).Port, nil
+}
+
+func startPG() {
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	if u := os.Getenv("CONVERGE_TEST_DATABASE_URL"); u != "" {
+		pgAdminURL = u
+	} else {
+		dir, err := os.MkdirTemp("", "converge-pg-")
+		if err != nil {
+			pgErr = err
+			return
+		}
+		os.Chmod(dir, 0o755)
+		pgTmpDir = dir
+		port, err := freePort()
+		if err != nil {
+			pgErr = err
+			return
+		}
+		c, err := localpg.Start(ctx, localpg.Config{DataDir: filepath.Join(dir, "data"), Port: port,
+			Logger: slog.New(slog.DiscardHandler)})
+		if err != nil {
+			pgErr = err
+			return
+		}
+		pgCluster = c
+		pgAdminURL = c.URL("postgres")
+	}
+	conn, err := pgx.Connect(ctx, pgAdminURL)
+	if err != nil {
+		pgErr = err
+		return
+	}
+	defer conn.Close(ctx)
+	var level string
+	if err := conn.QueryRow(ctx, "SHOW wal_level").Scan(&level); err != nil || level != "logical" {
+		pgErr = fmt.Errorf("wal_level is %q, want logical (%v)", level, err)
+		return
+	}
+	tmpl := fmt.Sprintf("%s_%d", templateDB, os.Getpid())
+	if _, err := conn.Exec(ctx, "CREATE DATABASE "+tmpl); err != nil {
+		pgErr = fmt.Errorf("create template database: %w", err)
+		return
+	}
+	pool, err := pgxpool.New(ctx, withDB(pgAdminURL, tmpl))
+	if err != nil {
+		pgErr = err
+		return
+	}
+	defer pool.Close()
+	if err := schemas.Migrate(ctx, pool); err != nil {
+		pgErr = err
+	}
+}
+
+func withDB(raw, db string) string {
+	u, err := url.Parse(raw)
+	if err != nil {
+		return raw
+	}
+	u.Path = "/" + db
+	return u.String()
+}
+
+// DB is one test's own database.
+type DB struct {
+	// URL connects to the test's database (also usable for replication
+	// connections with replication=database).
+	URL string
+	// Name is the database name, unique across the cluster: use it to name
+	// replication slots and publications.
+	Name string
+	Pool *pgxpool.Pool
+}
+
+// NewDB creates a fresh, migrated database for t and drops it (and any
+// replication slot in it) when t ends.
+func NewDB(t testing.TB) *DB {
+	t.Helper()
+	pgOnce.Do(startPG)
+	if pgErr != nil {
+		unavailable(t, "PostgreSQL", pgErr)
+	}
+	ctx := context.Background()
+	name := fmt.Sprintf("t%d_%d", os.Getpid(), dbSeq.Add(1))
+	tmpl := fmt.Sprintf("%s_%d", templateDB, os.Getpid())
+	admin, err := pgx.Connect(ctx, pgAdminURL)
+	if err != nil {
+		t.Fatalf("connect admin: %v", err)
+	}
+	tmplMu.Lock()
+	_, err = admin.Exec(ctx, fmt.Sprintf("CREATE DATABASE %s TEMPLATE %s", name, tmpl))
+	tmplMu.Unlock()
+	admin.Close(ctx)
+	if err != nil {
+		t.Fatalf("create test database: %v", err)
+	}
+	u := withDB(pgAdminURL, name)
+	pool, err := pgxpool.New(ctx, u)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		pool.Close()
+		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+		defer cancel()
+		admin, err := pgx.Connect(ctx, pgAdminURL)
+		if err != nil {
+			return
+		}
+		defer admin.Close(ctx)
+		// Slots pin WAL and block DROP DATABASE: end their senders, drop them.
+		_, _ = admin.Exec(ctx, `SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots WHERE database = $1 AND active_pid IS NOT NULL`, name)
+		for i := 0; i < 50; i++ {
+			_, err = admin.Exec(ctx, `SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE database = $1`, name)
+			if err == nil {
+				break
+			}
+			time.Sleep(100 * time.Millisecond)
+		}
+		_, _ = admin.Exec(ctx, "DROP DATABASE IF EXISTS "+name+" WITH (FORCE)")
+	})
+	return &DB{URL: u, Name: name, Pool: pool}
+}
+
+func startRedis() {
+	if u := os.Getenv("CONVERGE_TEST_REDIS_URL"); u != "" {
+		redisURL = u
+	} else {
+		port, err := freePort()
+		if err != nil {
+			redisErr = err
+			return
+		}
+		dir, err := os.MkdirTemp("", "converge-redis-")
+		if err != nil {
+			redisErr = err
+			return
+		}
+		s, err := localredis.Start(context.Background(), localredis.Config{Port: port, Dir: dir})
+		if err != nil {
+			redisErr = err
+			return
+		}
+		redisServer = s
+		redisURL = s.URL()
+	}
+	opt, err := redis.ParseURL(redisURL)
+	if err != nil {
+		redisErr = err
+		return
+	}
+	cl := redis.NewClient(opt)
+	defer cl.Close()
+	redisErr = cl.Ping(context.Background()).Err()
+}
+
+// Redis returns the Redis URL and a client closed when t ends.
+func Redis(t testing.TB) (string, *redis.Client) {
+	t.Helper()
+	redisOnce.Do(startRedis)
+	if redisErr != nil {
+		unavailable(t, "Redis", redisErr)
+	}
+	opt, err := redis.ParseURL(redisURL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cl := redis.NewClient(opt)
+	t.Cleanup(func() { cl.Close() })
+	return redisURL, cl
+}
+
+// Kafka is a kfake cluster for one test, with the task-events topic created.
+type Kafka struct {
+	Cluster *kfake.Cluster
+	Brokers []string
+	Topic   string
+}
+
+// Partitions is the partition count of the topics NewKafka creates.
+const Partitions = 4
+
+// NewKafka starts a kfake cluster listening on a loopback port with the
+// task-events topic (Partitions partitions) and its dead-letter topic, and
+// closes it when t ends.
+func NewKafka(t testing.TB) *Kafka {
+	t.Helper()
+	c, err := kfake.NewCluster(kfake.NumBrokers(1), kfake.SeedTopics(Partitions, taskevent.DefaultTopic, taskevent.DefaultTopic+".dlq"))
+	if err != nil {
+		unavailable(t, "Kafka (kfake)", err)
+	}
+	t.Cleanup(c.Close)
+	return &Kafka{Cluster: c, Brokers: c.ListenAddrs(), Topic: taskevent.DefaultTopic}
+}
+
+// Client returns a franz-go client for the cluster, closed when t ends.
+func (k *Kafka) Client(t testing.TB, opts ...kgo.Opt) *kgo.Client {
+	t.Helper()
+	cl, err := kgo.NewClient(append([]kgo.Opt{kgo.SeedBrokers(k.Brokers...)}, opts...)...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(cl.Close)
+	return cl
+}
+
+// Eventually polls cond every 20 ms until it returns true or timeout passes,
+// then fails t with msg. Use it instead of sleeping for an outcome.
+func Eventually(t testing.TB, timeout time.Duration, msg string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(timeout)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out after %s: %s", timeout, msg)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+// Itoa is strconv.Itoa, for building names in tests.
+func Itoa(i int) string { return strconv.Itoa(i) }
