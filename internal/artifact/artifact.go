@@ -234,3 +234,10 @@ func (s *Store) Hide(token string) error {
 	}
 	return syncDir(filepath.Join(s.root, "objects"))
 }
+
+// Token returns the idempotency token of the artifact-writing effect of a
+// task attempt: "<task_id>.attempt-<n>". The same task and attempt always give
+// the same token, so a retried write lands on the same object.
+func Token(taskID string, attempt int) string {
+	return fmt.Sprintf("%s.attempt-%d", taskID, attempt)
+}
