@@ -99,6 +99,9 @@ func Start(ctx context.Context, cfg Config) (*Cluster, error) {
 		return nil, err
 	}
 	cfg.DataDir = dataDir
+	if err := checkTraversable(filepath.Dir(dataDir), cred); err != nil {
+		return nil, err
+	}
 	if _, err := os.Stat(filepath.Join(dataDir, "PG_VERSION")); errors.Is(err, os.ErrNotExist) {
 		if err := os.MkdirAll(dataDir, 0o700); err != nil {
 			return nil, err
@@ -120,6 +123,7 @@ func Start(ctx context.Context, cfg Config) (*Cluster, error) {
 	if err := chown(dataDir, cred); err != nil {
 		return nil, err
 	}
+	waitForOldPostmaster(dataDir, cfg.Logger)
 	logPath := filepath.Join(dataDir, "server.log")
 	logf, err := os.OpenFile(logPath, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644)
 	if err != nil {
@@ -246,4 +250,48 @@ func chown(dir string, cred *syscall.Credential) error {
 		}
 		return os.Lchown(p, int(cred.Uid), int(cred.Gid))
 	})
+}
+
+// waitForOldPostmaster waits (at most 30 s) for a postmaster that a killed
+// parent left shutting down to exit, so the new one can take the data
+// directory's lock file.
+func waitForOldPostmaster(dataDir string, log *slog.Logger) {
+	b, err := os.ReadFile(filepath.Join(dataDir, "postmaster.pid"))
+	if err != nil {
+		return
+	}
+	pid, err := strconv.Atoi(strings.TrimSpace(strings.SplitN(string(b), "\n", 2)[0]))
+	if err != nil || pid <= 0 {
+		return
+	}
+	for i := 0; i < 300; i++ {
+		if err := syscall.Kill(pid, 0); err != nil {
+			return
+		}
+		if i == 0 {
+			log.Info("waiting for the previous postgres to exit", "pid", pid)
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+}
+
+// checkTraversable reports, when the server runs as another user, a parent
+// directory that user cannot enter (initdb would fail with a bare
+// "Permission denied").
+func checkTraversable(dir string, cred *syscall.Credential) error {
+	if cred == nil {
+		return nil
+	}
+	for d := dir; ; d = filepath.Dir(d) {
+		st, err := os.Stat(d)
+		if err == nil {
+			sys, ok := st.Sys().(*syscall.Stat_t)
+			if ok && st.Mode().Perm()&0o001 == 0 && sys.Uid != cred.Uid {
+				return fmt.Errorf("PostgreSQL runs as the postgres user, which cannot enter %s (mode %v): make it traversable (chmod o+x %s) or choose another data directory", d, st.Mode().Perm(), d)
+			}
+		}
+		if d == filepath.Dir(d) {
+			return nil
+		}
+	}
 }

@@ -1,0 +1,194 @@
+package cdc
+
+import (
+	"errors"
+	"fmt"
+	"log/slog"
+	"regexp"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/twmb/franz-go/pkg/kgo"
+
+	"github.com/converge-run/converge/internal/fault"
+	"github.com/converge-run/converge/internal/taskevent"
+)
+
+// Defaults of Config.
+const (
+	DefaultSlotName           = "converge_outbox"
+	DefaultPublicationName    = "converge_outbox"
+	DefaultPartitions         = 4
+	DefaultStatusInterval     = time.Second
+	DefaultReceiveTimeout     = time.Second
+	DefaultFlushInterval      = 100 * time.Millisecond
+	DefaultFlushMaxRecords    = 1000
+	DefaultMaxBufferedRecords = 10000
+	DefaultDeliveryTimeout    = time.Minute
+	DefaultShutdownTimeout    = 10 * time.Second
+)
+
+// Config configures a Relay. The zero value is invalid only for DatabaseURL
+// and Brokers; every other field has a default.
+type Config struct {
+	// DatabaseURL is the PostgreSQL URL (or keyword/value DSN) of the
+	// database holding outbox_event. The relay opens a normal connection
+	// pool (setup, published_at updates) and one replication connection
+	// (the same URL with replication=database). The role needs the
+	// REPLICATION attribute and CREATE on the database (for the
+	// publication). Required.
+	DatabaseURL string
+	// Brokers are the Kafka seed brokers (host:port). Required.
+	Brokers []string
+	// Topic receives the task events. Defaults to taskevent.DefaultTopic.
+	Topic string
+	// Partitions is the partition count used when the relay creates Topic
+	// at start (an existing topic is left as it is). Defaults to 4.
+	Partitions int32
+	// SlotName is the permanent logical replication slot (pgoutput) the
+	// relay owns; [a-z0-9_], at most 63 characters. Slots are cluster-wide:
+	// use one name per database and outbox shard. Defaults to
+	// "converge_outbox".
+	SlotName string
+	// PublicationName is the publication on public.outbox_event (inserts
+	// only); [a-z0-9_], at most 63 characters. Defaults to
+	// "converge_outbox".
+	PublicationName string
+	// StatusInterval is the longest time between two standby status
+	// updates; the server's keepalive requests are answered at once.
+	// Keep it well below the server's wal_sender_timeout (default 60s).
+	// Defaults to 1s.
+	StatusInterval time.Duration
+	// ReceiveTimeout is the longest a single receive from the replication
+	// connection waits before the loop flushes and sends due status
+	// updates. Defaults to 1s.
+	ReceiveTimeout time.Duration
+	// FlushInterval is the longest an acknowledged record waits for its
+	// published_at update (and so for the slot to move past it). Defaults
+	// to 100ms.
+	FlushInterval time.Duration
+	// FlushMaxRecords flushes earlier once this many records are
+	// acknowledged; it is also the largest outbox_id array of one UPDATE.
+	// Defaults to 1000.
+	FlushMaxRecords int
+	// MaxBufferedRecords bounds the records produced and not yet
+	// acknowledged by Kafka (kgo.MaxBufferedRecords): decoding blocks when
+	// it is reached, so memory stays bounded whatever the size of a
+	// transaction. Defaults to 10000.
+	MaxBufferedRecords int
+	// DeliveryTimeout is how long a record may stay unacknowledged
+	// (retries included) before its produce fails and Run returns an error
+	// (kgo.RecordDeliveryTimeout). Defaults to 1m.
+	DeliveryTimeout time.Duration
+	// ShutdownTimeout bounds the wait for in-flight records, the last
+	// published_at update and the final status update after ctx is
+	// cancelled. Defaults to 10s.
+	ShutdownTimeout time.Duration
+	// Logger receives the relay's logs. Defaults to slog.Default().
+	Logger *slog.Logger
+	// Registerer receives the converge_relay_* metrics. Defaults to a new,
+	// private prometheus.Registry (metrics are then not exported).
+	Registerer prometheus.Registerer
+	// Faults arms the fault points fault.RelayBeforeMarkPublished and
+	// fault.RelayAfterAckBeforeConfirm. Defaults to nil (no faults).
+	Faults *fault.Set
+	// KafkaOpts are appended to the relay's franz-go client options (after
+	// its own, so they win). Meant for tests; do not disable idempotency
+	// or change the partitioner. Defaults to none.
+	KafkaOpts []kgo.Opt
+}
+
+var identRE = regexp.MustCompile(`^[a-z0-9_]{1,63}$`)
+
+func (c *Config) setDefaults() {
+	if c.Topic == "" {
+		c.Topic = taskevent.DefaultTopic
+	}
+	if c.Partitions == 0 {
+		c.Partitions = DefaultPartitions
+	}
+	if c.SlotName == "" {
+		c.SlotName = DefaultSlotName
+	}
+	if c.PublicationName == "" {
+		c.PublicationName = DefaultPublicationName
+	}
+	if c.StatusInterval == 0 {
+		c.StatusInterval = DefaultStatusInterval
+	}
+	if c.ReceiveTimeout == 0 {
+		c.ReceiveTimeout = DefaultReceiveTimeout
+	}
+	if c.FlushInterval == 0 {
+		c.FlushInterval = DefaultFlushInterval
+	}
+	if c.FlushMaxRecords == 0 {
+		c.FlushMaxRecords = DefaultFlushMaxRecords
+	}
+	if c.MaxBufferedRecords == 0 {
+		c.MaxBufferedRecords = DefaultMaxBufferedRecords
+	}
+	if c.DeliveryTimeout == 0 {
+		c.DeliveryTimeout = DefaultDeliveryTimeout
+	}
+	if c.ShutdownTimeout == 0 {
+		c.ShutdownTimeout = DefaultShutdownTimeout
+	}
+	if c.Logger == nil {
+		c.Logger = slog.Default()
+	}
+	if c.Registerer == nil {
+		c.Registerer = prometheus.NewRegistry()
+	}
+}
+
+// Validate reports every invalid field of c (after defaults are applied by
+// New; called on a raw Config it also reports missing defaults).
+func (c *Config) Validate() error {
+	var errs []error
+	if c.DatabaseURL == "" {
+		errs = append(errs, errors.New("DatabaseURL is required"))
+	} else if _, err := pgconn.ParseConfig(c.DatabaseURL); err != nil {
+		errs = append(errs, fmt.Errorf("DatabaseURL: %w", err))
+	}
+	if len(c.Brokers) == 0 {
+		errs = append(errs, errors.New("Brokers is required"))
+	}
+	if c.Topic == "" {
+		errs = append(errs, errors.New("Topic is empty"))
+	}
+	if c.Partitions <= 0 {
+		errs = append(errs, fmt.Errorf("Partitions %d: must be positive", c.Partitions))
+	}
+	if !identRE.MatchString(c.SlotName) {
+		errs = append(errs, fmt.Errorf("SlotName %q: want [a-z0-9_]{1,63}", c.SlotName))
+	}
+	if !identRE.MatchString(c.PublicationName) {
+		errs = append(errs, fmt.Errorf("PublicationName %q: want [a-z0-9_]{1,63}", c.PublicationName))
+	}
+	for _, d := range []struct {
+		name string
+		v    time.Duration
+	}{
+		{"StatusInterval", c.StatusInterval},
+		{"ReceiveTimeout", c.ReceiveTimeout},
+		{"FlushInterval", c.FlushInterval},
+		{"DeliveryTimeout", c.DeliveryTimeout},
+		{"ShutdownTimeout", c.ShutdownTimeout},
+	} {
+		if d.v <= 0 {
+			errs = append(errs, fmt.Errorf("%s %s: must be positive", d.name, d.v))
+		}
+	}
+	if c.FlushMaxRecords <= 0 {
+		errs = append(errs, fmt.Errorf("FlushMaxRecords %d: must be positive", c.FlushMaxRecords))
+	}
+	if c.MaxBufferedRecords <= 0 {
+		errs = append(errs, fmt.Errorf("MaxBufferedRecords %d: must be positive", c.MaxBufferedRecords))
+	}
+	if err := errors.Join(errs...); err != nil {
+		return fmt.Errorf("cdc config: %w", err)
+	}
+	return nil
+}

@@ -1,0 +1,85 @@
+// Package cdc is converge's outbox relay: it tails inserts into outbox_event
+// through a logical replication slot (pgoutput, protocol 1) and produces
+// each row to the task-events topic (taskevent contract: key = task id,
+// value = RFC 8785 canonical payload, headers event-id = outbox_id, type,
+// aggregate version, payload sha256). Seed sections 4 and 5; DESIGN.md "cdc".
+//
+// # Setup (idempotent, at every start)
+//
+//   - Publication (Config.PublicationName): created FOR TABLE
+//     public.outbox_event WITH (publish = 'insert') when missing; when it
+//     exists it must still cover public.outbox_event and publish inserts, or
+//     Run fails with ErrPublicationMismatch (a migration that drops and
+//     recreates the table leaves the publication covering nothing).
+//   - Slot (Config.SlotName): a permanent logical slot with pgoutput, created
+//     when missing. A slot invalidated by max_slot_wal_keep_size (wal_status
+//     lost) fails Run with ErrSlotLost; a slot of another kind or database
+//     with ErrSlotMismatch; a slot streamed by another process with
+//     ErrSlotActive (one relay per slot; PostgreSQL enforces it). A new slot
+//     only holds commits after its consistent point: outbox rows committed
+//     before the first start are not relayed by CDC (the reconciler's scan of
+//     unpublished rows covers them).
+//   - Topic: created with Config.Partitions partitions when missing.
+//
+// # Invariants
+//
+//   - Produce: rows are produced as they are decoded, never buffered per
+//     transaction; at most MaxBufferedRecords records are in flight (decoding
+//     waits for room, sending status updates meanwhile), so memory is bounded
+//     whatever the transaction size. The producer is franz-go's idempotent
+//     producer with acks=all and the default key partitioner (Kafka's murmur2
+//     for keyed records): all events of a task go to one partition in commit
+//     order.
+//   - A row is done when Kafka acknowledged it AND the UPDATE setting its
+//     published_at (one statement per batch of at most FlushMaxRecords rows,
+//     every FlushInterval) committed.
+//   - The slot advances only to the end LSN of the last transaction of the
+//     longest WAL-ordered prefix of transactions whose Commit was seen and
+//     whose rows are all done. franz-go completes partitions independently,
+//     so the LSN of the last acknowledgement is never confirmed by itself.
+//     Restart granularity is the transaction: after a crash every row of the
+//     first unconfirmed transaction is produced again, with the same event-id
+//     and the same value, and the consumers' inboxes absorb the duplicates.
+//     Publication is at-least-once.
+//   - Standby status updates set the write, flush and apply positions all to
+//     that LSN (pglogrepl would copy the write position into zero flush/apply
+//     positions). They are sent at least every StatusInterval and at once
+//     when a server keepalive asks for a reply. The server's WAL end from
+//     keepalives is never confirmed (a heartbeat via pg_logical_emit_message
+//     is future work, so an idle outbox does not move the slot).
+//   - Every receive from the replication connection has its own deadline, so
+//     flushes and status updates happen while the stream is idle.
+//   - A record whose produce fails for good (non-retryable error,
+//     DeliveryTimeout) stops Run with an error; the restarted relay resumes
+//     from the slot. A row that cannot be relayed (payload not I-JSON,
+//     undecodable column) stops Run with ErrInvalidRow rather than being
+//     skipped. A payload_sha256 column that differs from the hash of the
+//     canonical payload is relayed as it is (consumers detect it) and counted.
+//   - Shutdown (ctx cancelled): stop reading, wait up to ShutdownTimeout for
+//     in-flight records, mark the acknowledged rows published, send a final
+//     status update with the confirmable LSN, close, return nil.
+//
+// # Fault points
+//
+//   - fault.RelayBeforeMarkPublished: after Kafka acknowledged a batch, before
+//     its published_at UPDATE.
+//   - fault.RelayAfterAckBeforeConfirm: after the UPDATE, before the status
+//     update that would advance the slot.
+//
+// With action error Run returns an error wrapping fault.ErrInjected and sends
+// no further status update (a simulated crash); with crash the process exits.
+//
+// # Metrics
+//
+//	name                                                type       labels      meaning
+//	converge_relay_events_published_total               counter    event_type  records acknowledged by Kafka (republications count again)
+//	converge_relay_produce_errors_total                 counter    -           records whose produce failed for good
+//	converge_relay_payload_hash_mismatches_total        counter    -           rows whose payload_sha256 differs from the canonical payload's hash
+//	converge_relay_commit_to_ack_seconds                histogram  -           transaction commit time to Kafka's ack of its last record
+//	converge_relay_confirmed_lsn                        gauge      -           LSN (as a number) last sent as write/flush/apply position
+//	converge_relay_slot_lag_bytes                       gauge      -           server WAL end (last seen) minus the confirmed LSN
+//	converge_relay_transactions_in_flight               gauge      -           decoded transactions the slot has not passed yet
+//	converge_relay_records_in_flight                    gauge      -           records produced, not yet acknowledged and marked published
+//	converge_relay_outbox_rows_marked_published_total   counter    -           rows whose published_at this relay set
+//	converge_relay_status_updates_total                 counter    -           standby status updates sent
+package cdc

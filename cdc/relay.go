@@ -1,0 +1,595 @@
+package cdc
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"sync/atomic"
+	"time"
+
+	"github.com/jackc/pglogrepl"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgproto3"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/twmb/franz-go/pkg/kgo"
+
+	"github.com/converge-run/converge/internal/fault"
+	"github.com/converge-run/converge/internal/kafkatopic"
+)
+
+// Sentinel errors of Run. Each is wrapped with the details of the case.
+var (
+	// ErrPublicationMismatch: the publication exists but does not publish
+	// inserts of public.outbox_event (typically the table was dropped and
+	// recreated by a migration). An operator must fix the publication.
+	ErrPublicationMismatch = errors.New("publication does not cover outbox_event")
+	// ErrSlotLost: the replication slot was invalidated (wal_status lost,
+	// max_slot_wal_keep_size): WAL the relay never confirmed is gone.
+	ErrSlotLost = errors.New("replication slot lost")
+	// ErrSlotMismatch: a slot of that name exists but is not a logical
+	// pgoutput slot of this database.
+	ErrSlotMismatch = errors.New("replication slot mismatch")
+	// ErrSlotActive: another process streams from the slot (PostgreSQL
+	// allows one consumer per slot).
+	ErrSlotActive = errors.New("replication slot is active in another process")
+	// ErrInvalidRow: an outbox row cannot be relayed (undecodable column,
+	// payload that is not I-JSON). The relay stops rather than skip it.
+	ErrInvalidRow = errors.New("invalid outbox row")
+	// ErrAlreadyRunning: Run was called while a Run of the same Relay is
+	// still going.
+	ErrAlreadyRunning = errors.New("relay is already running")
+)
+
+// updateTimeout bounds each published_at UPDATE.
+const updateTimeout = 30 * time.Second
+
+// Relay tails outbox_event inserts from a logical replication slot into a
+// Kafka topic. See the package documentation for its invariants.
+type Relay struct {
+	cfg       Config
+	log       *slog.Logger
+	m         *metrics
+	confirmed atomic.Uint64
+	running   atomic.Bool
+}
+
+// New validates cfg (after applying its defaults) and registers the relay's
+// metrics on cfg.Registerer. It does not connect to anything.
+func New(cfg Config) (*Relay, error) {
+	cfg.setDefaults()
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	m, err := newMetrics(cfg.Registerer)
+	if err != nil {
+		return nil, err
+	}
+	r := &Relay{cfg: cfg, log: cfg.Logger.With(slog.String("slot", cfg.SlotName)), m: m}
+	return r, nil
+}
+
+// ConfirmedLSN returns the LSN last reported to PostgreSQL as written,
+// flushed and applied (the slot's confirmed position as far as this relay
+// knows), or the slot's confirmed_flush_lsn read at start. Zero before Run
+// has connected.
+func (r *Relay) ConfirmedLSN() pglogrepl.LSN {
+	return pglogrepl.LSN(r.confirmed.Load())
+}
+
+// Run sets up the publication, the replication slot and the topic, then
+// streams outbox inserts to Kafka until ctx is cancelled or an error occurs.
+//
+// On cancellation it stops reading, waits up to ShutdownTimeout for in-flight
+// records, marks the acknowledged rows published, sends a final standby
+// status update with the confirmable LSN and returns nil. Any other end is an
+// error: a produce failure, a lost connection, an injected fault (wrapping
+// fault.ErrInjected; no further status update is sent), ErrSlotActive,
+// ErrSlotLost, ErrSlotMismatch, ErrPublicationMismatch or ErrInvalidRow. The
+// process may then restart Run: the slot resumes after the last confirmed
+// transaction and the records after it are produced again (at-least-once).
+func (r *Relay) Run(ctx context.Context) error {
+	if !r.running.CompareAndSwap(false, true) {
+		return ErrAlreadyRunning
+	}
+	defer r.running.Store(false)
+
+	s, err := r.open(ctx)
+	if err != nil {
+		if ctx.Err() != nil {
+			return nil
+		}
+		return err
+	}
+	defer s.close()
+	return s.stream(ctx)
+}
+
+// session is the state of one Run: its connections and the stream position.
+type session struct {
+	r     *Relay
+	cfg   *Config
+	log   *slog.Logger
+	m     *metrics
+	pool  *pgxpool.Pool
+	store *store
+	repl  *pgconn.PgConn
+	kcl   *kgo.Client
+	tr    *tracker
+	// sem holds one token per record produced and not yet completed: the
+	// relay's own bound on Kafka's buffer, so waiting for room never blocks
+	// status updates.
+	sem chan struct{}
+	// closing is set before the Kafka client is closed: failures after it
+	// are abandoned records, not produce errors.
+	closing atomic.Bool
+	// produceCtx is the records' context: not cancelled with Run's ctx, so
+	// a shutdown lets in-flight records finish.
+	produceCtx context.Context
+
+	relations    map[uint32]*relation
+	inTxn        bool
+	txnSeq       uint64
+	serverWALEnd pglogrepl.LSN
+	nextStatus   time.Time
+	nextFlush    time.Time
+}
+
+// open connects to PostgreSQL and Kafka, sets up publication, slot and
+// topic, and starts replication.
+func (r *Relay) open(ctx context.Context) (_ *session, err error) {
+	cfg := &r.cfg
+	s := &session{r: r, cfg: cfg, log: r.log, m: r.m, relations: map[uint32]*relation{},
+		sem: make(chan struct{}, cfg.MaxBufferedRecords)}
+	defer func() {
+		if err != nil {
+			s.close()
+		}
+	}()
+
+	poolCfg, err := pgxpool.ParseConfig(cfg.DatabaseURL)
+	if err != nil {
+		return nil, fmt.Errorf("parse database url: %w", err)
+	}
+	poolCfg.MaxConns = 2
+	if s.pool, err = pgxpool.NewWithConfig(ctx, poolCfg); err != nil {
+		return nil, fmt.Errorf("connect to database: %w", err)
+	}
+	s.store = &store{pool: s.pool}
+
+	created, err := s.store.ensurePublication(ctx, cfg.PublicationName)
+	if err != nil {
+		return nil, err
+	}
+	if created {
+		s.log.InfoContext(ctx, "created publication", slog.String("publication", cfg.PublicationName))
+	}
+
+	replCfg, err := pgconn.ParseConfig(cfg.DatabaseURL)
+	if err != nil {
+		return nil, fmt.Errorf("parse database url: %w", err)
+	}
+	replCfg.RuntimeParams["replication"] = "database"
+	if s.repl, err = pgconn.ConnectConfig(ctx, replCfg); err != nil {
+		return nil, fmt.Errorf("open replication connection: %w", err)
+	}
+
+	si, err := s.store.slot(ctx, cfg.SlotName)
+	if err != nil {
+		return nil, err
+	}
+	if !si.exists {
+		created, err := createSlot(ctx, s.repl, cfg.SlotName)
+		if err != nil {
+			return nil, err
+		}
+		if created {
+			s.log.InfoContext(ctx, "created replication slot")
+		}
+		if si, err = s.store.slot(ctx, cfg.SlotName); err != nil {
+			return nil, err
+		}
+		if !si.exists {
+			return nil, fmt.Errorf("replication slot %s vanished right after its creation", cfg.SlotName)
+		}
+	}
+	if err := checkSlot(si, cfg.SlotName); err != nil {
+		return nil, err
+	}
+	if si.walStatus == "unreserved" {
+		s.log.WarnContext(ctx, "replication slot is about to lose WAL (wal_status unreserved): the relay is far behind",
+			slog.String("confirmed_flush_lsn", si.confirmed.String()))
+	}
+
+	opts := append([]kgo.Opt{
+		kgo.SeedBrokers(cfg.Brokers...),
+		kgo.ClientID("converge-relay"),
+		kgo.RequiredAcks(kgo.AllISRAcks()),
+		kgo.ProducerLinger(5 * time.Millisecond),
+		kgo.MaxBufferedRecords(cfg.MaxBufferedRecords),
+		kgo.RecordDeliveryTimeout(cfg.DeliveryTimeout),
+		kgo.WithLogger(kgoLogger{cfg.Logger}),
+	}, cfg.KafkaOpts...)
+	if s.kcl, err = kgo.NewClient(opts...); err != nil {
+		return nil, fmt.Errorf("create kafka client: %w", err)
+	}
+	if err := kafkatopic.Ensure(ctx, s.kcl, cfg.Partitions, cfg.Topic); err != nil {
+		return nil, err
+	}
+
+	err = pglogrepl.StartReplication(ctx, s.repl, cfg.SlotName, 0, pglogrepl.StartReplicationOptions{
+		Mode: pglogrepl.LogicalReplication,
+		PluginArgs: []string{
+			"proto_version '1'",
+			fmt.Sprintf("publication_names '%s'", cfg.PublicationName),
+		},
+	})
+	if err != nil {
+		var pgErr *pgconn.PgError
+		if errors.As(err, &pgErr) && pgErr.Code == pgObjectInUse {
+			return nil, fmt.Errorf("start replication: %w: %s", ErrSlotActive, pgErr.Message)
+		}
+		return nil, fmt.Errorf("start replication from slot %s: %w", cfg.SlotName, err)
+	}
+	// We own the slot now: its confirmed_flush_lsn is where the server
+	// resumes and can only be moved by us. Never report less (PostgreSQL
+	// would move the slot back).
+	if si, err = s.store.slot(ctx, cfg.SlotName); err != nil {
+		return nil, err
+	}
+	s.tr = newTracker(si.confirmed)
+	r.confirmed.Store(uint64(si.confirmed))
+	s.m.confirmedLSN.Set(float64(si.confirmed))
+	s.log.InfoContext(ctx, "streaming", slog.String("publication", cfg.PublicationName),
+		slog.String("topic", cfg.Topic), slog.String("confirmed_flush_lsn", si.confirmed.String()))
+	return s, nil
+}
+
+// close releases the session's connections. In-flight records are
+// abandoned (they are produced again after a restart).
+func (s *session) close() {
+	s.closing.Store(true)
+	if s.kcl != nil {
+		s.kcl.Close()
+	}
+	if s.repl != nil {
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		_ = s.repl.Close(ctx)
+		cancel()
+	}
+	if s.pool != nil {
+		s.pool.Close()
+	}
+}
+
+// errStopping is returned inside the loop when ctx was cancelled.
+var errStopping = errors.New("stopping")
+
+// stream is the replication loop. It owns the replication connection: every
+// receive has its own deadline, so flushes and status updates happen while
+// the stream is idle (the PeerDB pattern).
+func (s *session) stream(ctx context.Context) error {
+	s.produceCtx = context.WithoutCancel(ctx)
+	now := time.Now()
+	s.nextStatus = now.Add(s.cfg.StatusInterval)
+	s.nextFlush = now.Add(s.cfg.FlushInterval)
+	for {
+		if ctx.Err() != nil {
+			return s.shutdown(ctx)
+		}
+		if err := s.housekeeping(ctx); err != nil {
+			return err
+		}
+		deadline := time.Now().Add(s.cfg.ReceiveTimeout)
+		if s.nextFlush.Before(deadline) {
+			deadline = s.nextFlush
+		}
+		if s.nextStatus.Before(deadline) {
+			deadline = s.nextStatus
+		}
+		rctx, cancel := context.WithDeadline(ctx, deadline)
+		msg, err := s.repl.ReceiveMessage(rctx)
+		cancel()
+		if err != nil {
+			if pgconn.Timeout(err) || ctx.Err() != nil {
+				continue
+			}
+			return fmt.Errorf("receive from replication slot %s: %w", s.cfg.SlotName, err)
+		}
+		if err := s.handle(ctx, msg); err != nil {
+			if errors.Is(err, errStopping) {
+				return s.shutdown(ctx)
+			}
+			return err
+		}
+	}
+}
+
+// housekeeping fails on a produce failure, flushes acknowledged rows when due
+// and sends a status update when due.
+func (s *session) housekeeping(ctx context.Context) error {
+	if err := s.tr.failure(); err != nil {
+		return err
+	}
+	now := time.Now()
+	if !now.Before(s.nextFlush) || s.tr.pending() >= s.cfg.FlushMaxRecords {
+		if err := s.flush(ctx); err != nil {
+			return err
+		}
+		s.nextFlush = now.Add(s.cfg.FlushInterval)
+	}
+	if !now.Before(s.nextStatus) {
+		return s.sendStatus()
+	}
+	return nil
+}
+
+// flush marks the acknowledged rows published (one UPDATE per
+// FlushMaxRecords rows) and only then counts them as done in the tracker.
+// The fault points fire around the UPDATE when there is something to mark.
+func (s *session) flush(ctx context.Context) error {
+	rows := s.tr.takeAcked()
+	if len(rows) == 0 {
+		return nil
+	}
+	if err := s.cfg.Faults.Err(fault.RelayBeforeMarkPublished); err != nil {
+		return fmt.Errorf("mark %d outbox rows published: %w", len(rows), err)
+	}
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), updateTimeout)
+	defer cancel()
+	ids := make([]string, 0, min(len(rows), s.cfg.FlushMaxRecords))
+	for start := 0; start < len(rows); start += s.cfg.FlushMaxRecords {
+		batch := rows[start:min(start+s.cfg.FlushMaxRecords, len(rows))]
+		ids = ids[:0]
+		for _, row := range batch {
+			ids = append(ids, row.outboxID)
+		}
+		n, err := s.store.markPublished(ctx, ids)
+		if err != nil {
+			return err
+		}
+		s.m.publishedMarked.Add(float64(n))
+		s.tr.markDone(batch)
+	}
+	if err := s.cfg.Faults.Err(fault.RelayAfterAckBeforeConfirm); err != nil {
+		return fmt.Errorf("confirm lsn %s: %w", s.tr.confirmable(), err)
+	}
+	s.updateGauges()
+	return nil
+}
+
+// sendStatus reports the confirmable LSN as written, flushed AND applied:
+// pglogrepl copies the write position into zero flush/apply positions, which
+// would advance the slot past unacknowledged events.
+func (s *session) sendStatus() error {
+	lsn := s.tr.confirmable()
+	err := pglogrepl.SendStandbyStatusUpdate(context.Background(), s.repl, pglogrepl.StandbyStatusUpdate{
+		WALWritePosition: lsn,
+		WALFlushPosition: lsn,
+		WALApplyPosition: lsn,
+		ClientTime:       time.Now(),
+	})
+	if err != nil {
+		return fmt.Errorf("send standby status update %s: %w", lsn, err)
+	}
+	s.r.confirmed.Store(uint64(lsn))
+	s.m.statusUpdatesOut.Inc()
+	s.m.confirmedLSN.Set(float64(lsn))
+	s.updateGauges()
+	s.nextStatus = time.Now().Add(s.cfg.StatusInterval)
+	return nil
+}
+
+func (s *session) updateGauges() {
+	txns, records := s.tr.stats()
+	s.m.txnsInFlight.Set(float64(txns))
+	s.m.recordsInFlight.Set(float64(records))
+	if c := s.tr.confirmable(); s.serverWALEnd > c {
+		s.m.slotLag.Set(float64(s.serverWALEnd - c))
+	} else {
+		s.m.slotLag.Set(0)
+	}
+}
+
+// handle processes one message of the replication stream.
+func (s *session) handle(ctx context.Context, msg pgproto3.BackendMessage) error {
+	switch msg := msg.(type) {
+	case *pgproto3.CopyData:
+		if len(msg.Data) == 0 {
+			return nil
+		}
+		switch msg.Data[0] {
+		case pglogrepl.PrimaryKeepaliveMessageByteID:
+			pkm, err := pglogrepl.ParsePrimaryKeepaliveMessage(msg.Data[1:])
+			if err != nil {
+				return fmt.Errorf("parse keepalive: %w", err)
+			}
+			s.noteWALEnd(pkm.ServerWALEnd)
+			if pkm.ReplyRequested {
+				return s.sendStatus()
+			}
+		case pglogrepl.XLogDataByteID:
+			xld, err := pglogrepl.ParseXLogData(msg.Data[1:])
+			if err != nil {
+				return fmt.Errorf("parse xlog data: %w", err)
+			}
+			s.noteWALEnd(xld.ServerWALEnd)
+			return s.handleWAL(ctx, xld.WALData)
+		}
+	case *pgproto3.ErrorResponse:
+		return fmt.Errorf("replication stream of slot %s: %w", s.cfg.SlotName, pgconn.ErrorResponseToPgError(msg))
+	case *pgproto3.CopyDone:
+		return fmt.Errorf("replication stream of slot %s ended by the server", s.cfg.SlotName)
+	}
+	return nil
+}
+
+func (s *session) noteWALEnd(lsn pglogrepl.LSN) {
+	if lsn > s.serverWALEnd {
+		s.serverWALEnd = lsn
+	}
+}
+
+// handleWAL decodes one pgoutput (protocol 1) message.
+func (s *session) handleWAL(ctx context.Context, data []byte) error {
+	lm, err := pglogrepl.Parse(data)
+	if err != nil {
+		return fmt.Errorf("parse pgoutput message: %w", err)
+	}
+	switch m := lm.(type) {
+	case *pglogrepl.RelationMessage:
+		rel, err := newRelation(m)
+		if err != nil {
+			return err
+		}
+		s.relations[m.RelationID] = rel
+	case *pglogrepl.BeginMessage:
+		if s.inTxn {
+			return fmt.Errorf("pgoutput: Begin of xid %d inside a transaction", m.Xid)
+		}
+		s.txnSeq = s.tr.begin(m.CommitTime)
+		s.inTxn = true
+	case *pglogrepl.InsertMessage:
+		if !s.inTxn {
+			return errors.New("pgoutput: Insert outside a transaction")
+		}
+		return s.produce(ctx, m)
+	case *pglogrepl.CommitMessage:
+		if !s.inTxn {
+			return errors.New("pgoutput: Commit outside a transaction")
+		}
+		s.inTxn = false
+		if a := s.tr.commit(s.txnSeq, m.TransactionEndLSN); a.ok {
+			s.m.commitToAck.Observe(time.Since(a.commitTime).Seconds())
+		}
+	}
+	return nil
+}
+
+// produce hands one inserted outbox row to the producer. It waits for room
+// when MaxBufferedRecords records are in flight, sending status updates
+// meanwhile; it returns errStopping when ctx is cancelled while waiting.
+func (s *session) produce(ctx context.Context, m *pglogrepl.InsertMessage) error {
+	rel := s.relations[m.RelationID]
+	if rel == nil {
+		return fmt.Errorf("pgoutput: insert into relation %d before its Relation message", m.RelationID)
+	}
+	if !rel.outbox {
+		return nil
+	}
+	row, err := rel.decode(m.Tuple)
+	if err != nil {
+		return err
+	}
+	rec, sum, err := row.record(s.cfg.Topic)
+	if err != nil {
+		return err
+	}
+	if sum != row.payloadSHA256 {
+		s.m.hashMismatches.Inc()
+		s.log.WarnContext(ctx, "outbox payload_sha256 differs from the canonical payload's hash; relaying with the column value",
+			slog.String("outbox_id", row.outboxID), slog.String("payload_sha256", row.payloadSHA256), slog.String("computed_sha256", sum))
+	}
+	if err := s.acquire(ctx); err != nil {
+		return err
+	}
+	seq := s.txnSeq
+	s.tr.add(seq)
+	outboxID, eventType := row.outboxID, row.eventType
+	s.kcl.Produce(s.produceCtx, rec, func(_ *kgo.Record, err error) {
+		defer func() { <-s.sem }()
+		if err != nil {
+			if s.closing.Load() {
+				s.tr.fail(seq, nil) // abandoned: produced again after a restart
+				return
+			}
+			s.m.produceErrors.Inc()
+			s.log.Error("produce outbox event failed; the relay stops and resumes from the slot",
+				slog.String("outbox_id", outboxID), slog.String("error", err.Error()))
+			s.tr.fail(seq, fmt.Errorf("produce outbox row %s: %w", outboxID, err))
+			return
+		}
+		s.m.published.WithLabelValues(eventType).Inc()
+		if a := s.tr.ack(seq, outboxID); a.ok {
+			s.m.commitToAck.Observe(time.Since(a.commitTime).Seconds())
+		}
+	})
+	return nil
+}
+
+// acquire takes a token of s.sem, running housekeeping (flush, status
+// updates, produce failures) while it waits.
+func (s *session) acquire(ctx context.Context) error {
+	select {
+	case s.sem <- struct{}{}:
+		return nil
+	default:
+	}
+	for {
+		wait := min(time.Until(s.nextStatus), time.Until(s.nextFlush))
+		t := time.NewTimer(max(wait, time.Millisecond))
+		select {
+		case s.sem <- struct{}{}:
+			t.Stop()
+			return nil
+		case <-ctx.Done():
+			t.Stop()
+			return errStopping
+		case <-t.C:
+			if err := s.housekeeping(ctx); err != nil {
+				return err
+			}
+		}
+	}
+}
+
+// shutdown drains in-flight records (bounded by ShutdownTimeout), marks the
+// acknowledged rows published and sends the final status update.
+func (s *session) shutdown(ctx context.Context) error {
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), s.cfg.ShutdownTimeout)
+	defer cancel()
+	if err := s.kcl.Flush(ctx); err != nil {
+		s.log.WarnContext(ctx, "in-flight records not acknowledged before the shutdown timeout; they will be produced again after a restart",
+			slog.String("error", err.Error()))
+	}
+	if err := s.flush(ctx); err != nil {
+		return err
+	}
+	if err := s.sendStatus(); err != nil {
+		return fmt.Errorf("final status update: %w", err)
+	}
+	s.log.InfoContext(ctx, "stopped", slog.String("confirmed_lsn", s.tr.confirmable().String()))
+	return nil
+}
+
+// kgoLogger forwards franz-go's logs to slog.
+type kgoLogger struct{ l *slog.Logger }
+
+func (k kgoLogger) Level() kgo.LogLevel {
+	ctx := context.Background()
+	switch {
+	case k.l.Enabled(ctx, slog.LevelDebug):
+		return kgo.LogLevelDebug
+	case k.l.Enabled(ctx, slog.LevelWarn):
+		// franz-go's info logs (metadata, flushing) are routine: only
+		// shown when debug logging is on.
+		return kgo.LogLevelWarn
+	default:
+		return kgo.LogLevelError
+	}
+}
+
+func (k kgoLogger) Log(level kgo.LogLevel, msg string, keyvals ...any) {
+	var l slog.Level
+	switch level {
+	case kgo.LogLevelError:
+		l = slog.LevelError
+	case kgo.LogLevelWarn:
+		l = slog.LevelWarn
+	case kgo.LogLevelInfo:
+		l = slog.LevelInfo
+	default:
+		l = slog.LevelDebug
+	}
+	k.l.Log(context.Background(), l, "kafka: "+msg, keyvals...)
+}

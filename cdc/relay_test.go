@@ -1,0 +1,769 @@
+package cdc
+
+import (
+	"bytes"
+	"context"
+	"crypto/sha256"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"log/slog"
+	"os"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/jackc/pglogrepl"
+	"github.com/jackc/pgx/v5"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/twmb/franz-go/pkg/kadm"
+	"github.com/twmb/franz-go/pkg/kerr"
+	"github.com/twmb/franz-go/pkg/kgo"
+	"github.com/twmb/franz-go/pkg/kmsg"
+
+	"github.com/converge-run/converge/internal/fault"
+	"github.com/converge-run/converge/internal/taskevent"
+	"github.com/converge-run/converge/internal/testenv"
+)
+
+// testBundle is one test's database, Kafka cluster and slot/publication
+// names (slots are cluster-wide, so names derive from the unique database).
+type testBundle struct {
+	db    *testenv.DB
+	kafka *testenv.Kafka
+	slot  string
+	pub   string
+	seq   atomic.Int64
+}
+
+func setup(t *testing.T) *testBundle {
+	t.Helper()
+	db := testenv.NewDB(t)
+	return &testBundle{db: db, kafka: testenv.NewKafka(t), slot: "s_" + db.Name, pub: "p_" + db.Name}
+}
+
+func testLogger() *slog.Logger {
+	return slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))
+}
+
+// config is a Config for the bundle with short intervals.
+func (b *testBundle) config() Config {
+	return Config{
+		DatabaseURL:     b.db.URL,
+		Brokers:         b.kafka.Brokers,
+		SlotName:        b.slot,
+		PublicationName: b.pub,
+		StatusInterval:  100 * time.Millisecond,
+		FlushInterval:   20 * time.Millisecond,
+		ShutdownTimeout: 5 * time.Second,
+		Logger:          testLogger(),
+	}
+}
+
+// runningRelay is a Relay whose Run goes on in a goroutine.
+type runningRelay struct {
+	relay  *Relay
+	cancel context.CancelFunc
+	done   chan error
+}
+
+// start runs a relay built from cfg; the test's cleanup stops it.
+func (b *testBundle) start(t *testing.T, cfg Config) *runningRelay {
+	t.Helper()
+	r, err := New(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	rr := &runningRelay{relay: r, cancel: cancel, done: make(chan error, 1)}
+	go func() { rr.done <- r.Run(ctx) }()
+	t.Cleanup(func() {
+		cancel()
+		select {
+		case <-rr.done:
+		case <-time.After(15 * time.Second):
+			t.Error("relay did not stop within 15s")
+		}
+	})
+	return rr
+}
+
+// wait returns Run's result, failing the test after timeout.
+func (rr *runningRelay) wait(t *testing.T, timeout time.Duration) error {
+	t.Helper()
+	select {
+	case err := <-rr.done:
+		rr.done <- err // keep it for the cleanup
+		return err
+	case <-time.After(timeout):
+		t.Fatalf("Run did not return within %s", timeout)
+		return nil
+	}
+}
+
+// stop cancels Run and returns its result.
+func (rr *runningRelay) stop(t *testing.T) error {
+	t.Helper()
+	rr.cancel()
+	return rr.wait(t, 15*time.Second)
+}
+
+// slotState reads the bundle's slot from pg_replication_slots.
+func (b *testBundle) slotState(t *testing.T) (confirmed pglogrepl.LSN, active, exists bool) {
+	t.Helper()
+	var lsn *string
+	err := b.db.Pool.QueryRow(context.Background(),
+		`SELECT confirmed_flush_lsn::text, active FROM pg_replication_slots WHERE slot_name = $1`, b.slot).Scan(&lsn, &active)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return 0, false, false
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	if lsn != nil {
+		if confirmed, err = pglogrepl.ParseLSN(*lsn); err != nil {
+			t.Fatal(err)
+		}
+	}
+	return confirmed, active, true
+}
+
+// waitStreaming waits until rr streams from the slot: rows committed from
+// then on are relayed. (The slot shows active while it is being created,
+// before its consistent point: earlier commits are not in it.)
+func (b *testBundle) waitStreaming(t *testing.T, rr *runningRelay) {
+	t.Helper()
+	testenv.Eventually(t, 10*time.Second, "relay streaming", func() bool {
+		return rr.relay.ConfirmedLSN() != 0
+	})
+}
+
+// waitReleased waits until no process streams from the slot.
+func (b *testBundle) waitReleased(t *testing.T) {
+	t.Helper()
+	testenv.Eventually(t, 10*time.Second, "slot released", func() bool {
+		_, active, _ := b.slotState(t)
+		return !active
+	})
+}
+
+// outboxEvent is a row of outbox_event as the API writes it.
+type outboxEvent struct {
+	id      string
+	taskID  string
+	version int64
+	typ     string
+	payload []byte // canonical JSON (taskevent.Encode)
+	sha     string
+}
+
+// event builds a valid event of taskID at version.
+func (b *testBundle) event(t *testing.T, taskID string, version int64) outboxEvent {
+	t.Helper()
+	id := fmt.Sprintf("evt-%s-%d-%d", taskID, version, b.seq.Add(1))
+	now := time.Date(2025, 1, 2, 3, 4, 5, 0, time.UTC)
+	e := &taskevent.Event{
+		EventID: id, EventType: taskevent.TypeTaskCreated, SchemaVersion: taskevent.SchemaVersion,
+		TaskID: taskID, TaskVersion: version, OccurredAt: now,
+		Task: taskevent.Task{
+			TaskID: taskID, Status: taskevent.StatusQueued, Version: version, OutputFormat: "jcs",
+			InputSHA256: canonSHA([]byte(taskID)), InputSize: 42, CreatedAt: now, UpdatedAt: now,
+		},
+	}
+	value, sum, err := taskevent.Encode(e)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return outboxEvent{id: id, taskID: taskID, version: version, typ: e.EventType, payload: value, sha: sum}
+}
+
+func canonSHA(b []byte) string {
+	s := sha256.Sum256(b)
+	return hex.EncodeToString(s[:])
+}
+
+// insertTx inserts evs in one transaction and returns the WAL insert
+// position read inside it just before COMMIT: the commit record ends after
+// it.
+func (b *testBundle) insertTx(t *testing.T, evs ...outboxEvent) pglogrepl.LSN {
+	t.Helper()
+	ctx := context.Background()
+	tx, err := b.db.Pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tx.Rollback(ctx)
+	rows := make([][]any, len(evs))
+	for i, e := range evs {
+		rows[i] = []any{e.id, e.taskID, e.version, e.typ, string(e.payload), e.sha}
+	}
+	_, err = tx.CopyFrom(ctx, pgx.Identifier{"outbox_event"},
+		[]string{"outbox_id", "aggregate_id", "aggregate_version", "event_type", "payload", "payload_sha256"},
+		pgx.CopyFromRows(rows))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var lsn string
+	if err := tx.QueryRow(ctx, `SELECT pg_current_wal_insert_lsn()::text`).Scan(&lsn); err != nil {
+		t.Fatal(err)
+	}
+	if err := tx.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	l, err := pglogrepl.ParseLSN(lsn)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return l
+}
+
+// unpublished counts outbox rows whose published_at is not set.
+func (b *testBundle) unpublished(t *testing.T) int {
+	t.Helper()
+	var n int
+	if err := b.db.Pool.QueryRow(context.Background(), `SELECT count(*) FROM outbox_event WHERE published_at IS NULL`).Scan(&n); err != nil {
+		t.Fatal(err)
+	}
+	return n
+}
+
+// readAll returns every record of the topic up to its current end offsets,
+// in partition then offset order.
+func (b *testBundle) readAll(t *testing.T) []*kgo.Record {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	admCl, err := kgo.NewClient(kgo.SeedBrokers(b.kafka.Brokers...))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer admCl.Close()
+	ends, err := kadm.NewClient(admCl).ListEndOffsets(ctx, b.kafka.Topic)
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := map[int32]int64{}
+	ends.Each(func(o kadm.ListedOffset) {
+		if o.Err != nil {
+			t.Fatalf("list end offsets: %v", o.Err)
+		}
+		if o.Offset > 0 {
+			want[o.Partition] = o.Offset
+		}
+	})
+	byPart := map[int32][]*kgo.Record{}
+	if len(want) > 0 {
+		cl, err := kgo.NewClient(kgo.SeedBrokers(b.kafka.Brokers...), kgo.ConsumeTopics(b.kafka.Topic),
+			kgo.ConsumeResetOffset(kgo.NewOffset().AtStart()))
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer cl.Close()
+		remaining := len(want)
+		for remaining > 0 {
+			fs := cl.PollFetches(ctx)
+			if ctx.Err() != nil {
+				t.Fatalf("read topic: %v", ctx.Err())
+			}
+			fs.EachError(func(topic string, p int32, err error) { t.Fatalf("fetch %s/%d: %v", topic, p, err) })
+			fs.EachRecord(func(r *kgo.Record) {
+				end, ok := want[r.Partition]
+				if !ok || r.Offset >= end {
+					return
+				}
+				byPart[r.Partition] = append(byPart[r.Partition], r)
+				if r.Offset == end-1 {
+					remaining--
+				}
+			})
+		}
+	}
+	var out []*kgo.Record
+	for p := int32(0); p < testenv.Partitions; p++ {
+		out = append(out, byPart[p]...)
+	}
+	return out
+}
+
+// byEventID groups records by their event-id header.
+func byEventID(recs []*kgo.Record) map[string][]*kgo.Record {
+	m := map[string][]*kgo.Record{}
+	for _, r := range recs {
+		id := header(r, taskevent.HeaderEventID)
+		m[id] = append(m[id], r)
+	}
+	return m
+}
+
+func header(r *kgo.Record, key string) string {
+	for _, h := range r.Headers {
+		if h.Key == key {
+			return string(h.Value)
+		}
+	}
+	return ""
+}
+
+// checkRecord verifies the record contract for outbox row e.
+func checkRecord(t *testing.T, r *kgo.Record, e outboxEvent) {
+	t.Helper()
+	if string(r.Key) != e.taskID {
+		t.Errorf("%s: key %q, want %q", e.id, r.Key, e.taskID)
+	}
+	if !bytes.Equal(r.Value, e.payload) {
+		t.Errorf("%s: value %s, want the canonical payload %s", e.id, r.Value, e.payload)
+	}
+	if got := canonSHA(r.Value); got != header(r, taskevent.HeaderPayloadSHA256) || got != e.sha {
+		t.Errorf("%s: sha256(value) %s, header %s, column %s", e.id, got, header(r, taskevent.HeaderPayloadSHA256), e.sha)
+	}
+	wantHeaders := taskevent.Headers(e.id, e.typ, e.version, e.sha)
+	if len(r.Headers) != len(wantHeaders) {
+		t.Fatalf("%s: %d headers, want %d", e.id, len(r.Headers), len(wantHeaders))
+	}
+	for i, h := range wantHeaders {
+		if r.Headers[i].Key != h[0] || string(r.Headers[i].Value) != h[1] {
+			t.Errorf("%s: header %d = %s=%s, want %s=%s", e.id, i, r.Headers[i].Key, r.Headers[i].Value, h[0], h[1])
+		}
+	}
+}
+
+func TestRelayPublishes(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	rr := b.start(t, b.config())
+	b.waitStreaming(t, rr)
+
+	var all []outboxEvent
+	tx := func(evs ...outboxEvent) pglogrepl.LSN {
+		all = append(all, evs...)
+		return b.insertTx(t, evs...)
+	}
+	tx(b.event(t, "task-a", 1), b.event(t, "task-a", 2), b.event(t, "task-b", 1))
+	tx(b.event(t, "task-a", 3), b.event(t, "task-c", 1))
+	last := tx(b.event(t, "task-b", 2), b.event(t, "task-a", 4), b.event(t, "task-c", 2))
+
+	testenv.Eventually(t, 10*time.Second, "all outbox rows published", func() bool { return b.unpublished(t) == 0 })
+	testenv.Eventually(t, 10*time.Second, "slot confirmed past the last commit", func() bool {
+		c, _, _ := b.slotState(t)
+		return c > last
+	})
+
+	recs := b.readAll(t)
+	if len(recs) != len(all) {
+		t.Fatalf("%d records in Kafka, want %d", len(recs), len(all))
+	}
+	ids := byEventID(recs)
+	for _, e := range all {
+		rs := ids[e.id]
+		if len(rs) != 1 {
+			t.Fatalf("event %s: %d records, want 1", e.id, len(rs))
+		}
+		checkRecord(t, rs[0], e)
+	}
+	// Per key, the records are on one partition in commit order.
+	lastVersion := map[string]int64{}
+	partition := map[string]int32{}
+	for _, r := range recs { // partition, offset order
+		key := string(r.Key)
+		if p, ok := partition[key]; ok && p != r.Partition {
+			t.Fatalf("key %s on partitions %d and %d", key, p, r.Partition)
+		}
+		partition[key] = r.Partition
+		var v int64
+		fmt.Sscan(header(r, taskevent.HeaderAggregateVersion), &v)
+		if v <= lastVersion[key] {
+			t.Fatalf("key %s: version %d after %d", key, v, lastVersion[key])
+		}
+		lastVersion[key] = v
+	}
+	var attempts int
+	if err := b.db.Pool.QueryRow(context.Background(),
+		`SELECT count(*) FROM outbox_event WHERE published_at IS NOT NULL AND publish_attempts = 1`).Scan(&attempts); err != nil {
+		t.Fatal(err)
+	}
+	if attempts != len(all) {
+		t.Fatalf("%d rows with published_at and one attempt, want %d", attempts, len(all))
+	}
+	if err := rr.stop(t); err != nil {
+		t.Fatalf("Run = %v, want nil after cancel", err)
+	}
+
+	// Setup is idempotent: a second relay reuses publication and slot.
+	b.waitReleased(t)
+	rr2 := b.start(t, b.config())
+	b.waitStreaming(t, rr2)
+	e := b.event(t, "task-a", 5)
+	last = b.insertTx(t, e)
+	testenv.Eventually(t, 10*time.Second, "row published by the second relay", func() bool { return b.unpublished(t) == 0 })
+	if err := rr2.stop(t); err != nil {
+		t.Fatalf("second Run = %v, want nil", err)
+	}
+	ids = byEventID(b.readAll(t))
+	if len(ids[e.id]) != 1 {
+		t.Fatalf("event %s: %d records, want 1", e.id, len(ids[e.id]))
+	}
+	checkRecord(t, ids[e.id][0], e)
+	for _, old := range all {
+		if n := len(ids[old.id]); n != 1 {
+			t.Fatalf("event %s relayed %d times after a clean restart, want 1", old.id, n)
+		}
+	}
+	testenv.Eventually(t, 10*time.Second, "slot confirmed past the second relay's commit", func() bool {
+		c, _, _ := b.slotState(t)
+		return c > last
+	})
+}
+
+// TestRelayCrashBetweenAckAndConfirm: the relay dies after Kafka acknowledged
+// records but before the slot moved past them; a restart produces them again
+// and nothing is lost.
+func TestRelayCrashBetweenAckAndConfirm(t *testing.T) {
+	t.Parallel()
+	for _, point := range []string{fault.RelayAfterAckBeforeConfirm, fault.RelayBeforeMarkPublished} {
+		t.Run(point, func(t *testing.T) {
+			t.Parallel()
+			b := setup(t)
+			faults := &fault.Set{}
+			if err := faults.Arm(point, fault.ActionError, 0); err != nil {
+				t.Fatal(err)
+			}
+			cfg := b.config()
+			cfg.Faults = faults
+			rr := b.start(t, cfg)
+			b.waitStreaming(t, rr)
+			before, _, _ := b.slotState(t)
+
+			var all []outboxEvent
+			var first, last pglogrepl.LSN
+			for i := range 4 {
+				evs := []outboxEvent{b.event(t, "task-x", int64(2*i+1)), b.event(t, "task-y", int64(2*i+2)),
+					b.event(t, fmt.Sprintf("task-%d", i), 1)}
+				all = append(all, evs...)
+				last = b.insertTx(t, evs...)
+				if i == 0 {
+					first = last
+				}
+			}
+
+			err := rr.wait(t, 10*time.Second)
+			if !errors.Is(err, fault.ErrInjected) {
+				t.Fatalf("Run = %v, want the injected fault", err)
+			}
+			if rr.relay.ConfirmedLSN() > first {
+				t.Fatalf("relay confirmed %s, past the first commit (> %s)", rr.relay.ConfirmedLSN(), first)
+			}
+			b.waitReleased(t)
+			confirmed, _, _ := b.slotState(t)
+			if confirmed > first || confirmed < before {
+				t.Fatalf("slot confirmed_flush_lsn %s moved: was %s, first commit after %s", confirmed, before, first)
+			}
+			crashed := byEventID(b.readAll(t))
+			if len(crashed) == 0 {
+				t.Fatal("no record reached Kafka before the crash")
+			}
+			if point == fault.RelayBeforeMarkPublished {
+				if n := b.unpublished(t); n != len(all) {
+					t.Fatalf("%d unpublished rows after a crash before marking, want %d", n, len(all))
+				}
+			} else if n := b.unpublished(t); n == len(all) {
+				t.Fatal("no row marked published before the crash after marking")
+			}
+
+			// Rows marked published before the crash may make the table look
+			// done at once: wait for the restarted relay to confirm past the
+			// last commit, which needs every row acknowledged and marked.
+			rr2 := b.start(t, b.config())
+			testenv.Eventually(t, 10*time.Second, "restarted relay confirmed past the last commit", func() bool {
+				return rr2.relay.ConfirmedLSN() > last
+			})
+			if err := rr2.stop(t); err != nil {
+				t.Fatalf("second Run = %v, want nil", err)
+			}
+			if n := b.unpublished(t); n != 0 {
+				t.Fatalf("%d rows unpublished after the restart", n)
+			}
+			testenv.Eventually(t, 10*time.Second, "slot confirmed past the last commit", func() bool {
+				c, _, _ := b.slotState(t)
+				return c > last
+			})
+
+			ids := byEventID(b.readAll(t))
+			for _, e := range all {
+				rs := ids[e.id]
+				if len(rs) == 0 {
+					t.Fatalf("event %s lost", e.id)
+				}
+				for _, r := range rs {
+					checkRecord(t, r, e) // same event id, identical value and headers
+				}
+				if n := len(crashed[e.id]); n > 0 && len(rs) <= n {
+					t.Fatalf("event %s acknowledged before the crash was not produced again (%d records)", e.id, len(rs))
+				}
+			}
+		})
+	}
+}
+
+func TestRelayLargeTransaction(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	cfg := b.config()
+	cfg.MaxBufferedRecords = 100 // far below the transaction: backpressure, no whole-transaction buffer
+	cfg.FlushMaxRecords = 500
+	cfg.StatusInterval = 20 * time.Millisecond
+	rr := b.start(t, cfg)
+	b.waitStreaming(t, rr)
+
+	const n = 5000
+	evs := make([]outboxEvent, n)
+	for i := range evs {
+		evs[i] = b.event(t, fmt.Sprintf("task-%d", i%50), int64(i/50+1))
+	}
+	last := b.insertTx(t, evs...)
+	testenv.Eventually(t, 30*time.Second, "all rows published", func() bool { return b.unpublished(t) == 0 })
+	testenv.Eventually(t, 10*time.Second, "slot confirmed past the commit", func() bool {
+		c, _, _ := b.slotState(t)
+		return c > last
+	})
+	if err := rr.stop(t); err != nil {
+		t.Fatalf("Run = %v, want nil", err)
+	}
+	ids := byEventID(b.readAll(t))
+	for _, e := range evs {
+		if len(ids[e.id]) != 1 {
+			t.Fatalf("event %s: %d records, want 1", e.id, len(ids[e.id]))
+		}
+	}
+}
+
+func TestRelayCleanShutdown(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	cfg := b.config()
+	cfg.StatusInterval = time.Hour // only the final status update can confirm
+	reg := prometheus.NewRegistry()
+	cfg.Registerer = reg
+	rr := b.start(t, cfg)
+	b.waitStreaming(t, rr)
+	start, _, _ := b.slotState(t)
+
+	var all []outboxEvent
+	var last pglogrepl.LSN
+	for i := range 3 {
+		evs := []outboxEvent{b.event(t, "task-s", int64(i+1))}
+		all = append(all, evs...)
+		last = b.insertTx(t, evs...)
+	}
+	testenv.Eventually(t, 10*time.Second, "all rows published", func() bool { return b.unpublished(t) == 0 })
+	if c, _, _ := b.slotState(t); c != start {
+		t.Fatalf("slot moved to %s before any status update (was %s)", c, start)
+	}
+	if err := rr.stop(t); err != nil {
+		t.Fatalf("Run = %v, want nil after cancel", err)
+	}
+	confirmed := rr.relay.ConfirmedLSN()
+	if confirmed <= last {
+		t.Fatalf("relay confirmed %s, want past the last commit (> %s)", confirmed, last)
+	}
+	b.waitReleased(t)
+	if c, _, _ := b.slotState(t); c != confirmed {
+		t.Fatalf("slot confirmed_flush_lsn %s, want the final status update's %s", c, confirmed)
+	}
+	if got := gaugeValue(t, reg, "converge_relay_confirmed_lsn"); got != float64(confirmed) {
+		t.Fatalf("converge_relay_confirmed_lsn = %v, want %v", got, float64(confirmed))
+	}
+	if got := counterSum(t, reg, "converge_relay_events_published_total"); got != float64(len(all)) {
+		t.Fatalf("converge_relay_events_published_total = %v, want %d", got, len(all))
+	}
+
+	// The slot resumes exactly after the last acknowledged commit: a new
+	// relay produces only the new row.
+	rr2 := b.start(t, b.config())
+	b.waitStreaming(t, rr2)
+	marker := b.event(t, "task-s", 4)
+	b.insertTx(t, marker)
+	testenv.Eventually(t, 10*time.Second, "marker published", func() bool { return b.unpublished(t) == 0 })
+	if err := rr2.stop(t); err != nil {
+		t.Fatalf("second Run = %v, want nil", err)
+	}
+	ids := byEventID(b.readAll(t))
+	for _, e := range append(all, marker) {
+		if len(ids[e.id]) != 1 {
+			t.Fatalf("event %s: %d records after a clean restart, want 1", e.id, len(ids[e.id]))
+		}
+	}
+}
+
+func gaugeValue(t *testing.T, reg *prometheus.Registry, name string) float64 {
+	t.Helper()
+	mfs, err := reg.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, mf := range mfs {
+		if mf.GetName() == name {
+			return mf.GetMetric()[0].GetGauge().GetValue()
+		}
+	}
+	t.Fatalf("metric %s not found", name)
+	return 0
+}
+
+func counterSum(t *testing.T, reg *prometheus.Registry, name string) float64 {
+	t.Helper()
+	mfs, err := reg.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var sum float64
+	for _, mf := range mfs {
+		if mf.GetName() == name {
+			for _, m := range mf.GetMetric() {
+				sum += m.GetCounter().GetValue()
+			}
+		}
+	}
+	return sum
+}
+
+func TestRelaySlotActive(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	rr1 := b.start(t, b.config())
+	b.waitStreaming(t, rr1)
+	rr2 := b.start(t, b.config())
+	if err := rr2.wait(t, 10*time.Second); !errors.Is(err, ErrSlotActive) {
+		t.Fatalf("second relay on the slot: Run = %v, want ErrSlotActive", err)
+	}
+}
+
+func TestRelayPublicationMismatch(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	// As after a migration that recreated outbox_event: the publication
+	// exists but covers another table only.
+	if _, err := b.db.Pool.Exec(context.Background(), "CREATE PUBLICATION "+b.pub+" FOR TABLE task"); err != nil {
+		t.Fatal(err)
+	}
+	rr := b.start(t, b.config())
+	if err := rr.wait(t, 10*time.Second); !errors.Is(err, ErrPublicationMismatch) {
+		t.Fatalf("Run = %v, want ErrPublicationMismatch", err)
+	}
+	if _, _, exists := b.slotState(t); exists {
+		t.Fatal("slot created although the publication is wrong")
+	}
+}
+
+func TestCheckSlot(t *testing.T) {
+	t.Parallel()
+	ok := slotInfo{exists: true, plugin: "pgoutput", slotType: "logical", database: "db", current: "db", walStatus: "reserved"}
+	tests := []struct {
+		name string
+		edit func(*slotInfo)
+		want error
+	}{
+		{"usable", func(*slotInfo) {}, nil},
+		{"extended is usable", func(s *slotInfo) { s.walStatus = "extended" }, nil},
+		{"invalidated by max_slot_wal_keep_size", func(s *slotInfo) { s.walStatus = "lost" }, ErrSlotLost},
+		{"other plugin", func(s *slotInfo) { s.plugin = "test_decoding" }, ErrSlotMismatch},
+		{"physical slot", func(s *slotInfo) { s.slotType = "physical"; s.plugin = "" }, ErrSlotMismatch},
+		{"other database", func(s *slotInfo) { s.database = "other" }, ErrSlotMismatch},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			si := ok
+			tc.edit(&si)
+			err := checkSlot(si, "s")
+			if !errors.Is(err, tc.want) || (tc.want == nil) != (err == nil) {
+				t.Fatalf("checkSlot = %v, want %v", err, tc.want)
+			}
+		})
+	}
+}
+
+func TestConfigValidate(t *testing.T) {
+	t.Parallel()
+	valid := Config{DatabaseURL: "postgres://u@localhost/db", Brokers: []string{"localhost:9092"}}
+	tests := []struct {
+		name string
+		edit func(*Config)
+		ok   bool
+	}{
+		{"defaults", func(*Config) {}, true},
+		{"no database url", func(c *Config) { c.DatabaseURL = "" }, false},
+		{"no brokers", func(c *Config) { c.Brokers = nil }, false},
+		{"slot name with a quote", func(c *Config) { c.SlotName = `bad"name` }, false},
+		{"publication name upper case", func(c *Config) { c.PublicationName = "Outbox" }, false},
+		{"negative flush interval", func(c *Config) { c.FlushInterval = -time.Second }, false},
+		{"negative buffer", func(c *Config) { c.MaxBufferedRecords = -1 }, false},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			cfg := valid
+			tc.edit(&cfg)
+			_, err := New(cfg)
+			if (err == nil) != tc.ok {
+				t.Fatalf("New = %v, want ok: %v", err, tc.ok)
+			}
+		})
+	}
+	r, err := New(valid)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if r.cfg.Topic != taskevent.DefaultTopic || r.cfg.SlotName != DefaultSlotName || r.cfg.StatusInterval != DefaultStatusInterval {
+		t.Fatalf("defaults not applied: %+v", r.cfg)
+	}
+}
+
+// TestRelayProduceFailure: a record Kafka refuses for good stops Run with an
+// error and the slot does not move past its transaction.
+func TestRelayProduceFailure(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	cfg := b.config()
+	reg := prometheus.NewRegistry()
+	cfg.Registerer = reg
+	rr := b.start(t, cfg)
+	b.waitStreaming(t, rr)
+	before, _, _ := b.slotState(t)
+
+	b.kafka.Cluster.ControlKey(int16(kmsg.Produce), func(kreq kmsg.Request) (kmsg.Response, error, bool) {
+		b.kafka.Cluster.KeepControl()
+		req := kreq.(*kmsg.ProduceRequest)
+		resp := req.ResponseKind().(*kmsg.ProduceResponse)
+		for _, rt := range req.Topics {
+			st := kmsg.NewProduceResponseTopic()
+			st.Topic, st.TopicID = rt.Topic, rt.TopicID
+			for _, rp := range rt.Partitions {
+				sp := kmsg.NewProduceResponseTopicPartition()
+				sp.Partition = rp.Partition
+				sp.ErrorCode = kerr.TopicAuthorizationFailed.Code
+				st.Partitions = append(st.Partitions, sp)
+			}
+			resp.Topics = append(resp.Topics, st)
+		}
+		return resp, nil, true
+	})
+	first := b.insertTx(t, b.event(t, "task-f", 1))
+
+	err := rr.wait(t, 10*time.Second)
+	if err == nil || errors.Is(err, fault.ErrInjected) {
+		t.Fatalf("Run = %v, want the produce error", err)
+	}
+	if !errors.Is(err, kerr.TopicAuthorizationFailed) {
+		t.Fatalf("Run = %v, want it to wrap TOPIC_AUTHORIZATION_FAILED", err)
+	}
+	if got := counterSum(t, reg, "converge_relay_produce_errors_total"); got < 1 {
+		t.Fatalf("converge_relay_produce_errors_total = %v, want >= 1", got)
+	}
+	b.waitReleased(t)
+	if c, _, _ := b.slotState(t); c > first || c < before {
+		t.Fatalf("slot confirmed_flush_lsn %s moved (was %s, commit after %s)", c, before, first)
+	}
+	if n := b.unpublished(t); n != 1 {
+		t.Fatalf("%d unpublished rows, want 1", n)
+	}
+}

@@ -1,0 +1,184 @@
+package cdc
+
+import (
+	"context"
+	"errors"
+	"fmt"
+
+	"github.com/jackc/pglogrepl"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
+)
+
+// All SQL of the relay. Names of the slot and publication are validated by
+// Config.Validate ([a-z0-9_]) and quoted as identifiers where SQL needs them.
+
+const (
+	outboxSchema = "public"
+	outboxTable  = "outbox_event"
+	// pgDuplicateObject is SQLSTATE 42710, returned when a concurrent relay
+	// created the publication or the slot first.
+	pgDuplicateObject = "42710"
+	// pgObjectInUse is SQLSTATE 55006: "replication slot ... is active for
+	// PID n".
+	pgObjectInUse = "55006"
+)
+
+// store runs the relay's statements on the normal (non-replication) pool.
+type store struct {
+	pool *pgxpool.Pool
+}
+
+// ensurePublication creates publication name on public.outbox_event for
+// inserts only when it is missing, and otherwise verifies that it still
+// publishes inserts of public.outbox_event (a migration that dropped and
+// recreated the table leaves it covering nothing). It reports whether it
+// created the publication. Errors wrap ErrPublicationMismatch when the
+// existing publication does not cover the table.
+func (s *store) ensurePublication(ctx context.Context, name string) (created bool, err error) {
+	exists, err := s.publicationExists(ctx, name)
+	if err != nil {
+		return false, err
+	}
+	if !exists {
+		q := fmt.Sprintf("CREATE PUBLICATION %s FOR TABLE %s WITH (publish = 'insert')",
+			pgx.Identifier{name}.Sanitize(), pgx.Identifier{outboxSchema, outboxTable}.Sanitize())
+		_, err := s.pool.Exec(ctx, q)
+		var pgErr *pgconn.PgError
+		switch {
+		case err == nil:
+			return true, nil
+		case errors.As(err, &pgErr) && pgErr.Code == pgDuplicateObject:
+			// Created concurrently by another relay: verify it below.
+		default:
+			return false, fmt.Errorf("create publication %s: %w", name, err)
+		}
+	}
+	var pubInsert, covers bool
+	err = s.pool.QueryRow(ctx, `
+SELECT p.pubinsert,
+       EXISTS (SELECT 1 FROM pg_publication_tables t
+               WHERE t.pubname = p.pubname AND t.schemaname = $2 AND t.tablename = $3)
+FROM pg_publication p WHERE p.pubname = $1`, name, outboxSchema, outboxTable).Scan(&pubInsert, &covers)
+	if err != nil {
+		return false, fmt.Errorf("verify publication %s: %w", name, err)
+	}
+	if !covers {
+		return false, fmt.Errorf("%w: publication %s does not cover %s.%s (was the table dropped and recreated? run ALTER PUBLICATION %s ADD TABLE %s.%s)",
+			ErrPublicationMismatch, name, outboxSchema, outboxTable, name, outboxSchema, outboxTable)
+	}
+	if !pubInsert {
+		return false, fmt.Errorf("%w: publication %s does not publish inserts", ErrPublicationMismatch, name)
+	}
+	return false, nil
+}
+
+func (s *store) publicationExists(ctx context.Context, name string) (bool, error) {
+	var exists bool
+	err := s.pool.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM pg_publication WHERE pubname = $1)`, name).Scan(&exists)
+	if err != nil {
+		return false, fmt.Errorf("look up publication %s: %w", name, err)
+	}
+	return exists, nil
+}
+
+// slotInfo is a row of pg_replication_slots.
+type slotInfo struct {
+	exists    bool
+	plugin    string
+	slotType  string
+	database  string // the slot's database; current is the relay's
+	current   string
+	walStatus string
+	confirmed pglogrepl.LSN
+}
+
+// slot reads replication slot name from pg_replication_slots.
+func (s *store) slot(ctx context.Context, name string) (slotInfo, error) {
+	var (
+		si                              slotInfo
+		plugin, slotType, db, walStatus *string
+		confirmed                       *string
+	)
+	err := s.pool.QueryRow(ctx, `
+SELECT s.plugin, s.slot_type, s.database, s.wal_status, s.confirmed_flush_lsn::text, current_database()
+FROM (SELECT 1) one
+LEFT JOIN pg_replication_slots s ON s.slot_name = $1`, name).Scan(&plugin, &slotType, &db, &walStatus, &confirmed, &si.current)
+	if err != nil {
+		return si, fmt.Errorf("look up replication slot %s: %w", name, err)
+	}
+	if slotType == nil {
+		return si, nil
+	}
+	si.exists = true
+	si.slotType = *slotType
+	si.plugin = deref(plugin)
+	si.database = deref(db)
+	si.walStatus = deref(walStatus)
+	if confirmed != nil {
+		lsn, err := pglogrepl.ParseLSN(*confirmed)
+		if err != nil {
+			return si, fmt.Errorf("parse confirmed_flush_lsn %q of slot %s: %w", *confirmed, name, err)
+		}
+		si.confirmed = lsn
+	}
+	return si, nil
+}
+
+func deref(s *string) string {
+	if s == nil {
+		return ""
+	}
+	return *s
+}
+
+// checkSlot verifies that an existing slot can be used by this relay: a
+// logical pgoutput slot of the relay's database that was not invalidated.
+// Errors wrap ErrSlotLost or ErrSlotMismatch.
+func checkSlot(si slotInfo, name string) error {
+	switch {
+	case si.slotType != "logical" || si.plugin != "pgoutput":
+		return fmt.Errorf("%w: slot %s is a %s slot with plugin %q, want logical/pgoutput", ErrSlotMismatch, name, si.slotType, si.plugin)
+	case si.database != si.current:
+		return fmt.Errorf("%w: slot %s belongs to database %q, not %q", ErrSlotMismatch, name, si.database, si.current)
+	case si.walStatus == "lost":
+		return fmt.Errorf("%w: slot %s has wal_status lost (invalidated by max_slot_wal_keep_size); events after its confirmed_flush_lsn %s may be missing from the WAL: drop the slot, recreate it and let the reconciler republish unpublished outbox rows",
+			ErrSlotLost, name, si.confirmed)
+	}
+	return nil
+}
+
+// createSlot creates the permanent logical replication slot name with the
+// pgoutput plugin on a replication connection. A slot created concurrently
+// by another relay is not an error (created is then false).
+func createSlot(ctx context.Context, repl *pgconn.PgConn, name string) (created bool, err error) {
+	_, err = pglogrepl.CreateReplicationSlot(ctx, repl, name, "pgoutput", pglogrepl.CreateReplicationSlotOptions{
+		Mode:           pglogrepl.LogicalReplication,
+		SnapshotAction: "NOEXPORT_SNAPSHOT",
+	})
+	var pgErr *pgconn.PgError
+	switch {
+	case err == nil:
+		return true, nil
+	case errors.As(err, &pgErr) && pgErr.Code == pgDuplicateObject:
+		return false, nil
+	default:
+		return false, fmt.Errorf("create replication slot %s: %w", name, err)
+	}
+}
+
+// markPublished sets published_at and counts the attempt of the given outbox
+// rows that are not yet marked (seed section 4: mark published after the
+// broker's confirmation). Rows already marked (a republication after a
+// restart) are left as they are. It returns the rows updated.
+func (s *store) markPublished(ctx context.Context, outboxIDs []string) (int64, error) {
+	tag, err := s.pool.Exec(ctx, `
+UPDATE outbox_event
+SET published_at = now(), publish_attempts = publish_attempts + 1
+WHERE outbox_id = ANY($1) AND published_at IS NULL`, outboxIDs)
+	if err != nil {
+		return 0, fmt.Errorf("mark %d outbox rows published: %w", len(outboxIDs), err)
+	}
+	return tag.RowsAffected(), nil
+}

@@ -1,0 +1,208 @@
+package cdc
+
+import (
+	"fmt"
+	"sync"
+	"time"
+
+	"github.com/jackc/pglogrepl"
+)
+
+// tracker decides how far the replication slot may advance.
+//
+// It holds the decoded transactions in WAL order that are not yet confirmed.
+// A transaction is done when its Commit message was seen and every row it
+// produced was acknowledged by Kafka AND marked published in outbox_event.
+// The confirmable LSN is the end LSN of the last transaction of the longest
+// done prefix: franz-go completes partitions independently, so the last
+// acknowledgement says nothing about earlier records (DESIGN.md, Pitfalls).
+// Several rows of a transaction share its commit, so a restart resumes at
+// transaction granularity.
+//
+// The replication loop calls begin, add, commit, takeAcked and markDone;
+// produce promises call ack and fail from franz-go's goroutines. All methods
+// are safe for concurrent use.
+type tracker struct {
+	mu        sync.Mutex
+	confirmed pglogrepl.LSN
+	txns      []*txnState // unconfirmed transactions, WAL order
+	firstSeq  uint64      // seq of txns[0] (or nextSeq when empty)
+	nextSeq   uint64
+	acked     []ackedRow // acknowledged by Kafka, not yet marked published
+	inFlight  int        // rows produced and not yet done
+	err       error      // first produce failure
+}
+
+// txnState is one decoded transaction.
+type txnState struct {
+	commitTime time.Time
+	endLSN     pglogrepl.LSN
+	committed  bool
+	failed     bool
+	produced   int
+	acked      int
+	done       int
+}
+
+// ackedRow is a row Kafka acknowledged: its transaction and outbox id.
+type ackedRow struct {
+	seq      uint64
+	outboxID string
+}
+
+// txnAcked reports a transaction whose rows are all acknowledged by Kafka and
+// whose Commit was seen (for the commit→ack latency); ok is false otherwise.
+type txnAcked struct {
+	commitTime time.Time
+	ok         bool
+}
+
+// newTracker returns a tracker whose confirmable LSN starts at confirmed (the
+// slot's confirmed_flush_lsn).
+func newTracker(confirmed pglogrepl.LSN) *tracker {
+	return &tracker{confirmed: confirmed}
+}
+
+func (t *tracker) txn(seq uint64) *txnState {
+	if seq < t.firstSeq || seq >= t.nextSeq {
+		panic(fmt.Sprintf("cdc tracker: transaction %d not tracked (tracking %d..%d)", seq, t.firstSeq, t.nextSeq))
+	}
+	return t.txns[seq-t.firstSeq]
+}
+
+// begin tracks a new transaction (BeginMessage) and returns its sequence
+// number.
+func (t *tracker) begin(commitTime time.Time) uint64 {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	seq := t.nextSeq
+	t.nextSeq++
+	t.txns = append(t.txns, &txnState{commitTime: commitTime})
+	return seq
+}
+
+// add counts one row of transaction seq as produced. Call it before handing
+// the record to the producer.
+func (t *tracker) add(seq uint64) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	t.txn(seq).produced++
+	t.inFlight++
+}
+
+// ack records Kafka's acknowledgement of row outboxID of transaction seq.
+func (t *tracker) ack(seq uint64, outboxID string) txnAcked {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	x := t.txn(seq)
+	x.acked++
+	t.acked = append(t.acked, ackedRow{seq: seq, outboxID: outboxID})
+	return x.ackedResult()
+}
+
+// fail records that a row of transaction seq will never be acknowledged, so
+// the slot never advances past the transaction in this run. A non-nil err is
+// kept as failure() when it is the first; nil means the row was abandoned on
+// shutdown.
+func (t *tracker) fail(seq uint64, err error) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	t.txn(seq).failed = true
+	if t.err == nil && err != nil {
+		t.err = err
+	}
+}
+
+// commit records the Commit message of transaction seq, whose end LSN (the
+// end of its commit record) is endLSN.
+func (t *tracker) commit(seq uint64, endLSN pglogrepl.LSN) txnAcked {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	x := t.txn(seq)
+	x.committed = true
+	x.endLSN = endLSN
+	t.advance()
+	return x.ackedResult()
+}
+
+func (x *txnState) ackedResult() txnAcked {
+	if x.committed && !x.failed && x.produced > 0 && x.acked == x.produced {
+		return txnAcked{commitTime: x.commitTime, ok: true}
+	}
+	return txnAcked{}
+}
+
+// pending returns how many acknowledged rows wait to be marked published.
+func (t *tracker) pending() int {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	return len(t.acked)
+}
+
+// takeAcked removes and returns the acknowledged rows not yet marked
+// published, in acknowledgement order.
+func (t *tracker) takeAcked() []ackedRow {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	rows := t.acked
+	t.acked = nil
+	return rows
+}
+
+// markDone counts rows as done: call it only after their published_at update
+// committed. It advances the confirmable LSN.
+func (t *tracker) markDone(rows []ackedRow) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	for _, r := range rows {
+		t.txn(r.seq).done++
+		t.inFlight--
+	}
+	t.advance()
+}
+
+// advance pops the done prefix of transactions; t.mu is held.
+func (t *tracker) advance() {
+	n := 0
+	for _, x := range t.txns {
+		if !x.committed || x.failed || x.done != x.produced {
+			break
+		}
+		if x.endLSN > t.confirmed {
+			t.confirmed = x.endLSN
+		}
+		n++
+	}
+	if n == 0 {
+		return
+	}
+	clear(t.txns[:n])
+	t.txns = t.txns[n:]
+	t.firstSeq += uint64(n)
+	if len(t.txns) == 0 {
+		t.txns = nil // let the backing array go
+	}
+}
+
+// confirmable returns the end LSN up to which every transaction is done: the
+// LSN the standby status update may report.
+func (t *tracker) confirmable() pglogrepl.LSN {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	return t.confirmed
+}
+
+// failure returns the first produce failure, or nil.
+func (t *tracker) failure() error {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	return t.err
+}
+
+// stats returns the unconfirmed transactions and the produced rows not yet
+// done.
+func (t *tracker) stats() (txns, records int) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	return len(t.txns), t.inFlight
+}

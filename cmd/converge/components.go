@@ -1,0 +1,285 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"net/http"
+	"os"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+	"github.com/redis/go-redis/v9"
+	"golang.org/x/sync/errgroup"
+
+	"github.com/converge-run/converge/cdc"
+	"github.com/converge-run/converge/consumers/reconciler"
+	"github.com/converge-run/converge/consumers/worker"
+	"github.com/converge-run/converge/internal/artifact"
+	"github.com/converge-run/converge/internal/submit"
+	"github.com/converge-run/converge/projections/taskview"
+	"github.com/converge-run/converge/schemas"
+	"github.com/converge-run/converge/services/api"
+)
+
+// MetricsAddr is where a non-API component serves /metrics and /healthz.
+type MetricsAddr struct {
+	MetricsAddr string `env:"CONVERGE_METRICS_ADDR" default:"127.0.0.1:9464" help:"Listen address of /metrics and /healthz for relay, worker, projector and reconciler."`
+}
+
+func newRegistry() *prometheus.Registry {
+	reg := prometheus.NewRegistry()
+	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	return reg
+}
+
+// serveWith runs fn and a /metrics server until ctx ends or either fails.
+func serveWith(ctx context.Context, addr string, reg *prometheus.Registry, fn func(context.Context) error) error {
+	mux := http.NewServeMux()
+	mux.Handle("GET /metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{Registry: reg}))
+	mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, _ *http.Request) { w.Write([]byte("ok\n")) })
+	ln, err := net.Listen("tcp", addr)
+	if err != nil {
+		return fmt.Errorf("metrics listen %s: %w", addr, err)
+	}
+	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second}
+	g, gctx := errgroup.WithContext(ctx)
+	g.Go(func() error {
+		if err := srv.Serve(ln); err != nil && !errors.Is(err, http.ErrServerClosed) {
+			return err
+		}
+		return nil
+	})
+	g.Go(func() error {
+		defer func() {
+			sctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+			defer cancel()
+			srv.Shutdown(sctx)
+		}()
+		return fn(gctx)
+	})
+	return g.Wait()
+}
+
+func need(what, v string) error {
+	if v == "" {
+		return fmt.Errorf("%s is required", what)
+	}
+	return nil
+}
+
+func openPool(ctx context.Context, url string) (*pgxpool.Pool, error) {
+	if err := need("CONVERGE_DATABASE_URL", url); err != nil {
+		return nil, err
+	}
+	pool, err := pgxpool.New(ctx, url)
+	if err != nil {
+		return nil, fmt.Errorf("connect database: %w", err)
+	}
+	return pool, nil
+}
+
+func openRedis(url string) (*redis.Client, error) {
+	if err := need("CONVERGE_REDIS_URL", url); err != nil {
+		return nil, err
+	}
+	opt, err := redis.ParseURL(url)
+	if err != nil {
+		return nil, fmt.Errorf("redis url: %w", err)
+	}
+	return redis.NewClient(opt), nil
+}
+
+// APICmd runs the HTTP API.
+type APICmd struct {
+	Services
+	Pipeline
+}
+
+// Run serves the API until interrupted.
+func (c *APICmd) Run(env *runEnv) error {
+	pool, err := openPool(env.ctx, c.DatabaseURL)
+	if err != nil {
+		return err
+	}
+	defer pool.Close()
+	var rdb *redis.Client
+	if c.RedisURL != "" {
+		if rdb, err = openRedis(c.RedisURL); err != nil {
+			return err
+		}
+		defer rdb.Close()
+	}
+	if err := need("CONVERGE_ARTIFACT_DIR", c.ArtifactDir); err != nil {
+		return err
+	}
+	store, err := artifact.Open(c.ArtifactDir, env.faults)
+	if err != nil {
+		return err
+	}
+	reg := newRegistry()
+	srv, err := api.New(api.Config{Pool: pool, Redis: rdb, ArtifactStore: store, MaxBodyBytes: c.MaxBodyBytes,
+		Logger: env.log, Registerer: reg, Gatherer: reg, Faults: env.faults})
+	if err != nil {
+		return err
+	}
+	hs := &http.Server{Addr: c.HTTPAddr, Handler: srv.Handler(), ReadHeaderTimeout: 10 * time.Second}
+	errc := make(chan error, 1)
+	go func() { errc <- hs.ListenAndServe() }()
+	env.log.Info("api listening", "addr", c.HTTPAddr)
+	select {
+	case err := <-errc:
+		return err
+	case <-env.ctx.Done():
+	}
+	sctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	return hs.Shutdown(sctx)
+}
+
+// RelayCmd runs the CDC relay.
+type RelayCmd struct {
+	Services
+	Pipeline
+	MetricsAddr
+}
+
+// Run relays until interrupted, then sends the final status update.
+func (c *RelayCmd) Run(env *runEnv) error {
+	if err := need("CONVERGE_DATABASE_URL", c.DatabaseURL); err != nil {
+		return err
+	}
+	reg := newRegistry()
+	r, err := cdc.New(cdc.Config{DatabaseURL: c.DatabaseURL, Brokers: c.KafkaBrokers, Topic: c.Topic, Partitions: c.TopicPartitions,
+		SlotName: c.SlotName, PublicationName: c.PublicationName, Logger: env.log, Registerer: reg, Faults: env.faults})
+	if err != nil {
+		return err
+	}
+	return serveWith(env.ctx, c.MetricsAddr.MetricsAddr, reg, r.Run)
+}
+
+// WorkerCmd runs the worker consumer group.
+type WorkerCmd struct {
+	Services
+	Pipeline
+	MetricsAddr
+}
+
+// Run consumes until interrupted, then commits and leaves the group.
+func (c *WorkerCmd) Run(env *runEnv) error {
+	pool, err := openPool(env.ctx, c.DatabaseURL)
+	if err != nil {
+		return err
+	}
+	defer pool.Close()
+	if err := need("CONVERGE_ARTIFACT_DIR", c.ArtifactDir); err != nil {
+		return err
+	}
+	store, err := artifact.Open(c.ArtifactDir, env.faults)
+	if err != nil {
+		return err
+	}
+	reg := newRegistry()
+	w, err := worker.New(worker.Config{Pool: pool, Brokers: c.KafkaBrokers, Topic: c.Topic, ArtifactStore: store,
+		Logger: env.log, Registerer: reg, Faults: env.faults})
+	if err != nil {
+		return err
+	}
+	return serveWith(env.ctx, c.MetricsAddr.MetricsAddr, reg, w.Run)
+}
+
+// ProjectorCmd runs the Redis task-view projector.
+type ProjectorCmd struct {
+	Services
+	Pipeline
+	MetricsAddr
+}
+
+// Run projects until interrupted.
+func (c *ProjectorCmd) Run(env *runEnv) error {
+	rdb, err := openRedis(c.RedisURL)
+	if err != nil {
+		return err
+	}
+	defer rdb.Close()
+	reg := newRegistry()
+	p, err := taskview.New(taskview.Config{Brokers: c.KafkaBrokers, Topic: c.Topic, Redis: rdb, Logger: env.log, Registerer: reg})
+	if err != nil {
+		return err
+	}
+	return serveWith(env.ctx, c.MetricsAddr.MetricsAddr, reg, p.Run)
+}
+
+// ReconcilerCmd runs the reconciler.
+type ReconcilerCmd struct {
+	Services
+	Pipeline
+	MetricsAddr
+}
+
+// Run reconciles until interrupted.
+func (c *ReconcilerCmd) Run(env *runEnv) error {
+	pool, err := openPool(env.ctx, c.DatabaseURL)
+	if err != nil {
+		return err
+	}
+	defer pool.Close()
+	if err := need("CONVERGE_ARTIFACT_DIR", c.ArtifactDir); err != nil {
+		return err
+	}
+	store, err := artifact.Open(c.ArtifactDir, env.faults)
+	if err != nil {
+		return err
+	}
+	reg := newRegistry()
+	r, err := reconciler.New(reconciler.Config{Pool: pool, ArtifactStore: store, Logger: env.log, Registerer: reg})
+	if err != nil {
+		return err
+	}
+	return serveWith(env.ctx, c.MetricsAddr.MetricsAddr, reg, r.Run)
+}
+
+// MigrateCmd applies the migrations.
+type MigrateCmd struct {
+	DatabaseURL string `name:"database-url" env:"CONVERGE_DATABASE_URL" help:"PostgreSQL URL."`
+}
+
+// Run applies every pending migration.
+func (c *MigrateCmd) Run(env *runEnv) error {
+	pool, err := openPool(env.ctx, c.DatabaseURL)
+	if err != nil {
+		return err
+	}
+	defer pool.Close()
+	if err := schemas.Migrate(env.ctx, pool); err != nil {
+		return err
+	}
+	fmt.Println("migrations applied")
+	return nil
+}
+
+// SubmitCmd submits JSON files.
+type SubmitCmd struct {
+	APIURL      string        `name:"api-url" env:"CONVERGE_API_URL" default:"http://127.0.0.1:8080" help:"Base URL of the converge API."`
+	Concurrency int           `default:"8" help:"Documents in flight at once."`
+	Timeout     time.Duration `default:"120s" help:"How long to wait for each task to become terminal."`
+	Paths       []string      `arg:"" name:"path" help:"JSON files or directories (walked for *.json)." type:"path"`
+}
+
+// Run submits and prints one line per document; exits 1 when any document
+// did not complete.
+func (c *SubmitCmd) Run(env *runEnv) error {
+	cl := &submit.Client{BaseURL: c.APIURL}
+	s, err := submit.Run(env.ctx, os.Stdout, cl, c.Paths, c.Concurrency, c.Timeout)
+	if err != nil {
+		return err
+	}
+	if !s.OK() {
+		return exitCode(1)
+	}
+	return nil
+}

@@ -1,0 +1,203 @@
+package main
+
+import (
+	"context"
+	"embed"
+	"errors"
+	"fmt"
+	"io/fs"
+	"net"
+	"os"
+	"path/filepath"
+	"strconv"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/twmb/franz-go/pkg/kfake"
+
+	"github.com/converge-run/converge/internal/localpg"
+	"github.com/converge-run/converge/internal/localredis"
+	"github.com/converge-run/converge/internal/pipeline"
+	"github.com/converge-run/converge/internal/submit"
+)
+
+//go:embed examples/*.json
+var examples embed.FS
+
+// DevCmd runs the whole pipeline in one process. Each external service is
+// started locally unless its URL is given.
+type DevCmd struct {
+	Services
+	Pipeline
+	DataDir     string `env:"CONVERGE_DATA_DIR" default:".converge" help:"Directory of the embedded services' data (PostgreSQL cluster, Kafka log, Redis, artifacts)."`
+	PGPort      int    `name:"pg-port" env:"CONVERGE_DEV_PG_PORT" default:"54329" help:"Port of the embedded PostgreSQL."`
+	KafkaPort   int    `env:"CONVERGE_DEV_KAFKA_PORT" default:"19092" help:"Port of the embedded Kafka-protocol broker (kfake)."`
+	RedisPort   int    `env:"CONVERGE_DEV_REDIS_PORT" default:"56379" help:"Port of the embedded redis-server."`
+	NoExamples  bool   `env:"CONVERGE_DEV_NO_EXAMPLES" help:"Do not submit the example documents at start-up."`
+	KafkaNoSync bool   `env:"CONVERGE_DEV_KAFKA_NO_SYNC" help:"Do not fsync every produced batch in the embedded broker (faster, loses acknowledged records on a machine crash)."`
+}
+
+// Run starts the embedded services, the pipeline, submits the examples and
+// serves until interrupted.
+func (c *DevCmd) Run(env *runEnv) error {
+	ctx, log := env.ctx, env.log
+	dataDir, err := filepath.Abs(c.DataDir)
+	if err != nil {
+		return err
+	}
+	if err := os.MkdirAll(dataDir, 0o755); err != nil {
+		return err
+	}
+	// The PostgreSQL server runs as the postgres user when we are root: it
+	// must be able to enter the data directory.
+	_ = os.Chmod(dataDir, 0o755)
+
+	dbURL := c.DatabaseURL
+	if dbURL == "" {
+		pg, err := localpg.Start(ctx, localpg.Config{DataDir: filepath.Join(dataDir, "pg"), Port: c.PGPort, Fsync: true, Logger: log})
+		if err != nil {
+			return fmt.Errorf("embedded PostgreSQL: %w", err)
+		}
+		defer pg.Stop()
+		if err := ensureDatabase(ctx, pg.URL("postgres"), "converge"); err != nil {
+			return err
+		}
+		dbURL = pg.URL("converge")
+	}
+
+	brokers := c.KafkaBrokers
+	if len(brokers) == 0 {
+		opts := []kfake.Opt{kfake.NumBrokers(1), kfake.Ports(c.KafkaPort), kfake.DataDir(filepath.Join(dataDir, "kafka")),
+			kfake.ClusterID("converge-dev"), kfake.DefaultNumPartitions(int(c.TopicPartitions))}
+		if !c.KafkaNoSync {
+			opts = append(opts, kfake.SyncWrites())
+		}
+		kc, err := kfake.NewCluster(opts...)
+		if err != nil {
+			return fmt.Errorf("embedded Kafka broker on port %d: %w", c.KafkaPort, err)
+		}
+		defer kc.Close()
+		brokers = kc.ListenAddrs()
+	}
+
+	redisURL := c.RedisURL
+	if redisURL == "" {
+		rs, err := localredis.Start(ctx, localredis.Config{Port: c.RedisPort, Dir: filepath.Join(dataDir, "redis")})
+		if err != nil {
+			return fmt.Errorf("embedded Redis: %w", err)
+		}
+		defer rs.Stop()
+		redisURL = rs.URL()
+	}
+
+	artifactDir := c.ArtifactDir
+	if artifactDir == "" {
+		artifactDir = filepath.Join(dataDir, "artifacts")
+	}
+	ln, err := net.Listen("tcp", c.HTTPAddr)
+	if err != nil {
+		return fmt.Errorf("API listen %s: %w", c.HTTPAddr, err)
+	}
+	apiURL := "http://" + ln.Addr().String()
+
+	cfg := pipeline.Config{
+		DatabaseURL: dbURL, Brokers: brokers, RedisURL: redisURL, ArtifactDir: artifactDir,
+		Topic: c.Topic, Partitions: c.TopicPartitions, SlotName: c.SlotName, PublicationName: c.PublicationName,
+		Listener: ln, MaxBodyBytes: c.MaxBodyBytes, Faults: env.faults, Logger: log,
+		Ready: func(addr string) {
+			fmt.Printf(`
+converge is running (Ctrl-C stops it cleanly)
+  API          %s   (POST /v1/tasks, GET /v1/tasks/{id}, /metrics, /healthz, /readyz)
+  PostgreSQL   %s
+  Kafka        %v   (topic %s; any Kafka client can connect)
+  Redis        %s
+  artifacts    %s
+  auth         none (the API has no authentication yet; keep it on loopback)
+Submit documents:  go run ./cmd/converge submit --api-url %s PATH...
+
+`, apiURL, redact(dbURL), brokers, c.Topic, redisURL, artifactDir, apiURL)
+		},
+	}
+	errc := make(chan error, 1)
+	go func() { errc <- pipeline.Run(ctx, cfg) }()
+
+	if !c.NoExamples {
+		go submitExamples(ctx, apiURL, dataDir)
+	}
+	return <-errc
+}
+
+// submitExamples writes the embedded example documents to the data
+// directory and submits them, so a newcomer sees tasks complete.
+func submitExamples(ctx context.Context, apiURL, dataDir string) {
+	dir := filepath.Join(dataDir, "examples")
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		return
+	}
+	_ = fs.WalkDir(examples, "examples", func(p string, d fs.DirEntry, err error) error {
+		if err != nil || d.IsDir() {
+			return err
+		}
+		b, _ := examples.ReadFile(p)
+		return os.WriteFile(filepath.Join(dir, filepath.Base(p)), b, 0o644)
+	})
+	cl := &submit.Client{BaseURL: apiURL}
+	if !waitReady(ctx, apiURL) {
+		return
+	}
+	fmt.Println("Submitting the example documents in", dir)
+	s, err := submit.Run(ctx, os.Stdout, cl, []string{dir}, 4, 60*time.Second)
+	if err != nil {
+		fmt.Println("examples:", err)
+		return
+	}
+	if s.OK() {
+		fmt.Println("All examples completed. Fetch an artifact: curl -s " + apiURL + "/v1/tasks/<task_id>/artifact")
+	}
+}
+
+func waitReady(ctx context.Context, apiURL string) bool {
+	cl := &submit.Client{BaseURL: apiURL}
+	for i := 0; i < 300; i++ {
+		if _, err := cl.Get(ctx, "00000000-0000-0000-0000-000000000000"); err == nil || !isConnErr(err) {
+			return true
+		}
+		select {
+		case <-ctx.Done():
+			return false
+		case <-time.After(100 * time.Millisecond):
+		}
+	}
+	return false
+}
+
+func isConnErr(err error) bool {
+	var ne net.Error
+	var oe *net.OpError
+	return errors.As(err, &oe) || errors.As(err, &ne)
+}
+
+func ensureDatabase(ctx context.Context, adminURL, name string) error {
+	conn, err := pgx.Connect(ctx, adminURL)
+	if err != nil {
+		return err
+	}
+	defer conn.Close(ctx)
+	var exists bool
+	if err := conn.QueryRow(ctx, "SELECT EXISTS (SELECT 1 FROM pg_database WHERE datname = $1)", name).Scan(&exists); err != nil {
+		return err
+	}
+	if exists {
+		return nil
+	}
+	_, err = conn.Exec(ctx, "CREATE DATABASE "+pgx.Identifier{name}.Sanitize())
+	return err
+}
+
+func redact(u string) string {
+	cfg, err := pgx.ParseConfig(u)
+	if err != nil {
+		return "(unparseable URL)"
+	}
+	return "postgres://" + cfg.User + "@" + cfg.Host + ":" + strconv.Itoa(int(cfg.Port)) + "/" + cfg.Database
+}

@@ -1,0 +1,123 @@
+// Command converge runs the converge pipeline: `converge dev` runs everything
+// in one process on embedded defaults (make run); `converge api|relay|worker|
+// projector|reconciler` run one component each against real services;
+// `converge submit` sends documents; `converge migrate` applies the schema.
+//
+// Every flag also reads a CONVERGE_* environment variable; README.md lists
+// them all.
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"os"
+	"os/signal"
+	"strings"
+	"syscall"
+
+	"github.com/alecthomas/kong"
+
+	"github.com/converge-run/converge/internal/fault"
+)
+
+// Globals are the options every subcommand shares.
+type Globals struct {
+	LogLevel  string `env:"CONVERGE_LOG_LEVEL" default:"info" enum:"debug,info,warn,error" help:"Log level (debug, info, warn, error)."`
+	LogFormat string `env:"CONVERGE_LOG_FORMAT" default:"text" enum:"text,json" help:"Log format (text or json)."`
+	Faults    string `env:"CONVERGE_FAULTS" help:"Fault points to arm, name=action[@n],... (off by default; see 'converge faults')."`
+}
+
+// Services are the endpoints of the three external services.
+type Services struct {
+	DatabaseURL  string   `name:"database-url" env:"CONVERGE_DATABASE_URL" help:"PostgreSQL URL (wal_level=logical for the relay)."`
+	KafkaBrokers []string `name:"kafka-brokers" env:"CONVERGE_KAFKA_BROKERS" sep:"," help:"Kafka bootstrap brokers, comma-separated."`
+	RedisURL     string   `name:"redis-url" env:"CONVERGE_REDIS_URL" help:"Redis URL (redis://host:port/db)."`
+}
+
+// Pipeline are the settings shared by the components.
+type Pipeline struct {
+	Topic           string `env:"CONVERGE_TOPIC" default:"converge.task-events.v1" help:"Task-events topic."`
+	TopicPartitions int32  `env:"CONVERGE_TOPIC_PARTITIONS" default:"4" help:"Partitions of the task-events topic when converge creates it."`
+	SlotName        string `env:"CONVERGE_SLOT_NAME" default:"converge_outbox" help:"Logical replication slot of the relay."`
+	PublicationName string `env:"CONVERGE_PUBLICATION_NAME" default:"converge_outbox" help:"Publication on outbox_event."`
+	ArtifactDir     string `env:"CONVERGE_ARTIFACT_DIR" help:"Artifact store directory (default: <data-dir>/artifacts for dev, required otherwise)."`
+	MaxBodyBytes    int64  `env:"CONVERGE_MAX_BODY_BYTES" default:"8388608" help:"Largest accepted POST /v1/tasks body in bytes (larger: 413)."`
+	HTTPAddr        string `name:"http-addr" env:"CONVERGE_HTTP_ADDR" default:"127.0.0.1:8080" help:"API listen address (also serves /metrics)."`
+}
+
+// CLI is the command line.
+type CLI struct {
+	Globals
+
+	Dev        DevCmd        `cmd:"" help:"Run the whole pipeline on embedded defaults (make run)."`
+	API        APICmd        `cmd:"" name:"api" help:"Run the HTTP API."`
+	Relay      RelayCmd      `cmd:"" help:"Run the CDC relay (outbox → Kafka)."`
+	Worker     WorkerCmd     `cmd:"" help:"Run the worker consumer group."`
+	Projector  ProjectorCmd  `cmd:"" help:"Run the Redis task-view projector."`
+	Reconciler ReconcilerCmd `cmd:"" help:"Run the reconciler."`
+	Migrate    MigrateCmd    `cmd:"" help:"Apply the database migrations."`
+	Submit     SubmitCmd     `cmd:"" help:"Submit JSON files and wait for their tasks."`
+	FaultList  FaultsCmd     `cmd:"" name:"faults" help:"List the fault points."`
+}
+
+func main() {
+	var cli CLI
+	kctx := kong.Parse(&cli,
+		kong.Name("converge"),
+		kong.Description("Reliable document-conversion tasks through PostgreSQL, Kafka and Redis (at-least-once delivery plus deduplication)."),
+		kong.UsageOnError(),
+	)
+	log := newLogger(cli.Globals)
+	slog.SetDefault(log)
+	faults, err := fault.Parse(cli.Faults)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "converge:", err)
+		os.Exit(2)
+	}
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	err = kctx.Run(&runEnv{ctx: ctx, log: log, faults: faults})
+	if err != nil && !errors.Is(err, context.Canceled) {
+		var ec exitCode
+		if errors.As(err, &ec) {
+			os.Exit(int(ec))
+		}
+		fmt.Fprintln(os.Stderr, "converge:", err)
+		os.Exit(1)
+	}
+}
+
+// runEnv is what every subcommand's Run receives.
+type runEnv struct {
+	ctx    context.Context
+	log    *slog.Logger
+	faults *fault.Set
+}
+
+// exitCode ends the process with a status without printing an error.
+type exitCode int
+
+func (e exitCode) Error() string { return fmt.Sprintf("exit status %d", int(e)) }
+
+func newLogger(g Globals) *slog.Logger {
+	var lvl slog.Level
+	_ = lvl.UnmarshalText([]byte(g.LogLevel))
+	opts := &slog.HandlerOptions{Level: lvl}
+	if strings.EqualFold(g.LogFormat, "json") {
+		return slog.New(slog.NewJSONHandler(os.Stderr, opts))
+	}
+	return slog.New(slog.NewTextHandler(os.Stderr, opts))
+}
+
+// FaultsCmd lists the fault points.
+type FaultsCmd struct{}
+
+// Run prints one fault point name per line.
+func (FaultsCmd) Run(env *runEnv) error {
+	for _, n := range fault.Names() {
+		fmt.Println(n)
+	}
+	return nil
+}

@@ -1,0 +1,373 @@
+package reconciler
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/converge-run/converge/internal/artifact"
+)
+
+// CodeArtifactVerificationFailed is the effect error code of an artifact
+// whose stored object does not match its ledger request (seed 7.1); the
+// worker uses the same code.
+const CodeArtifactVerificationFailed = "ARTIFACT_VERIFICATION_FAILED"
+
+// Action kinds, the kind label of converge_reconciler_actions_total.
+const (
+	// ActionVerified: an effect started/unknown past the deadline was found
+	// in the store, matching its request: -> verified.
+	ActionVerified = "verified"
+	// ActionPlanned: such an effect's object is absent: -> planned (not
+	// executed; safe to retry with the same token).
+	ActionPlanned = "planned"
+	// ActionCompensationRequired: such an effect's object is present but
+	// does not match: -> compensation_required.
+	ActionCompensationRequired = "compensation_required"
+	// ActionCompensated: a compensation_required effect's object was hidden
+	// under its own ledger entry: -> compensated.
+	ActionCompensated = "compensated"
+	// ActionSkipped: the compare-and-set found the effect changed since it
+	// was read; nothing was written.
+	ActionSkipped = "skipped"
+	// ActionError: observing the store or writing the repair failed; the
+	// effect is retried on a later pass.
+	ActionError = "error"
+)
+
+// Config configures a Reconciler. Zero values take the defaults noted.
+type Config struct {
+	// DatabaseURL of PostgreSQL, used when Pool is nil; the reconciler then
+	// owns the pool and closes it when Run returns. One of DatabaseURL and
+	// Pool is required.
+	DatabaseURL string
+	// Pool to use; the reconciler does not close it.
+	Pool *pgxpool.Pool
+	// ArtifactStore is observed to resolve effects. Required.
+	ArtifactStore *artifact.Store
+	// Interval between passes of Run. Defaults to 5s.
+	Interval time.Duration
+	// EffectDeadline is how long an effect may stay started or unknown (or
+	// compensation_required) without an update before a pass repairs it: a
+	// worker still on the effect updates it well within this time. Defaults
+	// to 30s.
+	EffectDeadline time.Duration
+	// BatchSize bounds the effects each scan of one pass handles. Defaults
+	// to 100.
+	BatchSize int
+	// Logger defaults to slog.Default().
+	Logger *slog.Logger
+	// Registerer receives the converge_reconciler_* metrics. Defaults to a
+	// new prometheus.NewRegistry() (metrics then go nowhere).
+	Registerer prometheus.Registerer
+}
+
+func (c *Config) setDefaults() {
+	if c.Interval <= 0 {
+		c.Interval = 5 * time.Second
+	}
+	if c.EffectDeadline <= 0 {
+		c.EffectDeadline = 30 * time.Second
+	}
+	if c.BatchSize <= 0 {
+		c.BatchSize = 100
+	}
+	if c.Logger == nil {
+		c.Logger = slog.Default()
+	}
+	if c.Registerer == nil {
+		c.Registerer = prometheus.NewRegistry()
+	}
+}
+
+// Validate reports a missing field.
+func (c *Config) Validate() error {
+	switch {
+	case c.Pool == nil && c.DatabaseURL == "":
+		return errors.New("reconciler: one of Pool and DatabaseURL is required")
+	case c.ArtifactStore == nil:
+		return errors.New("reconciler: ArtifactStore is required")
+	}
+	return nil
+}
+
+// Reconciler repairs effect ledger drift (see the package doc).
+type Reconciler struct {
+	cfg     Config
+	log     *slog.Logger
+	pool    *pgxpool.Pool
+	ownPool bool
+	store   *artifact.Store
+	m       *metrics
+
+	// beforeRepair, when set (tests), runs after an effect was read and
+	// observed and before its compare-and-set.
+	beforeRepair func(ctx context.Context, effectID string)
+}
+
+// New validates cfg and returns a Reconciler. It registers the metrics on
+// cfg.Registerer (an error if they are already registered there) and, with
+// DatabaseURL, creates a pool (connections are made on first use).
+func New(cfg Config) (*Reconciler, error) {
+	cfg.setDefaults()
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	m, err := newMetrics(cfg.Registerer)
+	if err != nil {
+		return nil, err
+	}
+	r := &Reconciler{cfg: cfg, log: cfg.Logger, pool: cfg.Pool, store: cfg.ArtifactStore, m: m}
+	if r.pool == nil {
+		pool, err := pgxpool.New(context.Background(), cfg.DatabaseURL)
+		if err != nil {
+			return nil, fmt.Errorf("reconciler: open database pool: %w", err)
+		}
+		r.pool, r.ownPool = pool, true
+	}
+	return r, nil
+}
+
+// Run runs a pass at once and then every Interval until ctx is cancelled,
+// then returns nil. A failed pass is logged and counted; the next pass
+// tries again.
+func (r *Reconciler) Run(ctx context.Context) error {
+	if r.ownPool {
+		defer r.pool.Close()
+	}
+	t := time.NewTicker(r.cfg.Interval)
+	defer t.Stop()
+	r.log.InfoContext(ctx, "reconciler started", slog.Duration("interval", r.cfg.Interval), slog.Duration("effect_deadline", r.cfg.EffectDeadline))
+	for {
+		res, err := r.Pass(ctx)
+		switch {
+		case ctx.Err() != nil:
+		case err != nil:
+			r.log.WarnContext(ctx, "reconciler pass failed", slog.Any("err", err))
+		case res.Examined > 0:
+			r.log.InfoContext(ctx, "reconciler pass", slog.Any("result", res))
+		}
+		select {
+		case <-ctx.Done():
+			r.log.Info("reconciler stopped")
+			return nil
+		case <-t.C:
+		}
+	}
+}
+
+// Result counts what one pass did.
+type Result struct {
+	// Examined is the number of effects the pass read.
+	Examined int
+	// Verified, Planned, CompensationRequired and Compensated count the
+	// repairs written, by new state.
+	Verified, Planned, CompensationRequired, Compensated int
+	// Skipped counts compare-and-sets that found the effect changed
+	// concurrently (nothing written).
+	Skipped int
+	// Errors counts effects whose observation or repair failed; they are
+	// examined again on a later pass.
+	Errors int
+}
+
+// Pass runs one bounded reconciliation pass:
+//
+//  1. Effects of kind artifact.put in state started or unknown whose
+//     updated_at is older than EffectDeadline (at most BatchSize, oldest
+//     first) are resolved by observing the store under the same token
+//     (seed 7): present and matching task id, attempt, size and request
+//     SHA-256 -> verified (with observed_result_sha256); present and not
+//     matching -> compensation_required (error_code
+//     ARTIFACT_VERIFICATION_FAILED); absent -> planned (not executed, safe
+//     to retry with the same token).
+//  2. Effects of kind artifact.put in state compensation_required past the
+//     deadline (at most BatchSize) are compensated (seed 8): an
+//     artifact.hide ledger row with token "compensation-for-<effect_id>",
+//     store Hide, Head must report the object gone, hide -> verified,
+//     effect -> compensated.
+//
+// Every write is a compare-and-set on the state read, so a pass never
+// overwrites a change made after it read the effect. Pass returns an error
+// only when a scan query fails; per-effect failures are counted in Errors.
+func (r *Reconciler) Pass(ctx context.Context) (Result, error) {
+	start := time.Now()
+	var res Result
+	err := r.pass(ctx, &res)
+	result := "ok"
+	if err != nil {
+		result = "error"
+	}
+	r.m.passes.WithLabelValues(result).Inc()
+	r.m.passSeconds.Observe(time.Since(start).Seconds())
+	return res, err
+}
+
+func (r *Reconciler) pass(ctx context.Context, res *Result) error {
+	unresolved, err := staleEffects(ctx, r.pool, kindArtifactPut, []string{stateStarted, stateUnknown}, r.cfg.EffectDeadline, r.cfg.BatchSize)
+	if err != nil {
+		return err
+	}
+	for _, e := range unresolved {
+		res.Examined++
+		r.count(res, r.resolve(ctx, e))
+	}
+	pending, err := staleEffects(ctx, r.pool, kindArtifactPut, []string{stateCompensationRequired}, r.cfg.EffectDeadline, r.cfg.BatchSize)
+	if err != nil {
+		return err
+	}
+	for _, e := range pending {
+		res.Examined++
+		r.count(res, r.compensate(ctx, e))
+	}
+	return nil
+}
+
+func (r *Reconciler) count(res *Result, action string) {
+	r.m.actions.WithLabelValues(action).Inc()
+	switch action {
+	case ActionVerified:
+		res.Verified++
+	case ActionPlanned:
+		res.Planned++
+	case ActionCompensationRequired:
+		res.CompensationRequired++
+	case ActionCompensated:
+		res.Compensated++
+	case ActionSkipped:
+		res.Skipped++
+	default:
+		res.Errors++
+	}
+}
+
+// resolve observes the store for an effect whose outcome is not known and
+// records what it sees, by compare-and-set. It returns the action taken.
+func (r *Reconciler) resolve(ctx context.Context, e effect) string {
+	log := r.log.With(slog.String("effect_id", e.EffectID), slog.String("state", e.State))
+	obs, err := r.store.Observe(e.Token)
+	var to string
+	var observed, code *string
+	switch {
+	case errors.Is(err, artifact.ErrNotFound):
+		to = statePlanned
+	case err != nil:
+		log.WarnContext(ctx, "observe artifact", slog.Any("err", err))
+		return ActionError
+	case matches(obs, e):
+		to, observed = stateVerified, &obs.SHA256
+	default:
+		c := CodeArtifactVerificationFailed
+		to, observed, code = stateCompensationRequired, &obs.SHA256, &c
+	}
+	if r.beforeRepair != nil {
+		r.beforeRepair(ctx, e.EffectID)
+	}
+	ok, err := setState(ctx, r.pool, e.EffectID, e.State, to, observed, code)
+	if err != nil {
+		log.WarnContext(ctx, "repair effect", slog.Any("err", err))
+		return ActionError
+	}
+	if !ok {
+		log.InfoContext(ctx, "effect changed concurrently; left alone", slog.String("wanted", to))
+		return ActionSkipped
+	}
+	log.InfoContext(ctx, "effect repaired", slog.String("new_state", to))
+	switch to {
+	case stateVerified:
+		return ActionVerified
+	case statePlanned:
+		return ActionPlanned
+	}
+	return ActionCompensationRequired
+}
+
+// matches is the read-back check of seed 7.1: the object's metadata names
+// the effect's task and attempt, and the stored bytes have the request's
+// size and SHA-256.
+func matches(obs artifact.Observation, e effect) bool {
+	return obs.Meta.TaskID == e.TaskID && obs.Meta.Attempt == e.Attempt &&
+		obs.Size == e.RequestSize && obs.SHA256 == e.RequestSHA256 &&
+		obs.Meta.Size == e.RequestSize && obs.Meta.SHA256 == e.RequestSHA256
+}
+
+// compensate hides the object of a compensation_required effect under its
+// own ledger entry and marks the effect compensated (seed 8).
+func (r *Reconciler) compensate(ctx context.Context, e effect) string {
+	log := r.log.With(slog.String("effect_id", e.EffectID))
+	sha := e.RequestSHA256
+	if e.ObservedSHA256 != nil {
+		sha = *e.ObservedSHA256
+	}
+	hideID, hideState, err := planHide(ctx, r.pool, e, sha)
+	if err != nil {
+		log.WarnContext(ctx, "plan compensation", slog.Any("err", err))
+		return ActionError
+	}
+	if hideState != stateVerified {
+		if err := r.store.Hide(e.Token); err != nil {
+			log.WarnContext(ctx, "hide artifact", slog.Any("err", err))
+			return ActionError
+		}
+		if _, err := r.store.Head(e.Token); !errors.Is(err, artifact.ErrNotFound) {
+			log.WarnContext(ctx, "artifact still readable after hide", slog.Any("err", err))
+			return ActionError
+		}
+		if _, err := setState(ctx, r.pool, hideID, hideState, stateVerified, nil, nil); err != nil {
+			log.WarnContext(ctx, "record compensation", slog.Any("err", err))
+			return ActionError
+		}
+	}
+	if r.beforeRepair != nil {
+		r.beforeRepair(ctx, e.EffectID)
+	}
+	ok, err := setState(ctx, r.pool, e.EffectID, stateCompensationRequired, stateCompensated, nil, nil)
+	if err != nil {
+		log.WarnContext(ctx, "record compensation", slog.Any("err", err))
+		return ActionError
+	}
+	if !ok {
+		return ActionSkipped
+	}
+	log.InfoContext(ctx, "effect compensated", slog.String("compensation_id", hideID))
+	return ActionCompensated
+}
+
+// metrics are the converge_reconciler_* collectors (listed in doc.go).
+type metrics struct {
+	actions     *prometheus.CounterVec
+	passes      *prometheus.CounterVec
+	passSeconds prometheus.Histogram
+}
+
+func newMetrics(reg prometheus.Registerer) (*metrics, error) {
+	m := &metrics{
+		actions: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "converge_reconciler_actions_total",
+			Help: "Effects handled by reconciler passes, by action (verified, planned, compensation_required, compensated, skipped, error).",
+		}, []string{"kind"}),
+		passes: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "converge_reconciler_passes_total",
+			Help: "Reconciler passes, by result (ok, error).",
+		}, []string{"result"}),
+		passSeconds: prometheus.NewHistogram(prometheus.HistogramOpts{
+			Name:    "converge_reconciler_pass_seconds",
+			Help:    "Duration of one reconciler pass.",
+			Buckets: prometheus.ExponentialBuckets(0.001, 3, 12),
+		}),
+	}
+	for _, k := range []string{ActionVerified, ActionPlanned, ActionCompensationRequired, ActionCompensated, ActionSkipped, ActionError} {
+		m.actions.WithLabelValues(k)
+	}
+	for _, c := range []prometheus.Collector{m.actions, m.passes, m.passSeconds} {
+		if err := reg.Register(c); err != nil {
+			return nil, fmt.Errorf("reconciler: register metrics: %w", err)
+		}
+	}
+	return m, nil
+}

@@ -1,0 +1,267 @@
+package reconciler
+
+import (
+	"context"
+	"crypto/sha256"
+	"encoding/hex"
+	"errors"
+	"io"
+	"log/slog"
+	"testing"
+	"time"
+
+	"github.com/google/uuid"
+	"github.com/prometheus/client_golang/prometheus"
+	dto "github.com/prometheus/client_model/go"
+
+	"github.com/converge-run/converge/internal/artifact"
+	"github.com/converge-run/converge/internal/testenv"
+)
+
+type testBundle struct {
+	db    *testenv.DB
+	store *artifact.Store
+	r     *Reconciler
+}
+
+func setup(t *testing.T, cfg Config) *testBundle {
+	t.Helper()
+	b := &testBundle{db: testenv.NewDB(t)}
+	var err error
+	b.store, err = artifact.Open(t.TempDir(), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg.Pool, cfg.ArtifactStore = b.db.Pool, b.store
+	cfg.Logger = slog.New(slog.NewTextHandler(io.Discard, nil))
+	cfg.Registerer = prometheus.NewRegistry()
+	b.r, err = New(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return b
+}
+
+func sum(b []byte) string {
+	s := sha256.Sum256(b)
+	return hex.EncodeToString(s[:])
+}
+
+// effectFor inserts a running task (attempt 1) and its artifact.put effect
+// in state, last updated age ago, with data as the effect's request, and
+// returns the effect's token.
+func (b *testBundle) effectFor(t *testing.T, state string, data []byte, age time.Duration) string {
+	t.Helper()
+	ctx := context.Background()
+	taskID := "task-" + uuid.NewString()
+	token := artifact.Token(taskID, 1)
+	_, err := b.db.Pool.Exec(ctx, `
+INSERT INTO task (task_id, request_fingerprint, status, version, attempt, output_format, input_sha256, input_size)
+VALUES ($1, $2, 'running', 1, 1, 'jcs', $2, $3)`, taskID, sum(data), len(data))
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, err = b.db.Pool.Exec(ctx, `
+INSERT INTO effect_ledger (effect_id, task_id, attempt, effect_kind, idempotency_token, target_identity, state,
+  request_sha256, request_size, updated_at)
+VALUES ($1, $2, 1, 'artifact.put', $1, 'artifact://' || $1, $3, $4, $5, now() - make_interval(secs => $6))`,
+		token, taskID, state, sum(data), len(data), age.Seconds())
+	if err != nil {
+		t.Fatal(err)
+	}
+	return token
+}
+
+type row struct {
+	state    string
+	observed *string
+	code     *string
+}
+
+func (b *testBundle) effect(t *testing.T, kind, token string) row {
+	t.Helper()
+	var r row
+	err := b.db.Pool.QueryRow(context.Background(), `
+SELECT state, observed_result_sha256, error_code FROM effect_ledger WHERE effect_kind = $1 AND idempotency_token = $2`,
+		kind, token).Scan(&r.state, &r.observed, &r.code)
+	if err != nil {
+		t.Fatalf("read effect %s: %v", token, err)
+	}
+	return r
+}
+
+func (b *testBundle) put(t *testing.T, token string, attempt int, data []byte) {
+	t.Helper()
+	taskID := token[:len(token)-len(".attempt-1")]
+	if _, err := b.store.Put(token, taskID, attempt, data); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func (b *testBundle) actions(kind string) float64 {
+	var m dto.Metric
+	if err := b.r.m.actions.WithLabelValues(kind).Write(&m); err != nil {
+		return -1
+	}
+	return m.GetCounter().GetValue()
+}
+
+func TestPassResolvesStaleEffects(t *testing.T) {
+	t.Parallel()
+	b := setup(t, Config{EffectDeadline: time.Minute})
+	old := time.Hour
+	data := []byte(`{"a":1}`)
+
+	present := b.effectFor(t, stateStarted, data, old)
+	b.put(t, present, 1, data)
+	absent := b.effectFor(t, stateUnknown, data, old)
+	wrongBytes := b.effectFor(t, stateStarted, data, old)
+	b.put(t, wrongBytes, 1, []byte(`{"a":2}`))
+	wrongAttempt := b.effectFor(t, stateUnknown, data, old)
+	b.put(t, wrongAttempt, 2, data)
+	fresh := b.effectFor(t, stateStarted, data, 0)
+	done := b.effectFor(t, stateVerified, data, old)
+
+	res, err := b.r.Pass(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := Result{Examined: 4, Verified: 1, Planned: 1, CompensationRequired: 2}
+	if res != want {
+		t.Errorf("Pass = %+v, want %+v", res, want)
+	}
+	if e := b.effect(t, kindArtifactPut, present); e.state != stateVerified || e.observed == nil || *e.observed != sum(data) {
+		t.Errorf("present: %+v, want verified with observed hash", e)
+	}
+	if e := b.effect(t, kindArtifactPut, absent); e.state != statePlanned || e.observed != nil {
+		t.Errorf("absent: %+v, want planned", e)
+	}
+	for _, tok := range []string{wrongBytes, wrongAttempt} {
+		e := b.effect(t, kindArtifactPut, tok)
+		if e.state != stateCompensationRequired || e.code == nil || *e.code != CodeArtifactVerificationFailed || e.observed == nil {
+			t.Errorf("%s: %+v, want compensation_required with code and observed hash", tok, e)
+		}
+	}
+	if e := b.effect(t, kindArtifactPut, fresh); e.state != stateStarted {
+		t.Errorf("fresh effect touched: %+v", e)
+	}
+	if e := b.effect(t, kindArtifactPut, done); e.state != stateVerified || e.observed != nil {
+		t.Errorf("verified effect touched: %+v", e)
+	}
+	for kind, n := range map[string]float64{ActionVerified: 1, ActionPlanned: 1, ActionCompensationRequired: 2, ActionSkipped: 0, ActionError: 0} {
+		if got := b.actions(kind); got != n {
+			t.Errorf("actions{kind=%s} = %v, want %v", kind, got, n)
+		}
+	}
+
+	// A second pass right away finds nothing past the deadline.
+	if res, err := b.r.Pass(context.Background()); err != nil || res != (Result{}) {
+		t.Errorf("second pass = %+v, %v; want nothing", res, err)
+	}
+
+	// Past the deadline, compensation_required effects are compensated.
+	if _, err := b.db.Pool.Exec(context.Background(), `UPDATE effect_ledger SET updated_at = now() - interval '1 hour' WHERE state = 'compensation_required'`); err != nil {
+		t.Fatal(err)
+	}
+	res, err = b.r.Pass(context.Background())
+	if err != nil || res != (Result{Examined: 2, Compensated: 2}) {
+		t.Errorf("compensation pass = %+v, %v; want 2 compensated", res, err)
+	}
+	for _, tok := range []string{wrongBytes, wrongAttempt} {
+		if e := b.effect(t, kindArtifactPut, tok); e.state != stateCompensated {
+			t.Errorf("%s: %s, want compensated", tok, e.state)
+		}
+		if h := b.effect(t, "artifact.hide", "compensation-for-"+tok); h.state != stateVerified {
+			t.Errorf("hide of %s: %s, want verified", tok, h.state)
+		}
+		if _, err := b.store.Head(tok); !errors.Is(err, artifact.ErrNotFound) {
+			t.Errorf("%s readable after compensation: %v", tok, err)
+		}
+	}
+	if _, err := b.store.Head(present); err != nil {
+		t.Errorf("verified artifact hidden: %v", err)
+	}
+}
+
+// A pass never overwrites an effect that changed after the pass read it.
+func TestPassIsCompareAndSet(t *testing.T) {
+	t.Parallel()
+	b := setup(t, Config{})
+	data := []byte(`[1,2]`)
+	absent := b.effectFor(t, stateStarted, data, time.Hour)
+	// While the pass observes the store (and finds nothing), the worker
+	// writes the artifact and records the effect verified.
+	b.r.beforeRepair = func(ctx context.Context, effectID string) {
+		b.put(t, absent, 1, data)
+		if _, err := b.db.Pool.Exec(ctx, `UPDATE effect_ledger SET state = 'verified', observed_result_sha256 = $2 WHERE effect_id = $1`, effectID, sum(data)); err != nil {
+			t.Error(err)
+		}
+	}
+	res, err := b.r.Pass(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if res != (Result{Examined: 1, Skipped: 1}) {
+		t.Errorf("Pass = %+v, want 1 skipped", res)
+	}
+	if e := b.effect(t, kindArtifactPut, absent); e.state != stateVerified || e.observed == nil || *e.observed != sum(data) {
+		t.Errorf("effect %+v, want the concurrent verified state kept", e)
+	}
+	if got := b.actions(ActionSkipped); got != 1 {
+		t.Errorf("actions{kind=skipped} = %v, want 1", got)
+	}
+}
+
+func TestPassIsBounded(t *testing.T) {
+	t.Parallel()
+	b := setup(t, Config{BatchSize: 2})
+	for i := 0; i < 5; i++ {
+		b.effectFor(t, stateStarted, []byte(`{}`), time.Hour+time.Duration(i)*time.Minute)
+	}
+	for i, want := range []int{2, 2, 1, 0} {
+		res, err := b.r.Pass(context.Background())
+		if err != nil {
+			t.Fatal(err)
+		}
+		if res.Examined != want || res.Planned != want {
+			t.Errorf("pass %d: %+v, want %d examined and planned", i, res, want)
+		}
+	}
+}
+
+func TestRunRepairsAndStops(t *testing.T) {
+	t.Parallel()
+	b := setup(t, Config{Interval: 20 * time.Millisecond})
+	data := []byte(`"x"`)
+	tok := b.effectFor(t, stateUnknown, data, time.Hour)
+	b.put(t, tok, 1, data)
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- b.r.Run(ctx) }()
+	testenv.Eventually(t, 10*time.Second, "effect verified by Run", func() bool {
+		return b.effect(t, kindArtifactPut, tok).state == stateVerified
+	})
+	cancel()
+	select {
+	case err := <-done:
+		if err != nil {
+			t.Errorf("Run = %v, want nil", err)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("Run did not stop")
+	}
+}
+
+func TestNewValidates(t *testing.T) {
+	t.Parallel()
+	store, err := artifact.Open(t.TempDir(), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := New(Config{ArtifactStore: store}); err == nil {
+		t.Error("New without a database: want an error")
+	}
+	if _, err := New(Config{DatabaseURL: "postgres://x/y"}); err == nil {
+		t.Error("New without a store: want an error")
+	}
+}

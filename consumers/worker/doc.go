@@ -1,0 +1,86 @@
+// Package worker is converge's task worker: a Kafka consumer group on the
+// task-events topic that turns each TaskCreated event into a verified
+// artifact — the RFC 8785 canonical form of the task's document — and moves
+// the task to completed (or failed), with the next event written to the
+// outbox in the same transaction (seed sections 6, 7, 7.1, 10, 12, 13.3).
+//
+// Delivery is at-least-once; the worker makes repeated deliveries harmless.
+// It never claims more than that.
+//
+// # Per record
+//
+//  1. Records whose event-type header is not TaskCreated (the worker's own
+//     TaskCompleted/TaskFailed share the topic) are skipped: "ignored".
+//  2. The record is checked against the contract of package taskevent:
+//     SHA-256 of the value == payload-sha256 header, the value decodes,
+//     event-id header == event_id, key == task_id. A failure is
+//     deterministic (see below).
+//  3. Intake transaction: inbox_message (consumer_name = Group, message_id
+//     = event id, payload_sha256) is inserted as processing; the primary key
+//     decides. Same id and another hash: an inbox_conflict row, nothing
+//     processed ("conflict", seed 13.4). Same hash and completed/failed: a
+//     duplicate, only deliveries is counted ("duplicate"). Same hash and
+//     processing: an earlier delivery stopped mid-way and is resumed. The
+//     task moves queued -> running by a compare-and-set on the event's
+//     version (version+1, attempt+1); a task already running is resumed at
+//     its current attempt, a terminal one makes the delivery a duplicate. The
+//     document is canonicalized and the effect's ledger row (kind
+//     artifact.put, token artifact.Token(task, attempt), request SHA-256 and
+//     size of the canonical bytes, state started) is written before the
+//     store is called.
+//  4. Effect: a verified ledger row skips to completion. Otherwise the store
+//     is observed by token first (Head): a present object is never written
+//     again; an absent one is Put with the same token. A Put timeout sets the
+//     effect to unknown and is resolved by observing the same token, never
+//     by a new token (seed 7). The object is then read back in full and its
+//     metadata (task id, attempt), size and SHA-256 compared with the
+//     ledger's request (seed 7.1).
+//  5. Completion transaction: effect -> verified (compare-and-set from the
+//     state read), task running -> completed with the artifact's SHA-256 and
+//     size (compare-and-set on version), inbox -> completed, and a
+//     TaskCompleted outbox row (outbox_id a UUIDv7). A verification mismatch
+//     instead fails the task with ARTIFACT_VERIFICATION_FAILED in one
+//     transaction (effect -> compensation_required, task -> failed, inbox ->
+//     failed, TaskFailed outbox row) and then compensates (seed 8): a ledger
+//     row of kind artifact.hide with token "compensation-for-<effect_id>",
+//     store Hide, Head must then report the object gone, hide effect ->
+//     verified, original effect -> compensated. An unfinished compensation
+//     stays compensation_required for the reconciler.
+//
+// # Offsets and order
+//
+// Records of one partition are processed in order; partitions of one poll
+// run concurrently (Concurrency). The offset of a record is committed only
+// after the transaction recording its outcome committed, synchronously
+// after each poll, in OnPartitionsRevoked, and at shutdown; rebalances are
+// blocked while a poll is processed (BlockRebalanceOnPoll), so a commit never
+// covers a partition the member no longer owns.
+//
+// # Errors
+//
+// Retryable decides, once, what happens to a failed attempt. Retryable
+// errors (database unavailable, deadlines, store I/O, concurrent changes,
+// injected faults) retry the same record in place with exponential backoff
+// and jitter, bounded by RetryBackoffMax, so partition order is preserved
+// and nothing is skipped. Deterministic errors are recorded — an inbox row
+// in state failed with result_json {"error_code": ...} when the record has
+// an event id, else a log line — counted as "failed", and the offset is
+// committed, so a poison record never blocks its partition (dead-lettering
+// is the reconciler's later concern).
+//
+// # Fault points
+//
+// fault.WorkerAfterArtifactWrite fires after the write and read-back, before
+// the completion transaction: the attempt fails and is retried (or the
+// record is redelivered after a restart), and finds the object by token.
+// fault.WorkerBeforeOffsetCommit fires after the outcomes of a poll are
+// durable, before the offset commit: the offsets are forgotten (a lost ack)
+// and the records come again after a restart or rebalance, as duplicates.
+//
+// # Metrics
+//
+//	converge_worker_messages_total{outcome}          counter   records by outcome: processed, duplicate, conflict, ignored, failed, retried (one per failed attempt)
+//	converge_worker_effect_transitions_total{kind,state} counter effect ledger transitions made by the worker (kind artifact.put|artifact.hide; state started, unknown, verified, compensation_required, compensated, failed)
+//	converge_worker_processing_seconds               histogram first attempt on a record to its durable outcome, retries included
+//	converge_worker_task_end_to_end_seconds          histogram task created_at to completed_at of the tasks this worker completed
+package worker

@@ -1,0 +1,469 @@
+package worker
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/twmb/franz-go/pkg/kgo"
+
+	"github.com/converge-run/converge/internal/artifact"
+	"github.com/converge-run/converge/internal/canon"
+	"github.com/converge-run/converge/internal/fault"
+	"github.com/converge-run/converge/internal/taskevent"
+)
+
+// handle processes one record once. It returns the outcome, or an error
+// that Retryable classifies.
+func (w *Worker) handle(ctx context.Context, r *kgo.Record) (string, error) {
+	hdr := headers(r)
+	if t, ok := hdr[taskevent.HeaderEventType]; ok && t != taskevent.TypeTaskCreated {
+		return OutcomeIgnored, nil
+	}
+	ev, err := verifyRecord(r, hdr)
+	if err != nil {
+		return "", err
+	}
+	if ev.EventType != taskevent.TypeTaskCreated {
+		if _, ok := hdr[taskevent.HeaderEventType]; ok {
+			return "", &DeterministicError{Code: CodeEventTypeMismatch, Err: fmt.Errorf("header TaskCreated, value %s", ev.EventType)}
+		}
+		return OutcomeIgnored, nil
+	}
+	return w.process(ctx, r, ev, hdr[taskevent.HeaderPayloadSHA256])
+}
+
+func headers(r *kgo.Record) map[string]string {
+	h := make(map[string]string, len(r.Headers))
+	for _, kv := range r.Headers {
+		h[kv.Key] = string(kv.Value)
+	}
+	return h
+}
+
+// verifyRecord checks a record against the contract of package taskevent:
+// payload hash header, decodable value, event id header, key.
+func verifyRecord(r *kgo.Record, hdr map[string]string) (*taskevent.Event, error) {
+	if sum := canon.SHA256Hex(r.Value); hdr[taskevent.HeaderPayloadSHA256] != sum {
+		return nil, &DeterministicError{Code: CodePayloadHashMismatch,
+			Err: fmt.Errorf("header %q, value hashes to %s", hdr[taskevent.HeaderPayloadSHA256], sum)}
+	}
+	ev, err := taskevent.Decode(r.Value)
+	if err != nil {
+		return nil, &DeterministicError{Code: CodeInvalidEvent, Err: err}
+	}
+	if id := hdr[taskevent.HeaderEventID]; id != ev.EventID {
+		return nil, &DeterministicError{Code: CodeEventIDMismatch, Err: fmt.Errorf("header %q, value %q", id, ev.EventID)}
+	}
+	if string(r.Key) != ev.TaskID {
+		return nil, &DeterministicError{Code: CodeKeyMismatch, Err: fmt.Errorf("key %q, task %q", r.Key, ev.TaskID)}
+	}
+	return ev, nil
+}
+
+// recordFailure makes a deterministic failure durable (see store's
+// recordFailure). A record without a message id (no event-id header, value
+// not decodable) is only logged and counted.
+func (w *Worker) recordFailure(ctx context.Context, r *kgo.Record, cause error) (string, error) {
+	msgID := headers(r)[taskevent.HeaderEventID]
+	if msgID == "" {
+		if ev, err := taskevent.Decode(r.Value); err == nil {
+			msgID = ev.EventID
+		}
+	}
+	if msgID == "" {
+		w.log.ErrorContext(ctx, "undecodable record without event id skipped", slog.String("topic", r.Topic),
+			slog.Int("partition", int(r.Partition)), slog.Int64("offset", r.Offset), slog.String("code", ErrorCode(cause)))
+		return OutcomeFailed, nil
+	}
+	var outcome string
+	err := pgx.BeginFunc(ctx, w.pool, func(tx pgx.Tx) error {
+		var err error
+		outcome, err = recordFailure(ctx, tx, conflictRecord{Consumer: w.cfg.Group, MessageID: msgID,
+			PayloadSHA256: canon.SHA256Hex(r.Value), Topic: r.Topic, Partition: r.Partition, Offset: r.Offset}, ErrorCode(cause))
+		return err
+	})
+	return outcome, err
+}
+
+// job is one TaskCreated delivery being processed.
+type job struct {
+	rec      *kgo.Record
+	ev       *taskevent.Event
+	sha      string // payload SHA-256 (the inbox's payload hash)
+	task     taskevent.Task
+	effect   effectRow
+	planned  bool   // this delivery inserted the effect row
+	artifact []byte // canonical bytes, the effect's request
+}
+
+// process runs the worker protocol for a verified TaskCreated event (seed 6,
+// 7, 7.1, 10): intake transaction, effect, completion transaction.
+func (w *Worker) process(ctx context.Context, r *kgo.Record, ev *taskevent.Event, sha string) (string, error) {
+	j := &job{rec: r, ev: ev, sha: sha}
+	var outcome string
+	err := pgx.BeginFunc(ctx, w.pool, func(tx pgx.Tx) error {
+		var err error
+		outcome, err = w.intake(ctx, tx, j)
+		return err
+	})
+	if err != nil {
+		return "", err
+	}
+	if outcome != "" {
+		return outcome, nil
+	}
+	if j.planned {
+		w.m.effects.WithLabelValues(kindArtifactPut, effectStarted).Inc()
+	}
+	return w.execute(ctx, j)
+}
+
+// intake is the first transaction: register the message in the inbox, move
+// the task queued -> running, canonicalize the document and write the
+// effect's ledger row before the effect is attempted. A non-empty outcome
+// means the delivery is finished (duplicate, conflict, failed transform).
+func (w *Worker) intake(ctx context.Context, tx pgx.Tx, j *job) (string, error) {
+	group, ev := w.cfg.Group, j.ev
+	inserted, err := insertInbox(ctx, tx, group, ev.EventID, j.sha)
+	if err != nil {
+		return "", err
+	}
+	if !inserted {
+		row, err := lockInbox(ctx, tx, group, ev.EventID)
+		if err != nil {
+			return "", err
+		}
+		if row.PayloadSHA256 != j.sha {
+			w.log.ErrorContext(ctx, "message id reused with a different payload", slog.String("event_id", ev.EventID),
+				slog.String("stored_sha256", row.PayloadSHA256), slog.String("payload_sha256", j.sha))
+			return OutcomeConflict, insertInboxConflict(ctx, tx, conflictRecord{Consumer: group, MessageID: ev.EventID,
+				PayloadSHA256: j.sha, StoredSHA256: row.PayloadSHA256, Topic: j.rec.Topic, Partition: j.rec.Partition, Offset: j.rec.Offset})
+		}
+		if err := touchInbox(ctx, tx, group, ev.EventID); err != nil {
+			return "", err
+		}
+		if row.State != inboxProcessing {
+			return OutcomeDuplicate, nil
+		}
+		// processing: an earlier delivery stopped mid-way; resume it (the
+		// ledger makes the effect safe to resume, seed 13.3).
+	}
+	task, ok, err := startTask(ctx, tx, ev.TaskID, ev.TaskVersion)
+	if err != nil {
+		return "", err
+	}
+	if !ok {
+		var found bool
+		task, found, err = getTask(ctx, tx, ev.TaskID)
+		switch {
+		case err != nil:
+			return "", err
+		case !found:
+			return "", &DeterministicError{Code: CodeTaskNotFound, Err: fmt.Errorf("task %s", ev.TaskID)}
+		case task.Status == taskevent.StatusRunning:
+			// resumed below with the task's current attempt
+		case taskevent.Terminal(task.Status):
+			if _, err := finishInbox(ctx, tx, group, ev.EventID, inboxCompleted,
+				map[string]any{"task_version": task.Version, "task_status": task.Status}); err != nil {
+				return "", err
+			}
+			return OutcomeDuplicate, nil
+		default:
+			return "", &DeterministicError{Code: CodeTaskVersionConflict,
+				Err: fmt.Errorf("task %s is %s at version %d, event version %d", task.TaskID, task.Status, task.Version, ev.TaskVersion)}
+		}
+	}
+	j.task = task
+	doc, found, err := getDocument(ctx, tx, task.TaskID)
+	if err != nil {
+		return "", err
+	}
+	if !found {
+		return "", &DeterministicError{Code: CodeTaskInputNotFound, Err: fmt.Errorf("task %s", task.TaskID)}
+	}
+	out, err := canon.Transform(doc)
+	if err != nil {
+		var ce *canon.Error
+		if !errors.As(err, &ce) {
+			return "", fmt.Errorf("canonicalize task %s: %w", task.TaskID, err)
+		}
+		// The API validated the document, so this means the validation and
+		// the transform disagree; the result is the same every time.
+		if err := w.failInTx(ctx, tx, j, ce.Code, nil); err != nil {
+			return "", err
+		}
+		return OutcomeFailed, nil
+	}
+	j.artifact = out
+	token := artifact.Token(task.TaskID, task.Attempt)
+	want := effectRow{EffectID: token, TaskID: task.TaskID, Attempt: task.Attempt, Kind: kindArtifactPut, Token: token,
+		TargetIdentity: "artifact://" + token, State: effectStarted, RequestSHA256: canon.SHA256Hex(out), RequestSize: int64(len(out))}
+	eff, planned, err := planEffect(ctx, tx, want)
+	if err != nil {
+		return "", err
+	}
+	if eff.RequestSHA256 != want.RequestSHA256 || eff.RequestSize != want.RequestSize || eff.TaskID != task.TaskID {
+		return "", &DeterministicError{Code: CodeEffectRequestMismatch,
+			Err: fmt.Errorf("effect %s records request %s (%d bytes), computed %s (%d bytes)", eff.EffectID, eff.RequestSHA256, eff.RequestSize, want.RequestSHA256, want.RequestSize)}
+	}
+	j.effect, j.planned = eff, planned
+	return "", nil
+}
+
+// execute performs the effect through the ledger (seed 7, 7.1): observe the
+// store by token first, write only when absent, resolve a timeout by
+// observation, read back and verify, then complete or fail the task.
+func (w *Worker) execute(ctx context.Context, j *job) (string, error) {
+	eff := j.effect
+	switch eff.State {
+	case effectVerified:
+		sha := eff.RequestSHA256
+		if eff.ObservedSHA256 != nil {
+			sha = *eff.ObservedSHA256
+		}
+		return w.complete(ctx, j, effectVerified, sha, eff.RequestSize)
+	case effectCompensationRequired, effectCompensated, effectFailed:
+		// An earlier delivery or the reconciler found the effect bad; finish
+		// the task as failed (and the compensation, if still required).
+		code := CodeArtifactVerificationFailed
+		if eff.ErrorCode != nil {
+			code = *eff.ErrorCode
+		}
+		outcome, err := w.fail(ctx, j, eff.State, eff.State, nil, code)
+		if err == nil && eff.State == effectCompensationRequired {
+			sha := eff.RequestSHA256
+			if eff.ObservedSHA256 != nil {
+				sha = *eff.ObservedSHA256
+			}
+			w.compensate(ctx, eff, sha, eff.RequestSize)
+		}
+		return outcome, err
+	}
+	from := eff.State // planned, started, unknown or completed: not known to be done
+	_, err := w.store.Head(eff.Token)
+	switch {
+	case err == nil:
+		// present: resolved by observation, never written twice (seed 13.3)
+	case errors.Is(err, artifact.ErrInvalidToken):
+		return w.fail(ctx, j, from, effectFailed, nil, CodeArtifactTokenInvalid)
+	case errors.Is(err, artifact.ErrNotFound):
+		_, perr := w.store.Put(eff.Token, j.task.TaskID, j.task.Attempt, j.artifact)
+		switch {
+		case perr == nil, errors.Is(perr, artifact.ErrTokenConflict):
+			// a conflict is caught by the read-back below
+		case errors.Is(perr, artifact.ErrTimeout):
+			// A timeout is not "did not happen" (seed 7): record unknown,
+			// then resolve by observing the same token.
+			ok, err := setEffectState(ctx, w.pool, eff.EffectID, from, effectUnknown, nil, nil)
+			if err != nil {
+				return "", err
+			}
+			if !ok {
+				return "", fmt.Errorf("effect %s: %w", eff.EffectID, errConcurrentChange)
+			}
+			w.m.effects.WithLabelValues(kindArtifactPut, effectUnknown).Inc()
+			from = effectUnknown
+		default:
+			return "", fmt.Errorf("put artifact %s: %w", eff.Token, perr)
+		}
+	default:
+		return "", fmt.Errorf("head artifact %s: %w", eff.Token, err)
+	}
+	obs, err := w.store.Observe(eff.Token)
+	if errors.Is(err, artifact.ErrNotFound) {
+		// Absent after the write (or after a timeout that did not commit):
+		// retry with the same token.
+		return "", fmt.Errorf("read back artifact %s: %w", eff.Token, err)
+	}
+	if err != nil {
+		return "", fmt.Errorf("read back artifact %s: %w", eff.Token, err)
+	}
+	if !Verified(obs, j.task.TaskID, j.task.Attempt, eff.RequestSize, eff.RequestSHA256) {
+		w.log.ErrorContext(ctx, "artifact verification failed", slog.String("task_id", j.task.TaskID), slog.String("token", eff.Token),
+			slog.String("expected_sha256", eff.RequestSHA256), slog.String("observed_sha256", obs.SHA256),
+			slog.Int64("expected_size", eff.RequestSize), slog.Int64("observed_size", obs.Size))
+		outcome, err := w.fail(ctx, j, from, effectCompensationRequired, &obs.SHA256, CodeArtifactVerificationFailed)
+		if err == nil {
+			w.compensate(ctx, eff, obs.SHA256, obs.Size)
+		}
+		return outcome, err
+	}
+	if err := w.faults.Err(fault.WorkerAfterArtifactWrite); err != nil {
+		return "", err
+	}
+	return w.complete(ctx, j, from, obs.SHA256, obs.Size)
+}
+
+// Verified reports whether an artifact read back is the one expected: same
+// task id and attempt in its metadata, and the bytes actually stored have
+// the expected size and SHA-256 (seed 7.1).
+func Verified(obs artifact.Observation, taskID string, attempt int, size int64, sha string) bool {
+	return obs.Meta.TaskID == taskID && obs.Meta.Attempt == attempt &&
+		obs.Size == size && obs.SHA256 == sha && obs.Meta.Size == size && obs.Meta.SHA256 == sha
+}
+
+// complete is the completion transaction (seed 10): inbox -> completed,
+// task running -> completed, effect -> verified, TaskCompleted outbox event.
+// Every transaction of the worker touches rows in the order inbox, task,
+// effect, outbox, so concurrent deliveries of one message do not deadlock.
+func (w *Worker) complete(ctx context.Context, j *job, from, sha string, size int64) (string, error) {
+	var t taskevent.Task
+	err := pgx.BeginFunc(ctx, w.pool, func(tx pgx.Tx) error {
+		if err := w.finishInbox(ctx, tx, j, inboxCompleted,
+			map[string]any{"task_version": j.task.Version + 1, "artifact_sha256": sha}); err != nil {
+			return err
+		}
+		var ok bool
+		var err error
+		t, ok, err = completeTask(ctx, tx, j.task.TaskID, j.task.Version, sha, size)
+		if err != nil {
+			return err
+		}
+		if !ok {
+			return fmt.Errorf("task %s left running/v%d: %w", j.task.TaskID, j.task.Version, errConcurrentChange)
+		}
+		if from != effectVerified {
+			if err := w.moveEffect(ctx, tx, j, from, effectVerified, &sha, nil); err != nil {
+				return err
+			}
+		}
+		_, err = insertOutbox(ctx, tx, taskevent.TypeTaskCompleted, t)
+		return err
+	})
+	if err != nil {
+		return "", err
+	}
+	if from != effectVerified {
+		w.m.effects.WithLabelValues(kindArtifactPut, effectVerified).Inc()
+	}
+	if t.CompletedAt != nil {
+		w.m.endToEnd.Observe(t.CompletedAt.Sub(t.CreatedAt).Seconds())
+	}
+	w.log.InfoContext(ctx, "task completed", slog.String("task_id", t.TaskID), slog.Int64("version", t.Version),
+		slog.String("artifact_sha256", sha), slog.Int64("artifact_size", size))
+	return OutcomeProcessed, nil
+}
+
+// fail is the failure transaction: inbox -> failed, task running -> failed
+// with code, effect from -> to (when they differ) with the observed hash
+// and code, TaskFailed outbox event.
+func (w *Worker) fail(ctx context.Context, j *job, from, to string, observed *string, code string) (string, error) {
+	err := pgx.BeginFunc(ctx, w.pool, func(tx pgx.Tx) error {
+		return w.failInTx(ctx, tx, j, code, func() error {
+			if from == to {
+				return nil
+			}
+			return w.moveEffect(ctx, tx, j, from, to, observed, &code)
+		})
+	})
+	if err != nil {
+		return "", err
+	}
+	if from != to {
+		w.m.effects.WithLabelValues(kindArtifactPut, to).Inc()
+	}
+	return OutcomeFailed, nil
+}
+
+// failInTx moves the inbox to failed and the task running -> failed with
+// code, runs effect (when not nil), and writes the TaskFailed outbox event,
+// in tx.
+func (w *Worker) failInTx(ctx context.Context, tx pgx.Tx, j *job, code string, effect func() error) error {
+	if err := w.finishInbox(ctx, tx, j, inboxFailed, map[string]any{"task_version": j.task.Version + 1, "error_code": code}); err != nil {
+		return err
+	}
+	t, ok, err := failTask(ctx, tx, j.task.TaskID, j.task.Version, code)
+	if err != nil {
+		return err
+	}
+	if !ok {
+		return fmt.Errorf("task %s left running/v%d: %w", j.task.TaskID, j.task.Version, errConcurrentChange)
+	}
+	if effect != nil {
+		if err := effect(); err != nil {
+			return err
+		}
+	}
+	if _, err := insertOutbox(ctx, tx, taskevent.TypeTaskFailed, t); err != nil {
+		return err
+	}
+	w.log.WarnContext(ctx, "task failed", slog.String("task_id", t.TaskID), slog.Int64("version", t.Version), slog.String("code", code))
+	return nil
+}
+
+// finishInbox moves the delivery's inbox row processing -> state, or fails
+// with errConcurrentChange.
+func (w *Worker) finishInbox(ctx context.Context, tx pgx.Tx, j *job, state string, result any) error {
+	ok, err := finishInbox(ctx, tx, w.cfg.Group, j.ev.EventID, state, result)
+	if err != nil {
+		return err
+	}
+	if !ok {
+		return fmt.Errorf("inbox message %s left processing: %w", j.ev.EventID, errConcurrentChange)
+	}
+	return nil
+}
+
+// moveEffect moves the delivery's effect from -> to, or fails with
+// errConcurrentChange.
+func (w *Worker) moveEffect(ctx context.Context, tx pgx.Tx, j *job, from, to string, observed, code *string) error {
+	ok, err := setEffectState(ctx, tx, j.effect.EffectID, from, to, observed, code)
+	if err != nil {
+		return err
+	}
+	if !ok {
+		return fmt.Errorf("effect %s left %s: %w", j.effect.EffectID, from, errConcurrentChange)
+	}
+	return nil
+}
+
+// compensate hides an artifact that failed verification (seed 8): a ledger
+// row of kind artifact.hide with token "compensation-for-<effect_id>" is
+// written first, then the store hides the object, the hide is verified by
+// observing that the token is gone, and the original effect moves
+// compensation_required -> compensated. A failure leaves the effect in
+// compensation_required for the reconciler; it is logged, not returned,
+// because the task's outcome is already durable.
+func (w *Worker) compensate(ctx context.Context, eff effectRow, observedSHA string, observedSize int64) {
+	hide := effectRow{EffectID: "compensation-for-" + eff.EffectID, TaskID: eff.TaskID, Attempt: eff.Attempt, Kind: kindArtifactHide,
+		Token: "compensation-for-" + eff.EffectID, TargetIdentity: eff.TargetIdentity, State: effectStarted,
+		RequestSHA256: observedSHA, RequestSize: observedSize}
+	err := func() error {
+		h, planned, err := planEffect(ctx, w.pool, hide)
+		if err != nil {
+			return err
+		}
+		if planned {
+			w.m.effects.WithLabelValues(kindArtifactHide, effectStarted).Inc()
+		}
+		if h.State != effectVerified {
+			if err := w.store.Hide(eff.Token); err != nil {
+				return err
+			}
+			if _, err := w.store.Head(eff.Token); !errors.Is(err, artifact.ErrNotFound) {
+				return fmt.Errorf("artifact %s still readable after hide (%v)", eff.Token, err)
+			}
+			ok, err := setEffectState(ctx, w.pool, h.EffectID, h.State, effectVerified, nil, nil)
+			if err != nil {
+				return err
+			}
+			if ok {
+				w.m.effects.WithLabelValues(kindArtifactHide, effectVerified).Inc()
+			}
+		}
+		ok, err := setEffectState(ctx, w.pool, eff.EffectID, effectCompensationRequired, effectCompensated, nil, nil)
+		if err != nil {
+			return err
+		}
+		if ok {
+			w.m.effects.WithLabelValues(kindArtifactPut, effectCompensated).Inc()
+		}
+		return nil
+	}()
+	if err != nil {
+		w.log.ErrorContext(ctx, "compensation incomplete; left to the reconciler", slog.String("effect_id", eff.EffectID), slog.Any("err", err))
+	}
+}

@@ -1,0 +1,241 @@
+// Package pipeline assembles converge's components — API, CDC relay,
+// worker, projector and reconciler — into one process against given
+// PostgreSQL, Kafka and Redis endpoints. `converge dev` (make run) and the
+// end-to-end tests use it; production runs each component as its own
+// `converge <component>` process instead.
+package pipeline
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"net/http"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
+	"github.com/redis/go-redis/v9"
+	"golang.org/x/sync/errgroup"
+
+	"github.com/converge-run/converge/cdc"
+	"github.com/converge-run/converge/consumers/reconciler"
+	"github.com/converge-run/converge/consumers/worker"
+	"github.com/converge-run/converge/internal/artifact"
+	"github.com/converge-run/converge/internal/fault"
+	"github.com/converge-run/converge/internal/taskevent"
+	"github.com/converge-run/converge/projections/taskview"
+	"github.com/converge-run/converge/schemas"
+	"github.com/converge-run/converge/services/api"
+)
+
+// Config is what the pipeline connects to. Zero values take the defaults
+// noted on each field.
+type Config struct {
+	// DatabaseURL of a PostgreSQL with wal_level=logical. Required.
+	DatabaseURL string
+	// Brokers are Kafka bootstrap addresses. Required.
+	Brokers []string
+	// RedisURL (redis://host:port/db). Required.
+	RedisURL string
+	// ArtifactDir is the artifact store directory. Required.
+	ArtifactDir string
+	// Topic defaults to taskevent.DefaultTopic.
+	Topic string
+	// Partitions of the topic when it is created. Defaults to 4.
+	Partitions int32
+	// SlotName and PublicationName of the relay. Default "converge_outbox".
+	SlotName        string
+	PublicationName string
+	// Listener for the HTTP API; when nil one is opened on HTTPAddr.
+	Listener net.Listener
+	// HTTPAddr defaults to 127.0.0.1:8080.
+	HTTPAddr string
+	// MaxBodyBytes of a create request. Defaults to the API's default.
+	MaxBodyBytes int64
+	// Faults armed in every component. Defaults to none.
+	Faults *fault.Set
+	// Logger defaults to slog.Default().
+	Logger *slog.Logger
+	// Registry receives every component's metrics and is served on
+	// /metrics. Defaults to a new registry with Go and process collectors.
+	Registry *prometheus.Registry
+	// Ready, when set, is called once the relay streams and the API
+	// serves, with the API's address.
+	Ready func(addr string)
+}
+
+func (c *Config) setDefaults() {
+	if c.Topic == "" {
+		c.Topic = taskevent.DefaultTopic
+	}
+	if c.Partitions == 0 {
+		c.Partitions = 4
+	}
+	if c.SlotName == "" {
+		c.SlotName = "converge_outbox"
+	}
+	if c.PublicationName == "" {
+		c.PublicationName = "converge_outbox"
+	}
+	if c.HTTPAddr == "" {
+		c.HTTPAddr = "127.0.0.1:8080"
+	}
+	if c.Logger == nil {
+		c.Logger = slog.Default()
+	}
+	if c.Registry == nil {
+		c.Registry = prometheus.NewRegistry()
+		c.Registry.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	}
+}
+
+// Validate reports missing required fields.
+func (c *Config) Validate() error {
+	switch {
+	case c.DatabaseURL == "":
+		return errors.New("pipeline: DatabaseURL is required")
+	case len(c.Brokers) == 0:
+		return errors.New("pipeline: Brokers is required")
+	case c.RedisURL == "":
+		return errors.New("pipeline: RedisURL is required")
+	case c.ArtifactDir == "":
+		return errors.New("pipeline: ArtifactDir is required")
+	}
+	return nil
+}
+
+// Run migrates the database, starts every component and serves until ctx is
+// cancelled; then it shuts the components down (the relay sends its final
+// status update, consumers commit) and returns nil. The first component
+// failure stops all of them and is returned.
+func Run(ctx context.Context, cfg Config) error {
+	cfg.setDefaults()
+	if err := cfg.Validate(); err != nil {
+		return err
+	}
+	log := cfg.Logger
+	pool, err := pgxpool.New(ctx, cfg.DatabaseURL)
+	if err != nil {
+		return fmt.Errorf("connect database: %w", err)
+	}
+	defer pool.Close()
+	if err := schemas.Migrate(ctx, pool); err != nil {
+		return err
+	}
+	ropt, err := redis.ParseURL(cfg.RedisURL)
+	if err != nil {
+		return fmt.Errorf("redis url: %w", err)
+	}
+	rdb := redis.NewClient(ropt)
+	defer rdb.Close()
+	store, err := artifact.Open(cfg.ArtifactDir, cfg.Faults)
+	if err != nil {
+		return err
+	}
+	reg := cfg.Registry
+
+	relay, err := cdc.New(cdc.Config{
+		DatabaseURL: cfg.DatabaseURL, Brokers: cfg.Brokers, Topic: cfg.Topic, Partitions: cfg.Partitions,
+		SlotName: cfg.SlotName, PublicationName: cfg.PublicationName,
+		Logger: log.With("component", "relay"), Registerer: reg, Faults: cfg.Faults,
+	})
+	if err != nil {
+		return err
+	}
+	wrk, err := worker.New(worker.Config{
+		Pool: pool, Brokers: cfg.Brokers, Topic: cfg.Topic, ArtifactStore: store,
+		Logger: log.With("component", "worker"), Registerer: reg, Faults: cfg.Faults,
+	})
+	if err != nil {
+		return err
+	}
+	proj, err := taskview.New(taskview.Config{
+		Brokers: cfg.Brokers, Topic: cfg.Topic, Redis: rdb,
+		Logger: log.With("component", "projector"), Registerer: reg,
+	})
+	if err != nil {
+		return err
+	}
+	rec, err := reconciler.New(reconciler.Config{
+		Pool: pool, ArtifactStore: store,
+		Logger: log.With("component", "reconciler"), Registerer: reg,
+	})
+	if err != nil {
+		return err
+	}
+	srv, err := api.New(api.Config{
+		Pool: pool, Redis: rdb, ArtifactStore: store, MaxBodyBytes: cfg.MaxBodyBytes,
+		Logger: log.With("component", "api"), Registerer: reg, Gatherer: reg, Faults: cfg.Faults,
+	})
+	if err != nil {
+		return err
+	}
+
+	ln := cfg.Listener
+	if ln == nil {
+		ln, err = net.Listen("tcp", cfg.HTTPAddr)
+		if err != nil {
+			return fmt.Errorf("listen %s: %w", cfg.HTTPAddr, err)
+		}
+	}
+	httpSrv := &http.Server{Handler: srv.Handler(), ReadHeaderTimeout: 10 * time.Second}
+
+	g, gctx := errgroup.WithContext(ctx)
+	run := func(name string, fn func(context.Context) error) {
+		g.Go(func() error {
+			if err := fn(gctx); err != nil && !errors.Is(err, context.Canceled) {
+				return fmt.Errorf("%s: %w", name, err)
+			}
+			return nil
+		})
+	}
+	run("relay", relay.Run)
+	run("worker", wrk.Run)
+	run("projector", proj.Run)
+	run("reconciler", rec.Run)
+	g.Go(func() error {
+		// Serve only once the relay streams from its slot: a row committed
+		// before the slot exists would never be relayed.
+		if err := waitStreaming(gctx, relay); err != nil {
+			ln.Close()
+			return nil
+		}
+		log.Info("relay streaming; API serving", "addr", ln.Addr().String())
+		if cfg.Ready != nil {
+			cfg.Ready(ln.Addr().String())
+		}
+		if err := httpSrv.Serve(ln); err != nil && !errors.Is(err, http.ErrServerClosed) {
+			return fmt.Errorf("api: %w", err)
+		}
+		return nil
+	})
+	g.Go(func() error {
+		<-gctx.Done()
+		sctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		return httpSrv.Shutdown(sctx)
+	})
+	err = g.Wait()
+	if err != nil {
+		log.Error("pipeline stopped", "err", err)
+	}
+	return err
+}
+
+// waitStreaming returns once the relay has started streaming from its slot,
+// or ctx's error.
+func waitStreaming(ctx context.Context, r *cdc.Relay) error {
+	t := time.NewTicker(20 * time.Millisecond)
+	defer t.Stop()
+	for r.ConfirmedLSN() == 0 {
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-t.C:
+		}
+	}
+	return nil
+}

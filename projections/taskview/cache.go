@@ -1,0 +1,201 @@
+package taskview
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/redis/go-redis/v9"
+
+	"github.com/converge-run/converge/internal/taskevent"
+)
+
+// SchemaVersion is the version of the stored view's serialization; it is
+// part of every key, so a new serialization gets a new namespace (seed 9.2).
+const SchemaVersion = 1
+
+// KeyPrefix is the prefix of every task view key: "task-view:v1:".
+const KeyPrefix = "task-view:v1:"
+
+// maxVersion is 2^53: versions at or above it are not exact as Lua doubles.
+const maxVersion = int64(1) << 53
+
+// ErrInvalidTask is returned (wrapped) by Put for a snapshot that can never
+// be stored: empty task id, or a version outside [0, 2^53). Retrying does
+// not help.
+var ErrInvalidTask = errors.New("invalid task snapshot")
+
+// Key returns the Redis key of a task's view: KeyPrefix + taskID.
+func Key(taskID string) string { return KeyPrefix + taskID }
+
+// putScript is the compare-and-set of Put. KEYS[1] is the view key, ARGV[1]
+// the incoming version (decimal), ARGV[2] the task JSON, ARGV[3] the TTL in
+// milliseconds. It stores only when no view exists or the stored version is
+// strictly lower, and returns 1 when it stored, 0 otherwise. Versions are
+// below 2^53, so Lua's doubles compare them exactly.
+var putScript = redis.NewScript(`
+local cur = redis.call('HGET', KEYS[1], 'v')
+if cur and tonumber(cur) >= tonumber(ARGV[1]) then
+  return 0
+end
+redis.call('HSET', KEYS[1], 'v', ARGV[1], 'json', ARGV[2])
+redis.call('PEXPIRE', KEYS[1], ARGV[3])
+return 1
+`)
+
+// CacheOptions configures a Cache. The zero value is usable.
+type CacheOptions struct {
+	// TTL is the base time to live of a stored view. Eviction is a normal
+	// path (seed 9.3): readers fall back to PostgreSQL. Defaults to 24h.
+	TTL time.Duration
+	// TTLJitter is the fraction of TTL added at random to each write's TTL
+	// (the TTL is uniform in [TTL, TTL*(1+TTLJitter)]), so views written
+	// together do not expire together. Must be at most 1. Defaults to 0.1;
+	// a negative value disables jitter.
+	TTLJitter float64
+	// Registerer receives converge_cache_stale_writes_rejected_total. When
+	// it already holds that collector (an API and a projector sharing one
+	// registry), the existing one is reused. Defaults to a fresh registry
+	// (the metric is then not exported).
+	Registerer prometheus.Registerer
+}
+
+func (o *CacheOptions) setDefaults() {
+	if o.TTL == 0 {
+		o.TTL = 24 * time.Hour
+	}
+	if o.TTLJitter == 0 {
+		o.TTLJitter = 0.1
+	}
+	if o.TTLJitter < 0 {
+		o.TTLJitter = 0
+	}
+	if o.Registerer == nil {
+		o.Registerer = prometheus.NewRegistry()
+	}
+}
+
+// Validate reports an unusable option after defaults are applied.
+func (o *CacheOptions) Validate() error {
+	if o.TTL < time.Millisecond {
+		return fmt.Errorf("cache TTL %s: must be at least 1ms", o.TTL)
+	}
+	if o.TTLJitter > 1 {
+		return fmt.Errorf("cache TTLJitter %g: must be at most 1", o.TTLJitter)
+	}
+	return nil
+}
+
+// Cache is the Redis task view: one hash per task under Key(taskID) with
+// fields "v" (the task version, decimal) and "json" (the JSON of
+// taskevent.Task). It is a derived view (seed 9): it may be stale or absent
+// at any time and never decides a write. Safe for concurrent use.
+type Cache struct {
+	client *redis.Client
+	opts   CacheOptions
+	stale  prometheus.Counter
+}
+
+// NewCache returns a Cache over client. It fails on invalid options or when
+// the stale-write counter cannot be registered.
+func NewCache(client *redis.Client, opts CacheOptions) (*Cache, error) {
+	if client == nil {
+		return nil, errors.New("task view cache: nil redis client")
+	}
+	opts.setDefaults()
+	if err := opts.Validate(); err != nil {
+		return nil, fmt.Errorf("task view cache: %w", err)
+	}
+	stale, err := registerOrReuse(opts.Registerer, prometheus.NewCounter(prometheus.CounterOpts{
+		Name: "converge_cache_stale_writes_rejected_total",
+		Help: "Task view writes rejected by the version compare-and-set because the stored version was equal or newer.",
+	}))
+	if err != nil {
+		return nil, fmt.Errorf("task view cache metrics: %w", err)
+	}
+	return &Cache{client: client, opts: opts, stale: stale}, nil
+}
+
+// Put stores t as the view of t.TaskID if, atomically in one Lua script,
+// no view exists or the stored version is strictly lower than t.Version
+// (DESIGN "projections": version-guarded writes). It returns stored=false,
+// err=nil when a view with an equal or newer version is already stored; the
+// TTL is then left unchanged. An invalid snapshot (ErrInvalidTask) or a
+// Redis failure is an error.
+func (c *Cache) Put(ctx context.Context, t taskevent.Task) (bool, error) {
+	if t.TaskID == "" {
+		return false, fmt.Errorf("%w: empty task id", ErrInvalidTask)
+	}
+	if t.Version < 0 || t.Version >= maxVersion {
+		return false, fmt.Errorf("%w: version %d outside [0, 2^53)", ErrInvalidTask, t.Version)
+	}
+	raw, err := json.Marshal(t)
+	if err != nil {
+		return false, fmt.Errorf("%w: encode task %s: %v", ErrInvalidTask, t.TaskID, err)
+	}
+	n, err := putScript.Run(ctx, c.client, []string{Key(t.TaskID)}, t.Version, raw, c.ttl().Milliseconds()).Int()
+	if err != nil {
+		return false, fmt.Errorf("put task view %s v%d: %w", t.TaskID, t.Version, err)
+	}
+	if n != 1 {
+		c.stale.Inc()
+		return false, nil
+	}
+	return true, nil
+}
+
+func (c *Cache) ttl() time.Duration {
+	if c.opts.TTLJitter == 0 {
+		return c.opts.TTL
+	}
+	return c.opts.TTL + time.Duration(rand.Float64()*c.opts.TTLJitter*float64(c.opts.TTL))
+}
+
+// Get returns the stored view of taskID and true, or nil and false when no
+// view is stored (never written, expired or evicted). A Redis failure or a
+// stored value that does not decode is an error; callers fall back to
+// PostgreSQL.
+func (c *Cache) Get(ctx context.Context, taskID string) (*taskevent.Task, bool, error) {
+	raw, err := c.client.HGet(ctx, Key(taskID), "json").Bytes()
+	if errors.Is(err, redis.Nil) {
+		return nil, false, nil
+	}
+	if err != nil {
+		return nil, false, fmt.Errorf("get task view %s: %w", taskID, err)
+	}
+	var t taskevent.Task
+	if err := json.Unmarshal(raw, &t); err != nil {
+		return nil, false, fmt.Errorf("decode task view %s: %w", taskID, err)
+	}
+	return &t, true, nil
+}
+
+// Invalidate deletes the view of taskID (DEL). Writers that change a task
+// outside the event stream call it after their PostgreSQL commit (seed 9:
+// commit first, then invalidate); the next read back-fills from PostgreSQL.
+func (c *Cache) Invalidate(ctx context.Context, taskID string) error {
+	if err := c.client.Del(ctx, Key(taskID)).Err(); err != nil {
+		return fmt.Errorf("invalidate task view %s: %w", taskID, err)
+	}
+	return nil
+}
+
+// registerOrReuse registers c on reg; when an equal collector is already
+// registered it returns that one, so components sharing a registry share
+// the metric.
+func registerOrReuse[C prometheus.Collector](reg prometheus.Registerer, c C) (C, error) {
+	if err := reg.Register(c); err != nil {
+		var are prometheus.AlreadyRegisteredError
+		if errors.As(err, &are) {
+			if existing, ok := are.ExistingCollector.(C); ok {
+				return existing, nil
+			}
+		}
+		return c, err
+	}
+	return c, nil
+}

@@ -1,0 +1,214 @@
+package api
+
+import (
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net/http"
+	"strconv"
+	"time"
+
+	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
+
+	"github.com/converge-run/converge/internal/canon"
+	"github.com/converge-run/converge/internal/fault"
+	"github.com/converge-run/converge/internal/taskevent"
+)
+
+// PolicyVersion is the conversion policy version that enters every request
+// fingerprint; bump it when the same input would be converted differently.
+const PolicyVersion = 1
+
+// fingerprintOperation names the operation in the fingerprint (seed 3).
+const fingerprintOperation = "create-document-task"
+
+// Fingerprint returns the request fingerprint of a create request (seed
+// section 3): the lowercase hex SHA-256 of the RFC 8785 form of
+// {"operation":"create-document-task","input_sha256":...,"output_format":...,
+// "policy_version":PolicyVersion}. It depends only on the canonical document
+// (through inputSHA256), never on timestamps, trace ids or the request's
+// byte encoding.
+func Fingerprint(inputSHA256, outputFormat string) string {
+	raw, _ := json.Marshal(map[string]any{
+		"operation":      fingerprintOperation,
+		"input_sha256":   inputSHA256,
+		"output_format":  outputFormat,
+		"policy_version": PolicyVersion,
+	})
+	c, err := canon.Transform(raw)
+	if err != nil { // plain strings and a small integer: cannot happen
+		panic(fmt.Sprintf("canonicalize fingerprint: %v", err))
+	}
+	return canon.SHA256Hex(c)
+}
+
+// links are the hypermedia links of a task resource.
+type links struct {
+	Self     string `json:"self"`
+	Artifact string `json:"artifact"`
+}
+
+func taskLinks(id string) links {
+	return links{Self: taskPath(id), Artifact: taskPath(id) + "/artifact"}
+}
+
+func taskPath(id string) string { return "/v1/tasks/" + id }
+
+// createResponse is the 202 body of POST /v1/tasks.
+type createResponse struct {
+	TaskID       string `json:"task_id"`
+	Status       string `json:"status"`
+	Version      int64  `json:"version"`
+	InputSHA256  string `json:"input_sha256"`
+	OutputFormat string `json:"output_format"`
+	Links        links  `json:"links"`
+}
+
+// handleCreate is POST /v1/tasks (seed sections 3 and 4): validate, then in
+// one transaction write the idempotency record, the task, its input and the
+// TaskCreated outbox row; or replay the first response of the key.
+func (s *Server) handleCreate(w http.ResponseWriter, r *http.Request) {
+	if err := checkContentType(r.Header); err != nil {
+		s.writeError(w, r, err)
+		return
+	}
+	key, err := parseIdempotencyKey(r.Header)
+	if err != nil {
+		s.writeError(w, r, err)
+		return
+	}
+	if r.ContentLength > s.cfg.MaxBodyBytes {
+		s.writeError(w, r, &http.MaxBytesError{Limit: s.cfg.MaxBodyBytes})
+		return
+	}
+	body, err := io.ReadAll(http.MaxBytesReader(w, r.Body, s.cfg.MaxBodyBytes))
+	if err != nil {
+		var me *http.MaxBytesError
+		if !errors.As(err, &me) {
+			err = canonError(canon.CodeMalformedJSON, "request body could not be read: "+err.Error(), -1)
+		}
+		s.writeError(w, r, err)
+		return
+	}
+	req, err := parseCreateRequest(body)
+	if err != nil {
+		s.writeError(w, r, err)
+		return
+	}
+	canonical, err := canon.Transform(req.Document)
+	if err != nil {
+		s.writeError(w, r, err)
+		return
+	}
+	inputSHA := canon.SHA256Hex(canonical)
+	k := createKey{Key: key, Fingerprint: Fingerprint(inputSHA, req.OutputFormat), TTL: s.cfg.IdempotencyTTL, Lease: s.cfg.IdempotencyLease}
+	build := func(now time.Time) (*newTask, error) {
+		return buildTask(now, req, inputSHA, int64(len(canonical)))
+	}
+
+	// At most a few rounds: a record that vanished between our conflicting
+	// insert and our read (deleted by retention) lets the next insert win.
+	for range 3 {
+		n, err := s.store.createTask(r.Context(), k, build)
+		if err == nil {
+			s.metrics.idempotency.WithLabelValues(idemCreated).Inc()
+			s.log.InfoContext(r.Context(), "task created", slog.String("task_id", n.Task.TaskID), slog.String("idempotency_key", key))
+			if s.cfg.Faults.Hit(fault.APIAfterCommitResponseLost) != fault.ActionNone {
+				panic(http.ErrAbortHandler) // the client sees a dropped connection
+			}
+			writeCreated(w, n.Task.TaskID, http.StatusAccepted, n.Response, false)
+			return
+		}
+		if !errors.Is(err, errKeyTaken) {
+			s.writeError(w, r, err)
+			return
+		}
+		rec, err := s.store.idempotencyRecord(r.Context(), key)
+		if errors.Is(err, pgx.ErrNoRows) {
+			continue
+		}
+		if err != nil {
+			s.writeError(w, r, err)
+			return
+		}
+		s.answerExisting(w, r, k.Fingerprint, rec)
+		return
+	}
+	s.writeError(w, r, &Error{Code: CodeIdempotencyInProgress, Detail: "the idempotency record of this key is changing; retry", Err: errKeyTaken})
+}
+
+// buildTask builds the rows of a new task created at now (the creating
+// transaction's timestamp): the queued v0 snapshot, the TaskCreated event
+// and the 202 body, both in canonical form.
+func buildTask(now time.Time, req *createRequest, inputSHA string, inputSize int64) (*newTask, error) {
+	taskID, err := uuid.NewV7()
+	if err != nil {
+		return nil, fmt.Errorf("task id: %w", err)
+	}
+	outboxID, err := uuid.NewV7()
+	if err != nil {
+		return nil, fmt.Errorf("outbox id: %w", err)
+	}
+	t := taskevent.Task{
+		TaskID: taskID.String(), Status: taskevent.StatusQueued, Version: 0, Attempt: 0,
+		OutputFormat: req.OutputFormat, InputSHA256: inputSHA, InputSize: inputSize,
+		CreatedAt: now, UpdatedAt: now,
+	}
+	ev := &taskevent.Event{
+		EventID: outboxID.String(), EventType: taskevent.TypeTaskCreated, SchemaVersion: taskevent.SchemaVersion,
+		TaskID: t.TaskID, TaskVersion: t.Version, OccurredAt: now, Task: t,
+	}
+	payload, payloadSHA, err := taskevent.Encode(ev)
+	if err != nil {
+		return nil, err
+	}
+	resp, err := json.Marshal(createResponse{
+		TaskID: t.TaskID, Status: t.Status, Version: t.Version, InputSHA256: inputSHA,
+		OutputFormat: t.OutputFormat, Links: taskLinks(t.TaskID),
+	})
+	if err != nil {
+		return nil, fmt.Errorf("encode response: %w", err)
+	}
+	if resp, err = canon.Transform(resp); err != nil {
+		return nil, fmt.Errorf("canonicalize response: %w", err)
+	}
+	return &newTask{Task: t, Document: req.Document, OutboxID: ev.EventID, Payload: payload, PayloadSHA256: payloadSHA, Response: resp}, nil
+}
+
+// answerExisting answers a request whose key is already recorded (seed
+// 3.1): a different fingerprint is 422 IDEMPOTENCY_KEY_REUSED_WITH_DIFFERENT_REQUEST;
+// the same fingerprint replays the stored response, or is 409 in progress
+// while no response is stored.
+func (s *Server) answerExisting(w http.ResponseWriter, r *http.Request, fingerprint string, rec *idemRecord) {
+	if rec.Fingerprint != fingerprint {
+		s.metrics.idempotency.WithLabelValues(idemKeyReused).Inc()
+		s.writeError(w, r, newError(CodeIdempotencyKeyReused, "this Idempotency-Key was first used with a different request; use a new key for a new task"))
+		return
+	}
+	if rec.State != stateSucceeded || rec.ResponseStatus == nil || rec.ResponseBody == nil || rec.TaskID == nil {
+		s.metrics.idempotency.WithLabelValues(idemInProg).Inc()
+		s.writeError(w, r, newError(CodeIdempotencyInProgress, "the first request with this Idempotency-Key is still in progress; retry later with the same key"))
+		return
+	}
+	// jsonb does not keep the bytes; the canonical form restores them.
+	body, err := canon.Transform(rec.ResponseBody)
+	if err != nil {
+		s.writeError(w, r, fmt.Errorf("stored response of task %s: %w", *rec.TaskID, err))
+		return
+	}
+	s.metrics.idempotency.WithLabelValues(idemReplayed).Inc()
+	writeCreated(w, *rec.TaskID, *rec.ResponseStatus, body, true)
+}
+
+func writeCreated(w http.ResponseWriter, taskID string, status int, body []byte, replayed bool) {
+	h := w.Header()
+	h.Set("Location", taskPath(taskID))
+	h.Set("Cache-Control", "no-store")
+	if replayed {
+		h.Set("Idempotent-Replayed", strconv.FormatBool(true))
+	}
+	writeJSON(w, status, body)
+}

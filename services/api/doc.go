@@ -1,0 +1,93 @@
+// Package api is converge's HTTP API (schemas/openapi.yaml describes it):
+// clients submit JSON documents for conversion under an Idempotency-Key and
+// read task state and artifacts.
+//
+// Routes (net/http ServeMux method patterns):
+//
+//	POST /v1/tasks                 create a task (202) or replay the key's first response
+//	GET  /v1/tasks/{id}            task state, cache-aside over the Redis task view
+//	GET  /v1/tasks/{id}/artifact   the verified artifact of a completed task
+//	GET  /healthz                  process alive (200)
+//	GET  /readyz                   PostgreSQL (and Redis, when configured) answer within 1s
+//	GET  /metrics                  Prometheus metrics of Config.Gatherer
+//
+// # Idempotency (seed section 3)
+//
+// A create request is identified by its Idempotency-Key (scope
+// "public:create-document-task") and described by its fingerprint: the
+// SHA-256 of the RFC 8785 form of {"operation":"create-document-task",
+// "input_sha256":..., "output_format":..., "policy_version":1}, where
+// input_sha256 is the SHA-256 of the document's canonical form. So two
+// byte-different encodings of the same JSON value are the same request, and
+// no timestamp or trace id enters the fingerprint.
+//
+// One PostgreSQL transaction inserts the idempotency record first (state
+// in_progress, ON CONFLICT DO NOTHING), then the task (queued, version 0),
+// its input (the document bytes as received) and the TaskCreated outbox
+// row, and completes the record to succeeded with the replayable 202
+// response. The record's primary key, never a prior SELECT, decides between
+// concurrent first uses: the loser's transaction writes nothing and reads the
+// winner's committed record. Outcomes for a key already recorded:
+//
+//   - different fingerprint: 422 IDEMPOTENCY_KEY_REUSED_WITH_DIFFERENT_REQUEST;
+//   - same fingerprint, succeeded: the stored status and body again (byte
+//     for byte: bodies are stored and served in canonical form) with
+//     Idempotent-Replayed: true;
+//   - same fingerprint, no stored response yet: 409
+//     IDEMPOTENCY_REQUEST_IN_PROGRESS with Retry-After: 1.
+//
+// Records are kept IdempotencyTTL (expires_at); a record is honoured until
+// it is deleted, so expiry must only be acted on by a retention job that
+// also checks the task is terminal and its outbox published (seed 3.3).
+//
+// # Input validation
+//
+// The body is {"document": <any JSON value>, "output_format": "jcs"}
+// (output_format optional), at most MaxBodyBytes. The envelope is parsed
+// permissively so that problems inside the document are reported by
+// canon.Transform with their precise I-JSON codes. No input causes a 5xx:
+// every rejection is a 4xx problem and writes nothing.
+//
+// # Errors
+//
+// Every error is an RFC 9457 application/problem+json document {"type":
+// "https://converge.dev/problems/<code-lower-kebab>", "title", "status",
+// "detail", "code"} (plus extension members such as task_status), produced
+// by one function (problemFor) mapping errors to status codes. A database
+// that cannot be reached is 503 DATABASE_UNAVAILABLE with Retry-After; a
+// panic is 500 INTERNAL (a defect).
+//
+// # Cache-aside read (seed section 9)
+//
+// GET /v1/tasks/{id} returns the Redis view when present (Cache-Status:
+// converge; hit, RFC 9211), else reads PostgreSQL and back-fills the view
+// with its version compare-and-set, which never replaces a newer view
+// (Cache-Status: converge; fwd=miss; stored, or without "; stored" when a
+// newer view won). A Redis failure never fails the read (Cache-Status:
+// converge; fwd=miss; detail=error). A view may be stale by design: its
+// version (also the ETag) tells the client how new it is. The cache never
+// decides a write.
+//
+// # Artifacts
+//
+// GET /v1/tasks/{id}/artifact serves a completed task's artifact, located
+// by the task's latest verified artifact.put effect, only after hashing the
+// stored bytes and finding task.artifact_sha256: unverified bytes are never
+// served (503 ARTIFACT_UNAVAILABLE instead).
+//
+// # Fault points
+//
+// fault.APIAfterCommitResponseLost: after the create transaction committed,
+// the handler aborts the connection instead of answering (seed 13.1); a
+// retry with the same key gets the first response.
+//
+// # Metrics
+//
+//	converge_api_requests_total{route,method,code}        counter    requests answered; route is the mux pattern's path
+//	                                                                 ("unmatched" otherwise), code the status or "aborted"
+//	converge_api_request_duration_seconds{route,method}   histogram  request latency in seconds
+//	converge_api_idempotency_total{outcome}               counter    created|replayed|key_reused|in_progress
+//	converge_cache_requests_total{result}                 counter    task view lookups: hit|miss|error
+//	converge_cache_stale_writes_rejected_total            counter    back-fills refused by the version CAS
+//	                                                                 (registered by package taskview)
+package api

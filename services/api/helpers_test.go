@@ -1,0 +1,167 @@
+package api
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"io"
+	"log/slog"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"testing"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/redis/go-redis/v9"
+
+	"github.com/converge-run/converge/internal/artifact"
+	"github.com/converge-run/converge/internal/testenv"
+)
+
+type testBundle struct {
+	db        *testenv.DB
+	rdb       *redis.Client
+	reg       *prometheus.Registry
+	artifacts *artifact.Store
+	srv       *Server
+	ts        *httptest.Server
+}
+
+// setup starts a Server over a fresh database and the shared Redis; opts
+// adjust the Config before New.
+func setup(t *testing.T, opts ...func(*Config)) *testBundle {
+	t.Helper()
+	db := testenv.NewDB(t)
+	_, rdb := testenv.Redis(t)
+	store, err := artifact.Open(t.TempDir(), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	b := &testBundle{db: db, rdb: rdb, reg: prometheus.NewRegistry(), artifacts: store}
+	cfg := Config{Pool: db.Pool, Redis: rdb, ArtifactStore: store, Registerer: b.reg,
+		Logger: slog.New(slog.NewTextHandler(io.Discard, nil))}
+	for _, o := range opts {
+		o(&cfg)
+	}
+	b.srv, err = New(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	b.ts = httptest.NewServer(b.srv.Handler())
+	t.Cleanup(b.ts.Close)
+	return b
+}
+
+type response struct {
+	status int
+	header http.Header
+	body   []byte
+}
+
+func (r *response) json(t *testing.T) map[string]any {
+	t.Helper()
+	var m map[string]any
+	if err := json.Unmarshal(r.body, &m); err != nil {
+		t.Fatalf("response body %q: %v", r.body, err)
+	}
+	return m
+}
+
+func (b *testBundle) do(t *testing.T, method, path string, header http.Header, body []byte) *response {
+	t.Helper()
+	resp, err := b.try(method, path, header, body)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return resp
+}
+
+func (b *testBundle) try(method, path string, header http.Header, body []byte) (*response, error) {
+	var rd io.Reader
+	if body != nil {
+		rd = bytes.NewReader(body)
+	}
+	req, err := http.NewRequest(method, b.ts.URL+path, rd)
+	if err != nil {
+		return nil, err
+	}
+	for k, v := range header {
+		req.Header[k] = v
+	}
+	resp, err := b.ts.Client().Do(req)
+	if err != nil {
+		return nil, err
+	}
+	defer resp.Body.Close()
+	data, err := io.ReadAll(resp.Body)
+	if err != nil {
+		return nil, err
+	}
+	return &response{status: resp.StatusCode, header: resp.Header, body: data}, nil
+}
+
+// post sends POST /v1/tasks with a JSON content type and the key (none
+// when key is "").
+func (b *testBundle) post(t *testing.T, key string, body []byte) *response {
+	t.Helper()
+	h := http.Header{"Content-Type": {"application/json"}}
+	if key != "" {
+		h.Set("Idempotency-Key", key)
+	}
+	return b.do(t, http.MethodPost, "/v1/tasks", h, body)
+}
+
+func wrap(doc string) []byte { return []byte(`{"document":` + doc + `}`) }
+
+func (b *testBundle) count(t *testing.T, table string) int {
+	t.Helper()
+	var n int
+	if err := b.db.Pool.QueryRow(context.Background(), "SELECT count(*) FROM "+table).Scan(&n); err != nil {
+		t.Fatal(err)
+	}
+	return n
+}
+
+// wantProblem checks a problem+json answer with status and code.
+func wantProblem(t *testing.T, r *response, status int, code string) {
+	t.Helper()
+	if r.status != status {
+		t.Fatalf("status %d, want %d (body %s)", r.status, status, clip(string(r.body), 300))
+	}
+	if ct := r.header.Get("Content-Type"); ct != "application/problem+json" {
+		t.Fatalf("Content-Type %q, want application/problem+json", ct)
+	}
+	p := r.json(t)
+	if p["code"] != code {
+		t.Fatalf("code %v, want %s (detail %v)", p["code"], code, p["detail"])
+	}
+	wantType := "https://converge.dev/problems/" + strings.ReplaceAll(strings.ToLower(code), "_", "-")
+	if p["type"] != wantType || p["status"] != float64(status) || p["title"] == "" {
+		t.Fatalf("problem members: %v", p)
+	}
+}
+
+// counterValue returns a counter (vector child matching labels) from reg.
+func counterValue(t *testing.T, reg prometheus.Gatherer, name string, labels map[string]string) float64 {
+	t.Helper()
+	mfs, err := reg.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var sum float64
+	for _, mf := range mfs {
+		if mf.GetName() != name {
+			continue
+		}
+	metrics:
+		for _, m := range mf.GetMetric() {
+			for _, lp := range m.GetLabel() {
+				if want, ok := labels[lp.GetName()]; ok && want != lp.GetValue() {
+					continue metrics
+				}
+			}
+			sum += m.GetCounter().GetValue()
+		}
+	}
+	return sum
+}

@@ -1,0 +1,405 @@
+package api
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"net/http"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+	"github.com/redis/go-redis/v9"
+
+	"github.com/converge-run/converge/internal/artifact"
+	"github.com/converge-run/converge/internal/fault"
+	"github.com/converge-run/converge/projections/taskview"
+)
+
+// Config configures a Server.
+type Config struct {
+	// Pool is the PostgreSQL pool (the source of truth). Required.
+	Pool *pgxpool.Pool
+	// Redis is the task view's Redis. Optional: when nil, GET /v1/tasks/{id}
+	// reads PostgreSQL only and sends no Cache-Status header.
+	Redis *redis.Client
+	// Cache configures the task view (TTL, jitter) used for back-fills. Its
+	// Registerer defaults to Config.Registerer.
+	Cache taskview.CacheOptions
+	// ArtifactStore serves GET /v1/tasks/{id}/artifact. Optional: when nil
+	// that endpoint answers 503 ARTIFACT_UNAVAILABLE.
+	ArtifactStore *artifact.Store
+	// MaxBodyBytes is the largest POST /v1/tasks body accepted; larger
+	// bodies get 413 BODY_TOO_LARGE. Defaults to 8 MiB (8<<20), enough for
+	// realistic 2 MB documents such as canada.json.
+	MaxBodyBytes int64
+	// IdempotencyTTL is how long an idempotency record is kept
+	// (idempotency_record.expires_at = creation + IdempotencyTTL); it must
+	// cover the clients' retry window (seed 3.3). Defaults to 24h.
+	IdempotencyTTL time.Duration
+	// IdempotencyLease is the locked_until of an in_progress record
+	// (creation + IdempotencyLease). Defaults to 30s.
+	IdempotencyLease time.Duration
+	// ReadyTimeout bounds the dependency pings of GET /readyz. Defaults to 1s.
+	ReadyTimeout time.Duration
+	// ShutdownTimeout bounds the graceful shutdown of Run/Serve. Defaults
+	// to 10s.
+	ShutdownTimeout time.Duration
+	// Logger receives structured logs. Defaults to slog.Default().
+	Logger *slog.Logger
+	// Registerer receives the API's metrics (see the package doc).
+	// Defaults to a fresh prometheus.NewRegistry().
+	Registerer prometheus.Registerer
+	// Gatherer is served on GET /metrics. Defaults to Registerer when it is
+	// a prometheus.Gatherer (as *prometheus.Registry is); required
+	// otherwise.
+	Gatherer prometheus.Gatherer
+	// Faults arms fault points (fault.APIAfterCommitResponseLost). Nil: off.
+	Faults *fault.Set
+}
+
+func (c *Config) setDefaults() {
+	if c.MaxBodyBytes == 0 {
+		c.MaxBodyBytes = 8 << 20
+	}
+	if c.IdempotencyTTL == 0 {
+		c.IdempotencyTTL = 24 * time.Hour
+	}
+	if c.IdempotencyLease == 0 {
+		c.IdempotencyLease = 30 * time.Second
+	}
+	if c.ReadyTimeout == 0 {
+		c.ReadyTimeout = time.Second
+	}
+	if c.ShutdownTimeout == 0 {
+		c.ShutdownTimeout = 10 * time.Second
+	}
+	if c.Logger == nil {
+		c.Logger = slog.Default()
+	}
+	if c.Registerer == nil {
+		c.Registerer = prometheus.NewRegistry()
+	}
+	if c.Gatherer == nil {
+		if g, ok := c.Registerer.(prometheus.Gatherer); ok {
+			c.Gatherer = g
+		}
+	}
+	if c.Cache.Registerer == nil {
+		c.Cache.Registerer = c.Registerer
+	}
+}
+
+// Validate reports a missing or unusable setting after defaults are applied.
+func (c *Config) Validate() error {
+	switch {
+	case c.Pool == nil:
+		return errors.New("api: Pool required")
+	case c.MaxBodyBytes < 1:
+		return fmt.Errorf("api: MaxBodyBytes %d must be positive", c.MaxBodyBytes)
+	case c.IdempotencyTTL < time.Minute:
+		return fmt.Errorf("api: IdempotencyTTL %s must be at least 1m", c.IdempotencyTTL)
+	case c.IdempotencyLease <= 0 || c.ReadyTimeout <= 0 || c.ShutdownTimeout <= 0:
+		return errors.New("api: IdempotencyLease, ReadyTimeout and ShutdownTimeout must be positive")
+	case c.Gatherer == nil:
+		return errors.New("api: Gatherer required when Registerer is not a prometheus.Gatherer")
+	}
+	return nil
+}
+
+// Server is converge's HTTP API. Create it with New; serve Handler() or
+// call Run.
+type Server struct {
+	cfg     Config
+	log     *slog.Logger
+	store   *store
+	cache   *taskview.Cache // nil without Redis
+	mux     *http.ServeMux
+	metrics *metrics
+}
+
+// New validates cfg and builds a Server. It registers the metrics on
+// cfg.Registerer and opens no connection.
+func New(cfg Config) (*Server, error) {
+	cfg.setDefaults()
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	s := &Server{cfg: cfg, log: cfg.Logger, store: &store{pool: cfg.Pool}, mux: http.NewServeMux()}
+	if cfg.Redis != nil {
+		c, err := taskview.NewCache(cfg.Redis, cfg.Cache)
+		if err != nil {
+			return nil, fmt.Errorf("api: %w", err)
+		}
+		s.cache = c
+	}
+	m, err := newMetrics(cfg.Registerer)
+	if err != nil {
+		return nil, fmt.Errorf("api metrics: %w", err)
+	}
+	s.metrics = m
+	s.mux.HandleFunc("POST /v1/tasks", s.handleCreate)
+	s.mux.HandleFunc("GET /v1/tasks/{id}", s.handleGetTask)
+	s.mux.HandleFunc("GET /v1/tasks/{id}/artifact", s.handleGetArtifact)
+	s.mux.HandleFunc("GET /healthz", s.handleHealthz)
+	s.mux.HandleFunc("GET /readyz", s.handleReadyz)
+	s.mux.Handle("GET /metrics", promhttp.HandlerFor(cfg.Gatherer, promhttp.HandlerOpts{ErrorLog: slog.NewLogLogger(cfg.Logger.Handler(), slog.LevelWarn)}))
+	return s, nil
+}
+
+// Handler returns the API's http.Handler: routing, problem+json for
+// unknown routes (404) and methods (405), panic recovery and metrics.
+func (s *Server) Handler() http.Handler { return s }
+
+// Run listens on addr (host:port) and serves until ctx is cancelled, then
+// shuts down gracefully and returns nil. See Serve.
+func (s *Server) Run(ctx context.Context, addr string) error {
+	var lc net.ListenConfig
+	ln, err := lc.Listen(ctx, "tcp", addr)
+	if err != nil {
+		return fmt.Errorf("api listen %s: %w", addr, err)
+	}
+	return s.Serve(ctx, ln)
+}
+
+// Serve serves on ln until ctx is cancelled, then stops accepting, waits
+// up to ShutdownTimeout for in-flight requests (http.Server.Shutdown) and
+// returns nil; it returns an error when serving fails or the shutdown
+// times out. Serve closes ln.
+func (s *Server) Serve(ctx context.Context, ln net.Listener) error {
+	srv := &http.Server{
+		Handler:           s,
+		ReadHeaderTimeout: 10 * time.Second,
+		IdleTimeout:       2 * time.Minute,
+		ErrorLog:          slog.NewLogLogger(s.log.Handler(), slog.LevelWarn),
+	}
+	errc := make(chan error, 1)
+	go func() { errc <- srv.Serve(ln) }()
+	s.log.InfoContext(ctx, "api listening", slog.String("addr", ln.Addr().String()))
+	select {
+	case err := <-errc:
+		return fmt.Errorf("api serve: %w", err)
+	case <-ctx.Done():
+	}
+	sctx, cancel := context.WithTimeout(context.Background(), s.cfg.ShutdownTimeout)
+	defer cancel()
+	if err := srv.Shutdown(sctx); err != nil {
+		srv.Close()
+		return fmt.Errorf("api shutdown: %w", err)
+	}
+	if err := <-errc; err != nil && !errors.Is(err, http.ErrServerClosed) {
+		return fmt.Errorf("api serve: %w", err)
+	}
+	s.log.Info("api stopped")
+	return nil
+}
+
+// ServeHTTP routes r, turning the mux's own 404 and 405 answers into
+// problem documents, recovers panics into 500 INTERNAL (re-panicking
+// http.ErrAbortHandler so the connection is dropped), and records metrics.
+func (s *Server) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	start := time.Now()
+	sw := &statusWriter{ResponseWriter: w}
+	route := "unmatched"
+	method := methodLabel(r.Method)
+	defer func() {
+		v := recover()
+		if v == http.ErrAbortHandler { //nolint:errorlint // sentinel compared as net/http does
+			s.metrics.observe(route, method, "aborted", time.Since(start))
+			panic(v)
+		}
+		if v != nil {
+			s.log.ErrorContext(r.Context(), "api handler panic", slog.String("route", route), slog.Any("panic", v))
+			if sw.status != 0 {
+				s.metrics.observe(route, method, "aborted", time.Since(start))
+				panic(http.ErrAbortHandler) // the response is half written: drop it
+			}
+			s.writeError(sw, r, &Error{Code: CodeInternal, Detail: "internal error", Err: fmt.Errorf("panic: %v", v)})
+		}
+		status := sw.status
+		if status == 0 {
+			status = http.StatusOK
+		}
+		s.metrics.observe(route, method, strconv.Itoa(status), time.Since(start))
+	}()
+
+	h, pattern := s.mux.Handler(r)
+	if pattern != "" {
+		route = pattern
+		if _, path, ok := strings.Cut(pattern, " "); ok {
+			route = path
+		}
+		s.mux.ServeHTTP(sw, r) // sets r.Pattern and the path values
+		return
+	}
+	// No route: let the mux decide between 404, 405 and a path-cleaning
+	// redirect, then answer 404/405 with a problem document.
+	rec := &headerRecorder{header: http.Header{}}
+	h.ServeHTTP(rec, r)
+	switch rec.status {
+	case http.StatusMethodNotAllowed:
+		sw.Header().Set("Allow", rec.header.Get("Allow"))
+		s.writeError(sw, r, newError(CodeMethodNotAllowed, "method %s is not allowed on %s; allowed: %s", clip(r.Method, 20), clip(r.URL.Path, 200), rec.header.Get("Allow")))
+	case http.StatusMovedPermanently, http.StatusTemporaryRedirect, http.StatusPermanentRedirect:
+		if loc := rec.header.Get("Location"); loc != "" {
+			sw.Header().Set("Location", loc)
+		}
+		sw.WriteHeader(rec.status)
+	default:
+		s.writeError(sw, r, newError(CodeNotFound, "no resource at %s", clip(r.URL.Path, 200)))
+	}
+}
+
+// writeError answers err as a problem document (problemFor) and logs it:
+// 5xx at error level with the cause, 4xx at debug level.
+func (s *Server) writeError(w http.ResponseWriter, r *http.Request, err error) {
+	p := problemFor(err)
+	attrs := []any{slog.String("method", r.Method), slog.String("path", r.URL.Path), slog.Int("status", p.Status), slog.String("code", p.Code), slog.Any("error", err)}
+	if p.Status >= 500 {
+		s.log.ErrorContext(r.Context(), "api request failed", attrs...)
+	} else {
+		s.log.DebugContext(r.Context(), "api request rejected", attrs...)
+	}
+	writeProblem(w, p)
+}
+
+func (s *Server) handleHealthz(w http.ResponseWriter, _ *http.Request) {
+	writeJSON(w, http.StatusOK, []byte(`{"status":"ok"}`))
+}
+
+// handleReadyz answers 200 when PostgreSQL (and Redis, when configured)
+// answer a ping within ReadyTimeout, else 503 with a problem document.
+func (s *Server) handleReadyz(w http.ResponseWriter, r *http.Request) {
+	ctx, cancel := context.WithTimeout(r.Context(), s.cfg.ReadyTimeout)
+	defer cancel()
+	if err := s.store.ping(ctx); err != nil {
+		s.writeError(w, r, &Error{Code: CodeDatabaseUnavailable, Detail: "PostgreSQL did not answer a ping", Err: err})
+		return
+	}
+	if s.cfg.Redis != nil {
+		if err := s.cfg.Redis.Ping(ctx).Err(); err != nil {
+			s.writeError(w, r, &Error{Code: CodeCacheUnavailable, Detail: "Redis did not answer a ping", Err: err})
+			return
+		}
+	}
+	writeJSON(w, http.StatusOK, []byte(`{"status":"ready"}`))
+}
+
+// writeJSON writes a JSON body with its Content-Length.
+func writeJSON(w http.ResponseWriter, status int, body []byte) {
+	w.Header().Set("Content-Type", "application/json")
+	w.Header().Set("Content-Length", strconv.Itoa(len(body)))
+	w.WriteHeader(status)
+	_, _ = w.Write(body)
+}
+
+// statusWriter records the status code written through it.
+type statusWriter struct {
+	http.ResponseWriter
+	status int
+}
+
+func (w *statusWriter) WriteHeader(code int) {
+	if w.status == 0 {
+		w.status = code
+	}
+	w.ResponseWriter.WriteHeader(code)
+}
+
+func (w *statusWriter) Write(b []byte) (int, error) {
+	if w.status == 0 {
+		w.status = http.StatusOK
+	}
+	return w.ResponseWriter.Write(b)
+}
+
+// Unwrap lets http.ResponseController reach the underlying writer.
+func (w *statusWriter) Unwrap() http.ResponseWriter { return w.ResponseWriter }
+
+// headerRecorder captures what the mux's fallback handlers write.
+type headerRecorder struct {
+	header http.Header
+	status int
+}
+
+func (r *headerRecorder) Header() http.Header { return r.header }
+func (r *headerRecorder) WriteHeader(code int) {
+	if r.status == 0 {
+		r.status = code
+	}
+}
+func (r *headerRecorder) Write(b []byte) (int, error) {
+	if r.status == 0 {
+		r.status = http.StatusOK
+	}
+	return len(b), nil
+}
+
+// methodLabel bounds the method label's cardinality.
+func methodLabel(m string) string {
+	switch m {
+	case http.MethodGet, http.MethodHead, http.MethodPost, http.MethodPut, http.MethodPatch, http.MethodDelete, http.MethodOptions:
+		return m
+	}
+	return "OTHER"
+}
+
+// metrics are the API's Prometheus collectors.
+type metrics struct {
+	requests    *prometheus.CounterVec
+	duration    *prometheus.HistogramVec
+	idempotency *prometheus.CounterVec
+	cache       *prometheus.CounterVec
+}
+
+// Idempotency outcomes (converge_api_idempotency_total{outcome}).
+const (
+	idemCreated   = "created"
+	idemReplayed  = "replayed"
+	idemKeyReused = "key_reused"
+	idemInProg    = "in_progress"
+)
+
+func newMetrics(reg prometheus.Registerer) (*metrics, error) {
+	m := &metrics{
+		requests: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "converge_api_requests_total",
+			Help: "HTTP requests answered, by route pattern, method and status code (\"aborted\" when the connection was dropped).",
+		}, []string{"route", "method", "code"}),
+		duration: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Name:    "converge_api_request_duration_seconds",
+			Help:    "HTTP request latency in seconds, by route pattern and method.",
+			Buckets: []float64{.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10},
+		}, []string{"route", "method"}),
+		idempotency: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "converge_api_idempotency_total",
+			Help: "POST /v1/tasks idempotency outcomes: created (new task), replayed (first response returned again), key_reused (same key, different request), in_progress.",
+		}, []string{"outcome"}),
+		cache: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "converge_cache_requests_total",
+			Help: "Task view lookups of the API's cache-aside read: hit, miss, or error (Redis failed; PostgreSQL answered).",
+		}, []string{"result"}),
+	}
+	for _, c := range []prometheus.Collector{m.requests, m.duration, m.idempotency, m.cache} {
+		if err := reg.Register(c); err != nil {
+			return nil, err
+		}
+	}
+	for _, o := range []string{idemCreated, idemReplayed, idemKeyReused, idemInProg} {
+		m.idempotency.WithLabelValues(o)
+	}
+	for _, r := range []string{"hit", "miss", "error"} {
+		m.cache.WithLabelValues(r)
+	}
+	return m, nil
+}
+
+func (m *metrics) observe(route, method, code string, d time.Duration) {
+	m.requests.WithLabelValues(route, method, code).Inc()
+	m.duration.WithLabelValues(route, method).Observe(d.Seconds())
+}

@@ -1,0 +1,135 @@
+package api
+
+import (
+	"context"
+	"errors"
+	"net/http"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+
+	"github.com/converge-run/converge/internal/taskevent"
+	"github.com/converge-run/converge/internal/testenv"
+	"github.com/converge-run/converge/projections/taskview"
+)
+
+func TestGetTaskCacheAside(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ctx := context.Background()
+
+	wantProblem(t, b.do(t, http.MethodGet, "/v1/tasks/018f6b2e-0000-7000-8000-000000000000", nil, nil), http.StatusNotFound, CodeTaskNotFound)
+	for _, garbage := range []string{"%ff%fe", "x%00y", "..%2f..", "a%20b", "-dash-first", "%22quoted%22"} {
+		wantProblem(t, b.do(t, http.MethodGet, "/v1/tasks/"+garbage, nil, nil), http.StatusNotFound, CodeTaskNotFound)
+		wantProblem(t, b.do(t, http.MethodGet, "/v1/tasks/"+garbage+"/artifact", nil, nil), http.StatusNotFound, CodeTaskNotFound)
+	}
+
+	created := b.post(t, "get-task-0001", wrap(`{"a":1}`))
+	id := created.json(t)["task_id"].(string)
+
+	miss := b.do(t, http.MethodGet, "/v1/tasks/"+id, nil, nil)
+	if miss.status != http.StatusOK || miss.header.Get("Cache-Status") != "converge; fwd=miss; stored" {
+		t.Fatalf("first read: %d Cache-Status %q", miss.status, miss.header.Get("Cache-Status"))
+	}
+	body := miss.json(t)
+	if body["task_id"] != id || body["status"] != "queued" || body["version"] != float64(0) || miss.header.Get("ETag") != `"0"` {
+		t.Fatalf("first read body %v etag %s", body, miss.header.Get("ETag"))
+	}
+	if links, _ := body["links"].(map[string]any); links["self"] != "/v1/tasks/"+id {
+		t.Fatalf("links %v", body["links"])
+	}
+	hit := b.do(t, http.MethodGet, "/v1/tasks/"+id, nil, nil)
+	if hit.status != http.StatusOK || hit.header.Get("Cache-Status") != "converge; hit" || string(hit.body) != string(miss.body) {
+		t.Fatalf("second read: %d %q %s", hit.status, hit.header.Get("Cache-Status"), hit.body)
+	}
+	if r := b.do(t, http.MethodGet, "/v1/tasks/"+id, http.Header{"If-None-Match": {`"0"`}}, nil); r.status != http.StatusNotModified {
+		t.Fatalf("If-None-Match: %d", r.status)
+	}
+
+	// A newer projection (v5) wins; a stale one (v3) is refused; the read
+	// returns the view with its version.
+	cache, err := taskview.NewCache(b.rdb, taskview.CacheOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	v5 := taskevent.Task{TaskID: id, Status: taskevent.StatusRunning, Version: 5, Attempt: 1, OutputFormat: "jcs",
+		InputSHA256: body["input_sha256"].(string), InputSize: 7, CreatedAt: time.Now().UTC(), UpdatedAt: time.Now().UTC()}
+	if stored, err := cache.Put(ctx, v5); err != nil || !stored {
+		t.Fatalf("put v5: %v %v", stored, err)
+	}
+	v3 := v5
+	v3.Version, v3.Status = 3, taskevent.StatusQueued
+	if stored, err := cache.Put(ctx, v3); err != nil || stored {
+		t.Fatalf("put v3 after v5: stored=%v %v", stored, err)
+	}
+	r := b.do(t, http.MethodGet, "/v1/tasks/"+id, nil, nil)
+	if r.json(t)["version"] != float64(5) || r.json(t)["status"] != "running" || r.header.Get("ETag") != `"5"` {
+		t.Fatalf("view after projections: %s", r.body)
+	}
+
+	// After an invalidation the next read back-fills from PostgreSQL.
+	if err := cache.Invalidate(ctx, id); err != nil {
+		t.Fatal(err)
+	}
+	r = b.do(t, http.MethodGet, "/v1/tasks/"+id, nil, nil)
+	if r.header.Get("Cache-Status") != "converge; fwd=miss; stored" || r.json(t)["version"] != float64(0) {
+		t.Fatalf("after invalidate: %q %s", r.header.Get("Cache-Status"), r.body)
+	}
+	for result, want := range map[string]float64{"hit": 3, "miss": 3} {
+		if n := counterValue(t, b.reg, "converge_cache_requests_total", map[string]string{"result": result}); n != want {
+			t.Errorf("cache_requests{result=%s} = %v, want %v", result, n, want)
+		}
+	}
+}
+
+// brokenLimiter fails every Redis command while on.
+type brokenLimiter struct{ on atomic.Bool }
+
+func (l *brokenLimiter) Allow() error {
+	if l.on.Load() {
+		return errors.New("redis down (test)")
+	}
+	return nil
+}
+func (l *brokenLimiter) ReportResult(error) {}
+
+func TestGetTaskRedisDownFallsBackToDatabase(t *testing.T) {
+	t.Parallel()
+	url, _ := testenv.Redis(t)
+	opt, err := redis.ParseURL(url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	lim := &brokenLimiter{}
+	opt.Limiter = lim
+	rdb := redis.NewClient(opt)
+	t.Cleanup(func() { rdb.Close() })
+	b := setup(t, func(c *Config) { c.Redis = rdb })
+
+	id := b.post(t, "redis-down-0001", wrap(`{"x":[]}`)).json(t)["task_id"].(string)
+	lim.on.Store(true)
+	r := b.do(t, http.MethodGet, "/v1/tasks/"+id, nil, nil)
+	if r.status != http.StatusOK || r.header.Get("Cache-Status") != "converge; fwd=miss; detail=error" || r.json(t)["task_id"] != id {
+		t.Fatalf("read with Redis down: %d %q %s", r.status, r.header.Get("Cache-Status"), r.body)
+	}
+	wantProblem(t, b.do(t, http.MethodGet, "/readyz", nil, nil), http.StatusServiceUnavailable, CodeCacheUnavailable)
+	if n := counterValue(t, b.reg, "converge_cache_requests_total", map[string]string{"result": "error"}); n != 1 {
+		t.Fatalf("cache errors %v", n)
+	}
+	lim.on.Store(false)
+	if r := b.do(t, http.MethodGet, "/readyz", nil, nil); r.status != http.StatusOK {
+		t.Fatalf("readyz after recovery: %d %s", r.status, r.body)
+	}
+}
+
+func TestGetTaskWithoutRedis(t *testing.T) {
+	t.Parallel()
+	b := setup(t, func(c *Config) { c.Redis = nil })
+	id := b.post(t, "no-redis-0001", wrap(`true`)).json(t)["task_id"].(string)
+	r := b.do(t, http.MethodGet, "/v1/tasks/"+id, nil, nil)
+	if r.status != http.StatusOK || r.header.Get("Cache-Status") != "" {
+		t.Fatalf("%d %q", r.status, r.header.Get("Cache-Status"))
+	}
+}
