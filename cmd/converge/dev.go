@@ -113,7 +113,7 @@ converge is running (Ctrl-C stops it cleanly)
   Redis        %s
   artifacts    %s
   auth         none (the API has no authentication yet; keep it on loopback)
-Submit documents:  go run ./cmd/converge submit --api-url %s PATH...
+Submit documents:  ./bin/converge submit --api-url %s PATH...
 
 `, apiURL, redact(dbURL), brokers, c.Topic, redisURL, artifactDir, apiURL)
 		},

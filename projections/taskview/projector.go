@@ -290,7 +290,7 @@ func (p *Projector) commit(ctx context.Context, cl *kgo.Client, only []int32) {
 		func(_ *kgo.Client, _ *kmsg.OffsetCommitRequest, resp *kmsg.OffsetCommitResponse, err error) {
 			cerr = commitError(resp, err)
 		})
-	if cerr != nil {
+	if cerr != nil && ctx.Err() == nil {
 		p.log.WarnContext(ctx, "projector offset commit failed (records will be projected again)", slog.Any("error", cerr))
 	}
 }

@@ -17,6 +17,7 @@ import (
 	"github.com/converge-run/converge/internal/corpus"
 	"github.com/converge-run/converge/internal/fault"
 	"github.com/converge-run/converge/internal/taskevent"
+	"github.com/converge-run/converge/internal/testenv"
 )
 
 func TestCreateReplayAndKeyReuse(t *testing.T) {
@@ -353,9 +354,17 @@ func TestCreateResponseLostAfterCommit(t *testing.T) {
 		t.Fatal(err)
 	}
 	b := setup(t, func(c *Config) { c.Faults = faults })
-	h := http.Header{"Content-Type": {"application/json"}, "Idempotency-Key": {"lost-response-1"}}
-	if r, err := b.try(http.MethodPost, "/v1/tasks", h, wrap(`{"a":1}`)); err == nil {
-		t.Fatalf("first POST answered %d %s; want a dropped connection", r.status, r.body)
+	// net/http's transport retries requests that carry an Idempotency-Key
+	// on a reused connection; a fresh connection shows the drop as it is.
+	req, err := http.NewRequest(http.MethodPost, b.ts.URL+"/v1/tasks", bytes.NewReader(wrap(`{"a":1}`)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	req.Header = http.Header{"Content-Type": {"application/json"}, "Idempotency-Key": {"lost-response-1"}}
+	client := &http.Client{Transport: &http.Transport{DisableKeepAlives: true}}
+	if resp, err := client.Do(req); err == nil {
+		resp.Body.Close()
+		t.Fatalf("first POST answered %d; want a dropped connection", resp.StatusCode)
 	}
 	if faults.Fired(fault.APIAfterCommitResponseLost) != 1 {
 		t.Fatal("fault point did not fire")
@@ -391,5 +400,70 @@ func TestFingerprintIgnoresEncoding(t *testing.T) {
 	c, _ := canon.Transform(raw)
 	if canon.SHA256Hex(c) != a {
 		t.Fatal("fingerprint is not the sha256 of the canonical fingerprint object")
+	}
+}
+
+func TestCreateInProgressRecord(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ctx := context.Background()
+	fp := Fingerprint(canon.SHA256Hex([]byte(`{"a":1}`)), "jcs")
+	if _, err := b.db.Pool.Exec(ctx, `
+INSERT INTO idempotency_record (scope, idempotency_key, request_fingerprint, state, locked_until, expires_at)
+VALUES ($1, 'in-progress-1', $2, 'in_progress', now() + interval '30 seconds', now() + interval '1 day')`, createScope, fp); err != nil {
+		t.Fatal(err)
+	}
+	r := b.post(t, "in-progress-1", wrap(`{"a":1}`))
+	wantProblem(t, r, http.StatusConflict, CodeIdempotencyInProgress)
+	if r.header.Get("Retry-After") != "1" {
+		t.Fatalf("Retry-After %q", r.header.Get("Retry-After"))
+	}
+	// A different request under that key is still a key reuse.
+	wantProblem(t, b.post(t, "in-progress-1", wrap(`{"a":2}`)), http.StatusUnprocessableEntity, CodeIdempotencyKeyReused)
+	if n := b.count(t, "task"); n != 0 {
+		t.Fatalf("%d tasks", n)
+	}
+}
+
+// TestCreateWaitsOnPrimaryKey shows that the primary key, not a prior read,
+// decides: a request whose key is being inserted by another, uncommitted
+// transaction waits for it, and wins when that transaction rolls back.
+func TestCreateWaitsOnPrimaryKey(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ctx := context.Background()
+	tx, err := b.db.Pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tx.Rollback(ctx)
+	if _, err := tx.Exec(ctx, `
+INSERT INTO idempotency_record (scope, idempotency_key, request_fingerprint, state, locked_until, expires_at)
+VALUES ($1, 'pk-decides-1', $2, 'in_progress', now(), now() + interval '1 day')`, createScope, strings.Repeat("0", 64)); err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan *response, 1)
+	go func() {
+		h := http.Header{"Content-Type": {"application/json"}, "Idempotency-Key": {"pk-decides-1"}}
+		r, err := b.try(http.MethodPost, "/v1/tasks", h, wrap(`[1]`))
+		if err != nil {
+			t.Error(err)
+		}
+		done <- r
+	}()
+	testenv.Eventually(t, 5*time.Second, "the POST waits on the record's primary key", func() bool {
+		var n int
+		_ = b.db.Pool.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'`).Scan(&n)
+		return n == 1
+	})
+	if err := tx.Rollback(ctx); err != nil {
+		t.Fatal(err)
+	}
+	r := <-done
+	if r == nil || r.status != http.StatusAccepted || r.header.Get("Idempotent-Replayed") != "" {
+		t.Fatalf("after the competitor rolled back: %+v", r)
+	}
+	if n := b.count(t, "task"); n != 1 {
+		t.Fatalf("%d tasks", n)
 	}
 }

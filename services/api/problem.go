@@ -23,28 +23,30 @@ import (
 // NUMBER_OUT_OF_RANGE, NUMBER_PRECISION_LOSS, NESTING_TOO_DEEP) are used
 // as they are.
 const (
-	CodeUnsupportedMediaType      = "UNSUPPORTED_MEDIA_TYPE"
-	CodeIdempotencyKeyMissing     = "IDEMPOTENCY_KEY_MISSING"
-	CodeIdempotencyKeyInvalid     = "IDEMPOTENCY_KEY_INVALID"
-	CodeBodyTooLarge              = "BODY_TOO_LARGE"
-	CodeUnsupportedOutputFormat   = "UNSUPPORTED_OUTPUT_FORMAT"
-	CodeDocumentMissing           = "DOCUMENT_MISSING"
-	CodeUnknownMember             = "UNKNOWN_MEMBER"
-	CodeIdempotencyKeyReused      = "IDEMPOTENCY_KEY_REUSED_WITH_DIFFERENT_REQUEST"
-	CodeIdempotencyInProgress     = "IDEMPOTENCY_REQUEST_IN_PROGRESS"
-	CodeTaskNotFound              = "TASK_NOT_FOUND"
-	CodeArtifactNotReady          = "ARTIFACT_NOT_READY"
-	CodeTaskFailed                = "TASK_FAILED"
-	CodeArtifactUnavailable       = "ARTIFACT_UNAVAILABLE"
-	CodeNotFound                  = "NOT_FOUND"
-	CodeMethodNotAllowed          = "METHOD_NOT_ALLOWED"
-	CodeDatabaseUnavailable       = "DATABASE_UNAVAILABLE"
-	CodeCacheUnavailable          = "CACHE_UNAVAILABLE"
-	CodeInternal                  = "INTERNAL"
-	problemTypeBase               = "https://converge.dev/problems/"
-	problemContentType            = "application/problem+json"
-	retryAfterSeconds             = "1"
-	errorCodeOfEnvelopeDuplicates = canon.CodeDuplicateMemberName
+	CodeUnsupportedMediaType    = "UNSUPPORTED_MEDIA_TYPE"
+	CodeIdempotencyKeyMissing   = "IDEMPOTENCY_KEY_MISSING"
+	CodeIdempotencyKeyInvalid   = "IDEMPOTENCY_KEY_INVALID"
+	CodeBodyTooLarge            = "BODY_TOO_LARGE"
+	CodeUnsupportedOutputFormat = "UNSUPPORTED_OUTPUT_FORMAT"
+	CodeDocumentMissing         = "DOCUMENT_MISSING"
+	CodeUnknownMember           = "UNKNOWN_MEMBER"
+	CodeIdempotencyKeyReused    = "IDEMPOTENCY_KEY_REUSED_WITH_DIFFERENT_REQUEST"
+	CodeIdempotencyInProgress   = "IDEMPOTENCY_REQUEST_IN_PROGRESS"
+	CodeTaskNotFound            = "TASK_NOT_FOUND"
+	CodeArtifactNotReady        = "ARTIFACT_NOT_READY"
+	CodeTaskFailed              = "TASK_FAILED"
+	CodeArtifactUnavailable     = "ARTIFACT_UNAVAILABLE"
+	CodeNotFound                = "NOT_FOUND"
+	CodeMethodNotAllowed        = "METHOD_NOT_ALLOWED"
+	CodeDatabaseUnavailable     = "DATABASE_UNAVAILABLE"
+	CodeCacheUnavailable        = "CACHE_UNAVAILABLE"
+	CodeInternal                = "INTERNAL"
+)
+
+const (
+	problemTypeBase    = "https://converge.dev/problems/"
+	problemContentType = "application/problem+json"
+	retryAfterSeconds  = "1"
 )
 
 // problemKind is the HTTP status and title of a code.
@@ -62,7 +64,7 @@ var kinds = map[string]problemKind{
 	CodeBodyTooLarge:              {http.StatusRequestEntityTooLarge, "Request body too large"},
 	canon.CodeMalformedJSON:       {http.StatusBadRequest, "Malformed JSON"},
 	canon.CodeInvalidUTF8:         {http.StatusBadRequest, "Request body is not valid UTF-8"},
-	errorCodeOfEnvelopeDuplicates: {http.StatusBadRequest, "Duplicate member in the request object"},
+	canon.CodeDuplicateMemberName: {http.StatusBadRequest, "Duplicate member in the request object"},
 	canon.CodeNestingTooDeep:      {http.StatusUnprocessableEntity, "Request nested too deeply"},
 	CodeUnsupportedOutputFormat:   {http.StatusUnprocessableEntity, "Unsupported output format"},
 	CodeDocumentMissing:           {http.StatusUnprocessableEntity, "Member \"document\" missing"},
