@@ -4,14 +4,15 @@ BIN     := bin/converge
 # Debian's packages that provide the PostgreSQL server binaries and redis-server.
 PG_PKG  ?= postgresql-15
 
-.PHONY: run test deps build vet bench clean
+.PHONY: run test deps build vet bench clean rules-test promtool
 
 ## run: the whole pipeline on embedded defaults (PostgreSQL, kfake, Redis), until Ctrl-C.
 run: deps build
 	./$(BIN) dev
 
-## test: every test against real PostgreSQL, kfake and redis-server.
-test: deps
+## test: every test against real PostgreSQL, kfake and redis-server, and the
+## Prometheus rule tests.
+test: deps rules-test
 	$(GO) vet ./...
 	$(GO) test -count=1 -timeout 14m ./...
 
@@ -31,6 +32,30 @@ deps:
 	    echo "converge needs the PostgreSQL server binaries and redis-server." >&2; \
 	    echo "Install them with: sudo apt-get install $(PG_PKG) redis-server" >&2; exit 1; \
 	  fi; \
+	fi
+
+## rules-test: promtool checks deploy/prometheus (config, alert rules) and runs
+## the alert rules' unit tests (alerts_test.yml). promtool comes from Debian's
+## prometheus package, installed with apt when missing and we are root. Under
+## CI=true a missing promtool fails; elsewhere the rule tests are skipped with
+## the apt-get line to run.
+rules-test: promtool
+	@if command -v promtool >/dev/null 2>&1; then \
+	  set -e; \
+	  promtool check rules deploy/prometheus/alerts.yml; \
+	  promtool test rules deploy/prometheus/alerts_test.yml; \
+	  (cd deploy/prometheus && promtool check config --syntax-only prometheus.yml); \
+	elif [ "$$CI" = true ]; then \
+	  echo "promtool is missing (CI=true: failing). Install it with: sudo apt-get install prometheus" >&2; exit 1; \
+	else \
+	  echo "promtool is missing: Prometheus rule tests SKIPPED. Install it with: sudo apt-get install prometheus" >&2; \
+	fi
+
+promtool:
+	@if ! command -v promtool >/dev/null 2>&1 && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	  echo "installing prometheus (promtool) with apt-get"; \
+	  apt-get update -q >/dev/null && \
+	  DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends prometheus >/dev/null || true; \
 	fi
 
 vet:

@@ -27,7 +27,14 @@ const (
 	DefaultMaxBufferedRecords = 10000
 	DefaultDeliveryTimeout    = time.Minute
 	DefaultShutdownTimeout    = 10 * time.Second
+	DefaultHeartbeatInterval  = 10 * time.Second
+	DefaultSlotSampleInterval = 10 * time.Second
 )
+
+// HeartbeatPrefix is the prefix of the relay's heartbeat messages
+// (pg_logical_emit_message). Their content is the JSON object
+// {"slot": <SlotName>, "emitted_at": <RFC 3339 time>}.
+const HeartbeatPrefix = "converge-heartbeat"
 
 // Config configures a Relay. The zero value is invalid only for DatabaseURL
 // and Brokers; every other field has a default.
@@ -85,6 +92,18 @@ type Config struct {
 	// published_at update and the final status update after ctx is
 	// cancelled. Defaults to 10s.
 	ShutdownTimeout time.Duration
+	// HeartbeatInterval is how often the relay writes a heartbeat into the
+	// WAL (pg_logical_emit_message(true, HeartbeatPrefix, ...), a tiny
+	// transaction of its own) so that the slot advances while the outbox
+	// is idle and other tables generate WAL: without it an idle outbox
+	// retains all WAL written since the last outbox commit. The heartbeat
+	// needs PostgreSQL 14 or later (pgoutput's messages option). Defaults
+	// to 10s; a negative value disables heartbeats.
+	HeartbeatInterval time.Duration
+	// SlotSampleInterval is how often the relay reads its slot from
+	// pg_replication_slots for the converge_relay_slot_* metrics (lag,
+	// retained WAL, wal_status). Defaults to 10s.
+	SlotSampleInterval time.Duration
 	// Logger receives the relay's logs. Defaults to slog.Default().
 	Logger *slog.Logger
 	// Registerer receives the converge_relay_* metrics. Defaults to a new,
@@ -135,6 +154,12 @@ func (c *Config) setDefaults() {
 	if c.ShutdownTimeout == 0 {
 		c.ShutdownTimeout = DefaultShutdownTimeout
 	}
+	if c.HeartbeatInterval == 0 {
+		c.HeartbeatInterval = DefaultHeartbeatInterval
+	}
+	if c.SlotSampleInterval == 0 {
+		c.SlotSampleInterval = DefaultSlotSampleInterval
+	}
 	if c.Logger == nil {
 		c.Logger = slog.Default()
 	}
@@ -176,6 +201,7 @@ func (c *Config) Validate() error {
 		{"FlushInterval", c.FlushInterval},
 		{"DeliveryTimeout", c.DeliveryTimeout},
 		{"ShutdownTimeout", c.ShutdownTimeout},
+		{"SlotSampleInterval", c.SlotSampleInterval},
 	} {
 		if d.v <= 0 {
 			errs = append(errs, fmt.Errorf("%s %s: must be positive", d.name, d.v))

@@ -45,8 +45,25 @@
 //     that LSN (pglogrepl would copy the write position into zero flush/apply
 //     positions). They are sent at least every StatusInterval and at once
 //     when a server keepalive asks for a reply. The server's WAL end from
-//     keepalives is never confirmed (a heartbeat via pg_logical_emit_message
-//     is future work, so an idle outbox does not move the slot).
+//     keepalives is never confirmed: only commit LSNs the tracker passed are,
+//     including those of heartbeats (below).
+//   - Heartbeat: every HeartbeatInterval (default 10s; negative disables) the
+//     relay runs SELECT pg_logical_emit_message(true, 'converge-heartbeat',
+//     '{"slot":...,"emitted_at":...}') on its normal connection. The
+//     transactional message is a transaction of its own in the WAL; with the
+//     pgoutput option messages 'true' it arrives as Begin, Message, Commit
+//     and goes through the tracker like any transaction: an empty one is
+//     done at its Commit, so the slot advances to the heartbeat's commit LSN
+//     only once every earlier transaction is done. Without it an idle
+//     outbox retains all WAL that other tables write (PostgreSQL 15+ skips
+//     their empty transactions in pgoutput). Heartbeats of relays on other
+//     slots of the database are tracked the same way, their round trip is
+//     not measured. Needs PostgreSQL 14+. A failed heartbeat is logged and
+//     counted, never fatal.
+//   - Slot monitoring: every SlotSampleInterval (default 10s) the relay reads
+//     pg_current_wal_lsn() - confirmed_flush_lsn, - restart_lsn and
+//     wal_status of its slot from pg_replication_slots (the slot_* metrics;
+//     wal_status is also exported when Run fails with ErrSlotLost).
 //   - Every receive from the replication connection has its own deadline, so
 //     flushes and status updates happen while the stream is idle.
 //   - A record whose produce fails for good (non-retryable error,
@@ -65,21 +82,36 @@
 //     its published_at UPDATE.
 //   - fault.RelayAfterAckBeforeConfirm: after the UPDATE, before the status
 //     update that would advance the slot.
+//   - fault.RelayPublishConfirmLost: Kafka acknowledged a record, the
+//     produce callback sees an error instead (a lost publisher confirm): Run
+//     fails and a restart produces the record again from the slot.
 //
 // With action error Run returns an error wrapping fault.ErrInjected and sends
 // no further status update (a simulated crash); with crash the process exits.
 //
 // # Metrics
 //
-//	name                                                type       labels      meaning
-//	converge_relay_events_published_total               counter    event_type  records acknowledged by Kafka (republications count again)
-//	converge_relay_produce_errors_total                 counter    -           records whose produce failed for good
-//	converge_relay_payload_hash_mismatches_total        counter    -           rows whose payload_sha256 differs from the canonical payload's hash
-//	converge_relay_commit_to_ack_seconds                histogram  -           transaction commit time to Kafka's ack of its last record
-//	converge_relay_confirmed_lsn                        gauge      -           LSN (as a number) last sent as write/flush/apply position
-//	converge_relay_slot_lag_bytes                       gauge      -           server WAL end (last seen) minus the confirmed LSN
-//	converge_relay_transactions_in_flight               gauge      -           decoded transactions the slot has not passed yet
-//	converge_relay_records_in_flight                    gauge      -           records produced, not yet acknowledged and marked published
-//	converge_relay_outbox_rows_marked_published_total   counter    -           rows whose published_at this relay set
-//	converge_relay_status_updates_total                 counter    -           standby status updates sent
+//	name                                                      type       labels      meaning
+//	converge_relay_events_published_total                     counter    event_type  records acknowledged by Kafka (republications count again)
+//	converge_relay_produce_errors_total                       counter    -           records whose produce failed for good
+//	converge_relay_payload_hash_mismatches_total              counter    -           rows whose payload_sha256 differs from the canonical payload's hash
+//	converge_relay_commit_to_ack_seconds                      histogram  -           transaction commit time to Kafka's ack of its last record, seconds
+//	converge_relay_confirmed_lsn                              gauge      -           LSN (as a number) last sent as write/flush/apply position
+//	converge_relay_last_acked_lsn                             gauge      -           LSN (as a number) up to which every transaction is acknowledged by Kafka and marked published (what the next status update confirms)
+//	converge_relay_slot_lag_bytes                             gauge      -           pg_current_wal_lsn() - confirmed_flush_lsn, bytes (sampled)
+//	converge_relay_slot_retained_wal_bytes                    gauge      -           pg_current_wal_lsn() - restart_lsn: WAL kept for the slot, bytes (sampled)
+//	converge_relay_slot_wal_status                            gauge      status      1 for the slot's wal_status (reserved, extended, unreserved, lost), 0 for the others
+//	converge_relay_slot_sample_errors_total                   counter    -           failed reads of pg_replication_slots
+//	converge_relay_heartbeats_emitted_total                   counter    -           heartbeats written into the WAL
+//	converge_relay_heartbeat_errors_total                     counter    -           heartbeats that could not be written
+//	converge_relay_heartbeat_rtt_seconds                      gauge      -           emit -> decoded from the slot, seconds, of the last heartbeat received
+//	converge_relay_heartbeat_last_received_timestamp_seconds  gauge      -           Unix time the last own heartbeat was decoded
+//	converge_relay_transactions_in_flight                     gauge      -           decoded transactions the slot has not passed yet
+//	converge_relay_records_in_flight                          gauge      -           records produced, not yet acknowledged and marked published
+//	converge_relay_outbox_rows_marked_published_total         counter    -           rows whose published_at this relay set
+//	converge_relay_status_updates_total                       counter    -           standby status updates sent
+//
+// The relay's franz-go client exports converge_kafka_client_*{component=
+// "relay"} when the caller passes kafkametrics.ClientMetrics in KafkaOpts
+// (the converge binary does).
 package cdc

@@ -18,7 +18,20 @@ type metrics struct {
 	recordsInFlight  prometheus.Gauge
 	publishedMarked  prometheus.Counter
 	statusUpdatesOut prometheus.Counter
+
+	lastAckedLSN      prometheus.Gauge
+	slotRetained      prometheus.Gauge
+	slotWALStatus     *prometheus.GaugeVec
+	slotSampleErrors  prometheus.Counter
+	heartbeatsEmitted prometheus.Counter
+	heartbeatErrors   prometheus.Counter
+	heartbeatRTT      prometheus.Gauge
+	heartbeatLastSeen prometheus.Gauge
 }
+
+// walStatuses are the values of pg_replication_slots.wal_status
+// (PostgreSQL 13+), each a series of converge_relay_slot_wal_status.
+var walStatuses = []string{"reserved", "extended", "unreserved", "lost"}
 
 func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 	m := &metrics{
@@ -45,7 +58,39 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 		}),
 		slotLag: prometheus.NewGauge(prometheus.GaugeOpts{
 			Name: "converge_relay_slot_lag_bytes",
-			Help: "Bytes of WAL between the server's WAL end (last seen on the stream) and the confirmed LSN.",
+			Help: "pg_current_wal_lsn() - confirmed_flush_lsn of the replication slot, in bytes (sampled every SlotSampleInterval).",
+		}),
+		slotRetained: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "converge_relay_slot_retained_wal_bytes",
+			Help: "pg_current_wal_lsn() - restart_lsn of the replication slot: WAL the server keeps for it, in bytes (sampled every SlotSampleInterval).",
+		}),
+		slotWALStatus: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Name: "converge_relay_slot_wal_status",
+			Help: "1 for the replication slot's current wal_status (reserved, extended, unreserved, lost), 0 for the others.",
+		}, []string{"status"}),
+		slotSampleErrors: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "converge_relay_slot_sample_errors_total",
+			Help: "Failed reads of pg_replication_slots for the slot metrics.",
+		}),
+		lastAckedLSN: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "converge_relay_last_acked_lsn",
+			Help: "Highest commit LSN (as a number) up to which every transaction's outbox events are acknowledged by Kafka and marked published: the LSN the next status update confirms.",
+		}),
+		heartbeatsEmitted: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "converge_relay_heartbeats_emitted_total",
+			Help: "Heartbeats written into the WAL with pg_logical_emit_message.",
+		}),
+		heartbeatErrors: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "converge_relay_heartbeat_errors_total",
+			Help: "Heartbeats that could not be written (the relay goes on; the slot then only advances with outbox traffic).",
+		}),
+		heartbeatRTT: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "converge_relay_heartbeat_rtt_seconds",
+			Help: "Time from writing the last received heartbeat into the WAL until the relay decoded it from the slot, in seconds.",
+		}),
+		heartbeatLastSeen: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "converge_relay_heartbeat_last_received_timestamp_seconds",
+			Help: "Unix time at which the relay last decoded one of its heartbeats from the slot.",
 		}),
 		txnsInFlight: prometheus.NewGauge(prometheus.GaugeOpts{
 			Name: "converge_relay_transactions_in_flight",
@@ -65,10 +110,15 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 		}),
 	}
 	for _, c := range []prometheus.Collector{m.published, m.produceErrors, m.hashMismatches, m.commitToAck,
-		m.confirmedLSN, m.slotLag, m.txnsInFlight, m.recordsInFlight, m.publishedMarked, m.statusUpdatesOut} {
+		m.confirmedLSN, m.slotLag, m.txnsInFlight, m.recordsInFlight, m.publishedMarked, m.statusUpdatesOut,
+		m.lastAckedLSN, m.slotRetained, m.slotWALStatus, m.slotSampleErrors, m.heartbeatsEmitted, m.heartbeatErrors,
+		m.heartbeatRTT, m.heartbeatLastSeen} {
 		if err := reg.Register(c); err != nil {
 			return nil, fmt.Errorf("register relay metrics: %w", err)
 		}
+	}
+	for _, st := range walStatuses {
+		m.slotWALStatus.WithLabelValues(st) // export all statuses, 0 until sampled
 	}
 	return m, nil
 }

@@ -102,6 +102,8 @@ func (r *Relay) Run(ctx context.Context) error {
 		return err
 	}
 	defer s.close()
+	stopMonitor := s.startMonitor(ctx)
+	defer stopMonitor()
 	return s.stream(ctx)
 }
 
@@ -151,7 +153,7 @@ func (r *Relay) open(ctx context.Context) (_ *session, err error) {
 	if err != nil {
 		return nil, fmt.Errorf("parse database url: %w", err)
 	}
-	poolCfg.MaxConns = 2
+	poolCfg.MaxConns = 3 // published_at updates, heartbeats, slot samples
 	if s.pool, err = pgxpool.NewWithConfig(ctx, poolCfg); err != nil {
 		return nil, fmt.Errorf("connect to database: %w", err)
 	}
@@ -193,6 +195,7 @@ func (r *Relay) open(ctx context.Context) (_ *session, err error) {
 			return nil, fmt.Errorf("replication slot %s vanished right after its creation", cfg.SlotName)
 		}
 	}
+	s.m.setWALStatus(si.walStatus)
 	if err := checkSlot(si, cfg.SlotName); err != nil {
 		return nil, err
 	}
@@ -217,12 +220,16 @@ func (r *Relay) open(ctx context.Context) (_ *session, err error) {
 		return nil, err
 	}
 
+	pluginArgs := []string{
+		"proto_version '1'",
+		fmt.Sprintf("publication_names '%s'", cfg.PublicationName),
+	}
+	if cfg.HeartbeatInterval > 0 {
+		pluginArgs = append(pluginArgs, "messages 'true'") // heartbeats (PostgreSQL 14+)
+	}
 	err = pglogrepl.StartReplication(ctx, s.repl, cfg.SlotName, 0, pglogrepl.StartReplicationOptions{
-		Mode: pglogrepl.LogicalReplication,
-		PluginArgs: []string{
-			"proto_version '1'",
-			fmt.Sprintf("publication_names '%s'", cfg.PublicationName),
-		},
+		Mode:       pglogrepl.LogicalReplication,
+		PluginArgs: pluginArgs,
 	})
 	if err != nil {
 		var pgErr *pgconn.PgError
@@ -240,6 +247,7 @@ func (r *Relay) open(ctx context.Context) (_ *session, err error) {
 	s.tr = newTracker(si.confirmed)
 	r.confirmed.Store(uint64(si.confirmed))
 	s.m.confirmedLSN.Set(float64(si.confirmed))
+	s.m.lastAckedLSN.Set(float64(si.confirmed))
 	s.log.InfoContext(ctx, "streaming", slog.String("publication", cfg.PublicationName),
 		slog.String("topic", cfg.Topic), slog.String("confirmed_flush_lsn", si.confirmed.String()))
 	return s, nil
@@ -384,11 +392,7 @@ func (s *session) updateGauges() {
 	txns, records := s.tr.stats()
 	s.m.txnsInFlight.Set(float64(txns))
 	s.m.recordsInFlight.Set(float64(records))
-	if c := s.tr.confirmable(); s.serverWALEnd > c {
-		s.m.slotLag.Set(float64(s.serverWALEnd - c))
-	} else {
-		s.m.slotLag.Set(0)
-	}
+	s.m.lastAckedLSN.Set(float64(s.tr.confirmable()))
 }
 
 // handle processes one message of the replication stream.
@@ -454,6 +458,8 @@ func (s *session) handleWAL(ctx context.Context, data []byte) error {
 			return errors.New("pgoutput: Insert outside a transaction")
 		}
 		return s.produce(ctx, m)
+	case *pglogrepl.LogicalDecodingMessage:
+		s.handleMessage(ctx, m)
 	case *pglogrepl.CommitMessage:
 		if !s.inTxn {
 			return errors.New("pgoutput: Commit outside a transaction")
@@ -498,6 +504,10 @@ func (s *session) produce(ctx context.Context, m *pglogrepl.InsertMessage) error
 	outboxID, eventType := row.outboxID, row.eventType
 	s.kcl.Produce(s.produceCtx, rec, func(_ *kgo.Record, err error) {
 		defer func() { <-s.sem }()
+		if err == nil {
+			// Kafka acknowledged; an injected error here is a lost confirm.
+			err = s.cfg.Faults.Err(fault.RelayPublishConfirmLost)
+		}
 		if err != nil {
 			if s.closing.Load() {
 				s.tr.fail(seq, nil) // abandoned: produced again after a restart

@@ -182,3 +182,56 @@ WHERE outbox_id = ANY($1) AND published_at IS NULL`, outboxIDs)
 	}
 	return tag.RowsAffected(), nil
 }
+
+// slotStats is the slot's position relative to the server's current WAL
+// insert position, from pg_replication_slots.
+type slotStats struct {
+	exists        bool
+	lagBytes      int64 // pg_current_wal_lsn() - confirmed_flush_lsn
+	retainedBytes int64 // pg_current_wal_lsn() - restart_lsn
+	walStatus     string
+}
+
+// slotStats reads the lag and retained WAL of replication slot name. A slot
+// without a confirmed_flush_lsn or restart_lsn (invalidated) reports 0 for
+// the missing value.
+func (s *store) slotStats(ctx context.Context, name string) (slotStats, error) {
+	var (
+		st            slotStats
+		lag, retained *int64
+		walStatus     *string
+	)
+	err := s.pool.QueryRow(ctx, `
+SELECT (pg_current_wal_lsn() - confirmed_flush_lsn)::bigint,
+       (pg_current_wal_lsn() - restart_lsn)::bigint,
+       wal_status
+FROM pg_replication_slots WHERE slot_name = $1`, name).Scan(&lag, &retained, &walStatus)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return st, nil
+	}
+	if err != nil {
+		return st, fmt.Errorf("read replication slot %s statistics: %w", name, err)
+	}
+	st.exists = true
+	if lag != nil {
+		st.lagBytes = *lag
+	}
+	if retained != nil {
+		st.retainedBytes = *retained
+	}
+	st.walStatus = deref(walStatus)
+	return st, nil
+}
+
+// emitHeartbeat writes a transactional logical decoding message with prefix
+// HeartbeatPrefix and the given content into the WAL: it reaches every
+// logical slot of the database (pgoutput sends it when the messages option
+// is on) as a transaction of its own. It returns the message's LSN.
+func (s *store) emitHeartbeat(ctx context.Context, content []byte) (pglogrepl.LSN, error) {
+	var lsn string
+	err := s.pool.QueryRow(ctx, `SELECT pg_logical_emit_message(true, $1, $2::bytea)::text`, HeartbeatPrefix, content).Scan(&lsn)
+	if err != nil {
+		return 0, fmt.Errorf("emit heartbeat: %w", err)
+	}
+	return pglogrepl.ParseLSN(lsn)
+}

@@ -75,7 +75,7 @@ func TestTracker(t *testing.T) {
 			},
 		},
 		{
-			name: "an empty transaction is confirmed at its commit",
+			name: "an empty transaction (a heartbeat) is confirmed at its commit, never past an unfinished one",
 			ops: []trackerOp{
 				begin(0), commit(0, 100), want(100),
 				begin(1), add(1, "a"), commit(1, 200),

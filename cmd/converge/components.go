@@ -14,12 +14,14 @@ import (
 	"github.com/prometheus/client_golang/prometheus/collectors"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 	"github.com/redis/go-redis/v9"
+	"github.com/twmb/franz-go/pkg/kgo"
 	"golang.org/x/sync/errgroup"
 
 	"github.com/converge-run/converge/cdc"
 	"github.com/converge-run/converge/consumers/reconciler"
 	"github.com/converge-run/converge/consumers/worker"
 	"github.com/converge-run/converge/internal/artifact"
+	"github.com/converge-run/converge/internal/kafkametrics"
 	"github.com/converge-run/converge/internal/submit"
 	"github.com/converge-run/converge/projections/taskview"
 	"github.com/converge-run/converge/schemas"
@@ -146,6 +148,7 @@ type RelayCmd struct {
 	Services
 	Pipeline
 	MetricsAddr
+	HeartbeatInterval time.Duration `env:"CONVERGE_RELAY_HEARTBEAT_INTERVAL" default:"10s" help:"Interval of the relay's WAL heartbeat (pg_logical_emit_message) that advances the slot while the outbox is idle; 0 disables it."`
 }
 
 // Run relays until interrupted, then sends the final status update.
@@ -154,8 +157,14 @@ func (c *RelayCmd) Run(env *runEnv) error {
 		return err
 	}
 	reg := newRegistry()
+	heartbeat := c.HeartbeatInterval
+	if heartbeat == 0 {
+		heartbeat = -1 // disabled (cdc.Config: zero means the default)
+	}
 	r, err := cdc.New(cdc.Config{DatabaseURL: c.DatabaseURL, Brokers: c.KafkaBrokers, Topic: c.Topic, Partitions: c.TopicPartitions,
-		SlotName: c.SlotName, PublicationName: c.PublicationName, Logger: env.log, Registerer: reg, Faults: env.faults})
+		SlotName: c.SlotName, PublicationName: c.PublicationName, HeartbeatInterval: heartbeat,
+		Logger: env.log, Registerer: reg, Faults: env.faults,
+		KafkaOpts: []kgo.Opt{kafkametrics.ClientMetrics(reg, "relay")}})
 	if err != nil {
 		return err
 	}
@@ -185,7 +194,8 @@ func (c *WorkerCmd) Run(env *runEnv) error {
 	}
 	reg := newRegistry()
 	w, err := worker.New(worker.Config{Pool: pool, Brokers: c.KafkaBrokers, Topic: c.Topic, ArtifactStore: store,
-		Logger: env.log, Registerer: reg, Faults: env.faults})
+		Logger: env.log, Registerer: reg, Faults: env.faults,
+		KafkaOpts: []kgo.Opt{kafkametrics.ClientMetrics(reg, "worker")}})
 	if err != nil {
 		return err
 	}
@@ -207,7 +217,8 @@ func (c *ProjectorCmd) Run(env *runEnv) error {
 	}
 	defer rdb.Close()
 	reg := newRegistry()
-	p, err := taskview.New(taskview.Config{Brokers: c.KafkaBrokers, Topic: c.Topic, Redis: rdb, Logger: env.log, Registerer: reg})
+	p, err := taskview.New(taskview.Config{Brokers: c.KafkaBrokers, Topic: c.Topic, Redis: rdb, Logger: env.log, Registerer: reg,
+		KafkaOpts: []kgo.Opt{kafkametrics.ClientMetrics(reg, "projector")}})
 	if err != nil {
 		return err
 	}
@@ -219,6 +230,7 @@ type ReconcilerCmd struct {
 	Services
 	Pipeline
 	MetricsAddr
+	LagInterval time.Duration `env:"CONVERGE_LAG_SAMPLE_INTERVAL" default:"10s" help:"Interval of the consumer-group lag sample the reconciler exports (every group of the cluster; needs --kafka-brokers)."`
 }
 
 // Run reconciles until interrupted.
@@ -236,11 +248,40 @@ func (c *ReconcilerCmd) Run(env *runEnv) error {
 		return err
 	}
 	reg := newRegistry()
-	r, err := reconciler.New(reconciler.Config{Pool: pool, ArtifactStore: store, Logger: env.log, Registerer: reg})
+	rcfg := reconciler.Config{Pool: pool, ArtifactStore: store, Logger: env.log, Registerer: reg,
+		Brokers: c.KafkaBrokers, Topic: c.Topic, Cache: taskview.CacheOptions{Faults: env.faults}}
+	if c.RedisURL != "" {
+		rdb, err := openRedis(c.RedisURL)
+		if err != nil {
+			return err
+		}
+		defer rdb.Close()
+		rcfg.Redis = rdb
+	}
+	r, err := reconciler.New(rcfg)
 	if err != nil {
 		return err
 	}
-	return serveWith(env.ctx, c.MetricsAddr.MetricsAddr, reg, r.Run)
+	if len(c.KafkaBrokers) == 0 {
+		env.log.Warn("no Kafka brokers: consumer-group lag is not sampled")
+		return serveWith(env.ctx, c.MetricsAddr.MetricsAddr, reg, r.Run)
+	}
+	// Consumer-group lag of the whole deployment is sampled here, once.
+	lag, err := kafkametrics.NewLagSampler(kafkametrics.LagConfig{Brokers: c.KafkaBrokers, AllGroups: true,
+		Groups: []kafkametrics.Group{
+			{Name: worker.DefaultGroup, Topics: []string{c.Topic}},
+			{Name: taskview.DefaultGroup, Topics: []string{c.Topic}},
+		},
+		Interval: c.LagInterval, Logger: env.log.With("component", "lag"), Registerer: reg})
+	if err != nil {
+		return err
+	}
+	return serveWith(env.ctx, c.MetricsAddr.MetricsAddr, reg, func(ctx context.Context) error {
+		g, gctx := errgroup.WithContext(ctx)
+		g.Go(func() error { return r.Run(gctx) })
+		g.Go(func() error { return lag.Run(gctx) })
+		return g.Wait()
+	})
 }
 
 // MigrateCmd applies the migrations.

@@ -59,6 +59,10 @@ type CLI struct {
 	Reconciler ReconcilerCmd `cmd:"" help:"Run the reconciler."`
 	Migrate    MigrateCmd    `cmd:"" help:"Apply the database migrations."`
 	Submit     SubmitCmd     `cmd:"" help:"Submit JSON files and wait for their tasks."`
+	Loadgen    LoadgenCmd    `cmd:"" help:"Generate create load (fixed rate or N clients) and measure latency and throughput."`
+	Bench      BenchCmd      `cmd:"" help:"Measure each stage against its physical limit on a fresh local PostgreSQL (make bench)."`
+	DLQ        DLQCmd        `cmd:"" name:"dlq" help:"List, show and replay dead letters."`
+	Experiment ExperimentCmd `cmd:"" help:"Run the seed's fault-injection experiments against the real pipeline."`
 	FaultList  FaultsCmd     `cmd:"" name:"faults" help:"List the fault points."`
 }
 

@@ -1,6 +1,11 @@
-// Package reconciler converges what the worker could not finish: effects of
-// the effect ledger whose outcome nobody knows any more (seed sections 7, 8,
-// 10, 14; DESIGN.md "consumers/reconciler").
+// Package reconciler converges what the other components could not finish
+// (seed sections 3.1, 7, 8, 9, 10, 13.5, 14; DESIGN.md
+// "consumers/reconciler"): effects whose outcome nobody knows, compensations
+// that timed out, inbox rows left processing, tasks that stopped making
+// progress, idempotency records left in progress, unpublished outbox rows
+// and stale Redis views; and it records dead letters.
+//
+// # Effects
 //
 // An effect stays started or unknown when the worker crashed or timed out
 // between writing the ledger row and recording the outcome. After
@@ -14,27 +19,68 @@
 //
 // An effect in compensation_required past the deadline is compensated (seed
 // 8): a ledger row of kind artifact.hide with token
-// "compensation-for-<effect_id>" is written first, the store hides the
-// object, the hide is verified by observing the token gone, and the effect
-// becomes compensated.
+// "compensation-for-<effect_id>" is written first (or found: the worker
+// writes it before its own attempt); the store is OBSERVED first — a hide
+// that timed out after it happened (fault.ArtifactHideTimeoutAfterCommit)
+// is found done and recorded verified without hiding again
+// ("compensation_observed"); otherwise the object is hidden, the hide is
+// verified by observing the token gone, and the effect becomes compensated.
+//
+// # Other scans (each bounded by BatchSize per pass)
+//
+//   - Inbox: rows processing with no delivery for InboxLease whose task is
+//     terminal are finished (-> completed, result {"released_by":
+//     "reconciler"}); rows of non-terminal tasks are left to the task scan.
+//   - Tasks: queued or running without an update for TaskDeadline are
+//     re-driven by a TaskRedriveRequested outbox event for their current
+//     version, written in a transaction that re-checks status and version;
+//     the outbox's unique (task, version, type) allows one re-drive per
+//     task version, so nothing is re-driven forever. The worker handles it
+//     like TaskCreated; its inbox and the ledger make the second drive safe.
+//   - Idempotency: records in_progress past locked_until are resolved from
+//     the task state, never assuming the first execution did not happen:
+//     with a task -> succeeded with the task's first 202 response; without
+//     one (the API writes both in one transaction) the record is deleted so
+//     that a retry with the same key creates the task.
+//   - Outbox: rows unpublished for longer than OutboxThreshold are counted
+//     (gauges below) and logged; the relay publishes, the reconciler never
+//     does.
+//   - Task views (with Redis): a cursor on task id walks the task table,
+//     BatchSize tasks per pass; a view whose version is below the
+//     database's is replaced by the database snapshot (taskview.Cache.Put,
+//     whose Lua compare-and-set never regresses a view). Absent views stay
+//     absent.
+//   - Dead letters: converge_deadletter_unresolved is refreshed.
+//
+// # Dead-letter intake
+//
+// With Brokers, Run also consumes DeadLetterTopic (group DeadLetterGroup,
+// default converge-reconciler-dlq) into the dead_letter table
+// (deadletter.FromRecord, Store.Insert: ON CONFLICT DO NOTHING on the
+// origin topic/partition/offset), committing a poll's offsets only after all
+// its inserts succeeded (a failed insert is retried with backoff).
 //
 // # Invariants
 //
-//   - Every repair is a compare-and-set on the state the pass read (WHERE
-//     effect_id = $1 AND state = $old): a repair computed from a stale read
-//     can never undo newer progress (the rescuer bug DESIGN.md warns about).
-//     A lost compare-and-set is counted as "skipped" and nothing is written.
-//   - Work per pass is bounded: each scan reads at most BatchSize effects,
+//   - Every repair is a compare-and-set on the state (and version) the pass
+//     read: a repair computed from a stale read can never undo newer
+//     progress (the rescuer bug DESIGN.md warns about). A lost
+//     compare-and-set is counted as "skipped" and nothing is written.
+//   - Work per pass is bounded: each scan reads at most BatchSize rows,
 //     oldest first.
 //   - The reconciler never writes to the store except to hide an object
-//     whose effect is compensation_required, and never moves a task: the
-//     worker, on the redelivery of the task's record, finds the repaired
-//     ledger row (verified: completes; planned: writes with the same token;
-//     compensation_required/compensated: fails the task).
+//     whose effect is compensation_required, and moves a task only through
+//     the worker (a re-drive event): on the redelivery of the task's
+//     record the worker finds the repaired ledger row (verified: completes;
+//     planned: writes with the same token; compensation_required or
+//     compensated: fails the task).
 //
 // # Metrics
 //
-//	converge_reconciler_actions_total{kind}   counter   effects handled, by action: verified, planned, compensation_required, compensated, skipped (lost compare-and-set), error
-//	converge_reconciler_passes_total{result}  counter   passes, by result: ok, error (a scan query failed)
-//	converge_reconciler_pass_seconds          histogram duration of one pass
+//	converge_reconciler_actions_total{kind}          counter   actions, by kind: verified, planned, compensation_required, compensated, compensation_observed, skipped (lost compare-and-set), error, inbox_released, task_redriven, idempotency_resolved, cache_repaired, dead_letter_recorded
+//	converge_reconciler_passes_total{result}         counter   passes, by result: ok, error (a scan failed)
+//	converge_reconciler_pass_seconds                 histogram duration of one pass
+//	converge_deadletter_unresolved                   gauge     dead letters in state parked or refused (they need a person)
+//	converge_outbox_unpublished_rows                 gauge     outbox rows unpublished for longer than OutboxThreshold
+//	converge_outbox_oldest_unpublished_age_seconds   gauge     age of the oldest unpublished outbox row (0 when none)
 package reconciler

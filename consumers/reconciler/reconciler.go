@@ -9,8 +9,13 @@ import (
 
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/prometheus/client_golang/prometheus"
+	"github.com/redis/go-redis/v9"
+	"github.com/twmb/franz-go/pkg/kgo"
+	"golang.org/x/sync/errgroup"
 
 	"github.com/converge-run/converge/internal/artifact"
+	"github.com/converge-run/converge/internal/taskevent"
+	"github.com/converge-run/converge/projections/taskview"
 )
 
 // CodeArtifactVerificationFailed is the effect error code of an artifact
@@ -38,6 +43,26 @@ const (
 	// ActionError: observing the store or writing the repair failed; the
 	// effect is retried on a later pass.
 	ActionError = "error"
+	// ActionCompensationObserved: a compensation (artifact.hide) left
+	// started — its store call timed out — was found done by observing the
+	// token gone: hide -> verified without hiding again, effect ->
+	// compensated (seed 14, "compensation times out").
+	ActionCompensationObserved = "compensation_observed"
+	// ActionInboxReleased: an inbox row left processing past InboxLease
+	// whose task is terminal was finished (processing -> completed).
+	ActionInboxReleased = "inbox_released"
+	// ActionTaskRedriven: a task queued or running past TaskDeadline got a
+	// TaskRedriveRequested outbox event for its current version.
+	ActionTaskRedriven = "task_redriven"
+	// ActionIdempotencyResolved: an idempotency record in_progress past
+	// locked_until was resolved from the task state.
+	ActionIdempotencyResolved = "idempotency_resolved"
+	// ActionCacheRepaired: a Redis task view older than the task's
+	// database version was replaced by the database snapshot.
+	ActionCacheRepaired = "cache_repaired"
+	// ActionDeadLetterRecorded: a record of the dead-letter topic was
+	// recorded in dead_letter.
+	ActionDeadLetterRecorded = "dead_letter_recorded"
 )
 
 // Config configures a Reconciler. Zero values take the defaults noted.
@@ -65,6 +90,37 @@ type Config struct {
 	// Registerer receives the converge_reconciler_* metrics. Defaults to a
 	// new prometheus.NewRegistry() (metrics then go nowhere).
 	Registerer prometheus.Registerer
+
+	// Brokers are the Kafka bootstrap addresses of the dead-letter intake.
+	// Optional: without them Run records no dead letters.
+	Brokers []string
+	// Topic is the task-events topic. Defaults to taskevent.DefaultTopic.
+	Topic string
+	// DeadLetterTopic is consumed into the dead_letter table. Defaults to
+	// Topic + ".dlq".
+	DeadLetterTopic string
+	// DeadLetterGroup is the intake's consumer group. Defaults to
+	// "converge-reconciler-dlq".
+	DeadLetterGroup string
+	// KafkaOpts are appended to the intake's client options. Defaults to
+	// none.
+	KafkaOpts []kgo.Opt
+	// Redis is the task view's Redis. Optional: without it the cache scan
+	// is skipped.
+	Redis *redis.Client
+	// Cache configures the task view used for repairs (its Registerer
+	// defaults to Registerer).
+	Cache taskview.CacheOptions
+	// InboxLease is how long an inbox row may stay processing without a
+	// delivery before a pass looks at it. Defaults to 2m.
+	InboxLease time.Duration
+	// TaskDeadline is how long a task may stay queued or running without
+	// an update before a pass re-drives it (once per task version: the
+	// outbox's unique (task, version, type) bounds it). Defaults to 5m.
+	TaskDeadline time.Duration
+	// OutboxThreshold is the age above which an unpublished outbox row is
+	// reported (gauge and log). Defaults to 1m.
+	OutboxThreshold time.Duration
 }
 
 func (c *Config) setDefaults() {
@@ -83,7 +139,31 @@ func (c *Config) setDefaults() {
 	if c.Registerer == nil {
 		c.Registerer = prometheus.NewRegistry()
 	}
+	if c.Topic == "" {
+		c.Topic = taskevent.DefaultTopic
+	}
+	if c.DeadLetterTopic == "" {
+		c.DeadLetterTopic = taskevent.DeadLetterTopic(c.Topic)
+	}
+	if c.DeadLetterGroup == "" {
+		c.DeadLetterGroup = DefaultDeadLetterGroup
+	}
+	if c.Cache.Registerer == nil {
+		c.Cache.Registerer = c.Registerer
+	}
+	if c.InboxLease <= 0 {
+		c.InboxLease = 2 * time.Minute
+	}
+	if c.TaskDeadline <= 0 {
+		c.TaskDeadline = 5 * time.Minute
+	}
+	if c.OutboxThreshold <= 0 {
+		c.OutboxThreshold = time.Minute
+	}
 }
+
+// DefaultDeadLetterGroup is the consumer group of the dead-letter intake.
+const DefaultDeadLetterGroup = "converge-reconciler-dlq"
 
 // Validate reports a missing field.
 func (c *Config) Validate() error {
@@ -103,7 +183,10 @@ type Reconciler struct {
 	pool    *pgxpool.Pool
 	ownPool bool
 	store   *artifact.Store
+	cache   *taskview.Cache // nil without Redis
 	m       *metrics
+	// cacheCursor is the task id after which the next cache scan starts.
+	cacheCursor string
 
 	// beforeRepair, when set (tests), runs after an effect was read and
 	// observed and before its compare-and-set.
@@ -123,6 +206,11 @@ func New(cfg Config) (*Reconciler, error) {
 		return nil, err
 	}
 	r := &Reconciler{cfg: cfg, log: cfg.Logger, pool: cfg.Pool, store: cfg.ArtifactStore, m: m}
+	if cfg.Redis != nil {
+		if r.cache, err = taskview.NewCache(cfg.Redis, cfg.Cache); err != nil {
+			return nil, fmt.Errorf("reconciler: %w", err)
+		}
+	}
 	if r.pool == nil {
 		pool, err := pgxpool.New(context.Background(), cfg.DatabaseURL)
 		if err != nil {
@@ -135,11 +223,23 @@ func New(cfg Config) (*Reconciler, error) {
 
 // Run runs a pass at once and then every Interval until ctx is cancelled,
 // then returns nil. A failed pass is logged and counted; the next pass
-// tries again.
+// tries again. With Brokers, Run also consumes the dead-letter topic into
+// the dead_letter table (see Intake); it returns an error only when that
+// consumer cannot be created.
 func (r *Reconciler) Run(ctx context.Context) error {
 	if r.ownPool {
 		defer r.pool.Close()
 	}
+	if len(r.cfg.Brokers) == 0 {
+		return r.runPasses(ctx)
+	}
+	g, gctx := errgroup.WithContext(ctx)
+	g.Go(func() error { return r.runPasses(gctx) })
+	g.Go(func() error { return r.runIntake(gctx) })
+	return g.Wait()
+}
+
+func (r *Reconciler) runPasses(ctx context.Context) error {
 	t := time.NewTicker(r.cfg.Interval)
 	defer t.Stop()
 	r.log.InfoContext(ctx, "reconciler started", slog.Duration("interval", r.cfg.Interval), slog.Duration("effect_deadline", r.cfg.EffectDeadline))
@@ -149,7 +249,7 @@ func (r *Reconciler) Run(ctx context.Context) error {
 		case ctx.Err() != nil:
 		case err != nil:
 			r.log.WarnContext(ctx, "reconciler pass failed", slog.Any("err", err))
-		case res.Examined > 0:
+		case res.Examined > 0 || res.Repairs() > 0:
 			r.log.InfoContext(ctx, "reconciler pass", slog.Any("result", res))
 		}
 		select {
@@ -174,6 +274,20 @@ type Result struct {
 	// Errors counts effects whose observation or repair failed; they are
 	// examined again on a later pass.
 	Errors int
+	// CompensationsObserved counts compensations found done by observation.
+	CompensationsObserved int
+	// InboxReleased, TasksRedriven, IdempotencyResolved and CacheRepaired
+	// count the repairs of the other scans.
+	InboxReleased, TasksRedriven, IdempotencyResolved, CacheRepaired int
+	// OutboxUnpublished is the number of outbox rows unpublished for longer
+	// than OutboxThreshold.
+	OutboxUnpublished int
+}
+
+// Repairs is the number of repairs written by the pass.
+func (res Result) Repairs() int {
+	return res.Verified + res.Planned + res.CompensationRequired + res.Compensated + res.CompensationsObserved +
+		res.InboxReleased + res.TasksRedriven + res.IdempotencyResolved + res.CacheRepaired
 }
 
 // Pass runs one bounded reconciliation pass:
@@ -225,7 +339,7 @@ func (r *Reconciler) pass(ctx context.Context, res *Result) error {
 		res.Examined++
 		r.count(res, r.compensate(ctx, e))
 	}
-	return nil
+	return r.scans(ctx, res)
 }
 
 func (r *Reconciler) count(res *Result, action string) {
@@ -239,6 +353,9 @@ func (r *Reconciler) count(res *Result, action string) {
 		res.CompensationRequired++
 	case ActionCompensated:
 		res.Compensated++
+	case ActionCompensationObserved:
+		res.Compensated++
+		res.CompensationsObserved++
 	case ActionSkipped:
 		res.Skipped++
 	default:
@@ -309,14 +426,26 @@ func (r *Reconciler) compensate(ctx context.Context, e effect) string {
 		log.WarnContext(ctx, "plan compensation", slog.Any("err", err))
 		return ActionError
 	}
+	observed := false
 	if hideState != stateVerified {
-		if err := r.store.Hide(e.Token); err != nil {
-			log.WarnContext(ctx, "hide artifact", slog.Any("err", err))
+		// Observe first (seed 14, "compensation times out"): a hide that
+		// timed out may have happened; it is verified, not blindly redone.
+		_, err := r.store.Head(e.Token)
+		switch {
+		case errors.Is(err, artifact.ErrNotFound):
+			observed = true
+		case err != nil:
+			log.WarnContext(ctx, "observe artifact before hide", slog.Any("err", err))
 			return ActionError
-		}
-		if _, err := r.store.Head(e.Token); !errors.Is(err, artifact.ErrNotFound) {
-			log.WarnContext(ctx, "artifact still readable after hide", slog.Any("err", err))
-			return ActionError
+		default:
+			if err := r.store.Hide(e.Token); err != nil {
+				log.WarnContext(ctx, "hide artifact", slog.Any("err", err))
+				return ActionError
+			}
+			if _, err := r.store.Head(e.Token); !errors.Is(err, artifact.ErrNotFound) {
+				log.WarnContext(ctx, "artifact still readable after hide", slog.Any("err", err))
+				return ActionError
+			}
 		}
 		if _, err := setState(ctx, r.pool, hideID, hideState, stateVerified, nil, nil); err != nil {
 			log.WarnContext(ctx, "record compensation", slog.Any("err", err))
@@ -334,7 +463,10 @@ func (r *Reconciler) compensate(ctx context.Context, e effect) string {
 	if !ok {
 		return ActionSkipped
 	}
-	log.InfoContext(ctx, "effect compensated", slog.String("compensation_id", hideID))
+	log.InfoContext(ctx, "effect compensated", slog.String("compensation_id", hideID), slog.Bool("hide_observed", observed))
+	if observed {
+		return ActionCompensationObserved
+	}
 	return ActionCompensated
 }
 
@@ -343,13 +475,16 @@ type metrics struct {
 	actions     *prometheus.CounterVec
 	passes      *prometheus.CounterVec
 	passSeconds prometheus.Histogram
+	unresolved  prometheus.Gauge
+	outboxRows  prometheus.Gauge
+	outboxAge   prometheus.Gauge
 }
 
 func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 	m := &metrics{
 		actions: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "converge_reconciler_actions_total",
-			Help: "Effects handled by reconciler passes, by action (verified, planned, compensation_required, compensated, skipped, error).",
+			Help: "Reconciler actions, by kind: effects (verified, planned, compensation_required, compensated, compensation_observed, skipped, error), inbox_released, task_redriven, idempotency_resolved, cache_repaired, dead_letter_recorded.",
 		}, []string{"kind"}),
 		passes: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "converge_reconciler_passes_total",
@@ -360,11 +495,24 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 			Help:    "Duration of one reconciler pass.",
 			Buckets: prometheus.ExponentialBuckets(0.001, 3, 12),
 		}),
+		unresolved: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "converge_deadletter_unresolved",
+			Help: "Dead letters that need a person (state parked or refused), counted from the dead_letter table at each pass.",
+		}),
+		outboxRows: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "converge_outbox_unpublished_rows",
+			Help: "Outbox rows unpublished for longer than the reconciler's OutboxThreshold, at the last pass.",
+		}),
+		outboxAge: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "converge_outbox_oldest_unpublished_age_seconds",
+			Help: "Age of the oldest unpublished outbox row at the last pass (0 when none).",
+		}),
 	}
-	for _, k := range []string{ActionVerified, ActionPlanned, ActionCompensationRequired, ActionCompensated, ActionSkipped, ActionError} {
+	for _, k := range []string{ActionVerified, ActionPlanned, ActionCompensationRequired, ActionCompensated, ActionSkipped, ActionError,
+		ActionCompensationObserved, ActionInboxReleased, ActionTaskRedriven, ActionIdempotencyResolved, ActionCacheRepaired, ActionDeadLetterRecorded} {
 		m.actions.WithLabelValues(k)
 	}
-	for _, c := range []prometheus.Collector{m.actions, m.passes, m.passSeconds} {
+	for _, c := range []prometheus.Collector{m.actions, m.passes, m.passSeconds, m.unresolved, m.outboxRows, m.outboxAge} {
 		if err := reg.Register(c); err != nil {
 			return nil, fmt.Errorf("reconciler: register metrics: %w", err)
 		}

@@ -9,8 +9,10 @@
 //
 // # Per record
 //
-//  1. Records whose event-type header is not TaskCreated (the worker's own
-//     TaskCompleted/TaskFailed share the topic) are skipped: "ignored".
+//  1. Records whose event-type header is neither TaskCreated nor
+//     TaskRedriveRequested (the reconciler's re-drive of a stuck task, handled
+//     like TaskCreated) are skipped: "ignored" (the worker's own
+//     TaskCompleted/TaskFailed share the topic).
 //  2. The record is checked against the contract of package taskevent:
 //     SHA-256 of the value == payload-sha256 header, the value decodes,
 //     event-id header == event_id, key == task_id. A failure is
@@ -21,8 +23,10 @@
 //     processed ("conflict", seed 13.4). Same hash and completed/failed: a
 //     duplicate, only deliveries is counted ("duplicate"). Same hash and
 //     processing: an earlier delivery stopped mid-way and is resumed. The
-//     task moves queued -> running by a compare-and-set on the event's
-//     version (version+1, attempt+1); a task already running is resumed at
+//     task moves queued -> running by a compare-and-set on status queued and
+//     a version at least the event's (version+1, attempt+1; a task re-opened
+//     by a dead-letter replay is queued at a higher version than its
+//     TaskCreated and starts from its current version); a task already running is resumed at
 //     its current attempt, a terminal one makes the delivery a duplicate. The
 //     document is canonicalized and the effect's ledger row (kind
 //     artifact.put, token artifact.Token(task, attempt), request SHA-256 and
@@ -61,15 +65,36 @@
 // Retryable decides, once, what happens to a failed attempt. Retryable
 // errors (database unavailable, deadlines, store I/O, concurrent changes,
 // injected faults) retry the same record in place with exponential backoff
-// and jitter, bounded by RetryBackoffMax, so partition order is preserved
-// and nothing is skipped. Deterministic errors are recorded — an inbox row
-// in state failed with result_json {"error_code": ...} when the record has
-// an event id, else a log line — counted as "failed", and the offset is
-// committed, so a poison record never blocks its partition (dead-lettering
-// is the reconciler's later concern).
+// and jitter (RetryBackoffMin doubling up to RetryBackoffMax), at most
+// MaxAttempts times, so partition order is preserved. A deterministic error
+// (seed 13.5, a poison message), or the last retryable failure (code
+// RETRIES_EXHAUSTED), dead-letters the record:
+//
+//  1. the record is produced to DeadLetterTopic (default <topic>.dlq) with
+//     its original key, value and headers plus dlq-original-topic,
+//     dlq-original-partition, dlq-original-offset, dlq-consumer-group,
+//     dlq-error-class (deterministic|retryable), dlq-error-code,
+//     dlq-error-message, dlq-attempts, dlq-processor-version,
+//     dlq-first-failure-at, dlq-last-failure-at (RFC 3339); dlq-* headers
+//     already on the record are replaced, never appended;
+//  2. after the broker acknowledged it, one transaction records the outcome:
+//     the inbox row (when the record has an event id) -> failed with
+//     result_json {"error_code": ...}; when the record passed the contract
+//     checks and its task exists and is not terminal, the task -> failed
+//     (compare-and-set on version) with terminal_error_code = the code, and
+//     a TaskFailed outbox event;
+//  3. only then is the offset committed ("dead_lettered").
+//
+// A crash between 1 and 3 dead-letters the record again on redelivery; the
+// reconciler records a dead letter once per origin offset. The reconciler
+// consumes the dead-letter topic into the dead_letter table; `converge dlq
+// replay` re-publishes the original record (package deadletter).
 //
 // # Fault points
 //
+// fault.WorkerProcessError (keys: task id, input SHA-256) makes the
+// processing of a task's TaskCreated/TaskRedriveRequested fail
+// deterministically with INJECTED_PROCESSING_ERROR: a poison message.
 // fault.WorkerAfterArtifactWrite fires after the write and read-back, before
 // the completion transaction: the attempt fails and is retried (or the
 // record is redelivered after a restart), and finds the object by token.
@@ -79,7 +104,8 @@
 //
 // # Metrics
 //
-//	converge_worker_messages_total{outcome}          counter   records by outcome: processed, duplicate, conflict, ignored, failed, retried (one per failed attempt)
+//	converge_worker_messages_total{outcome}          counter   records by outcome: processed, duplicate, conflict, ignored, failed, retried (one per failed attempt), dead_lettered
+//	converge_deadletter_published_total{error_code}  counter   records parked on the dead-letter topic (acknowledged and recorded), by error code
 //	converge_worker_effect_transitions_total{kind,state} counter effect ledger transitions made by the worker (kind artifact.put|artifact.hide; state started, unknown, verified, compensation_required, compensated, failed)
 //	converge_worker_processing_seconds               histogram first attempt on a record to its durable outcome, retries included
 //	converge_worker_task_end_to_end_seconds          histogram task created_at to completed_at of the tasks this worker completed

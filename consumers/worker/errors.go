@@ -43,6 +43,12 @@ const (
 	// CodeArtifactTokenInvalid: the artifact store refuses the token (the
 	// task id has characters a token cannot hold).
 	CodeArtifactTokenInvalid = "ARTIFACT_TOKEN_INVALID"
+	// CodeRetriesExhausted: a retryable error persisted through MaxAttempts
+	// attempts; the record was dead-lettered (class retryable).
+	CodeRetriesExhausted = "RETRIES_EXHAUSTED"
+	// CodeInjectedProcessingError: fault.WorkerProcessError fired (a poison
+	// message made on purpose).
+	CodeInjectedProcessingError = "INJECTED_PROCESSING_ERROR"
 	// CodeUnclassified: a deterministic error without a code of its own.
 	CodeUnclassified = "UNCLASSIFIED"
 )

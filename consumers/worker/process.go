@@ -19,20 +19,29 @@ import (
 // that Retryable classifies.
 func (w *Worker) handle(ctx context.Context, r *kgo.Record) (string, error) {
 	hdr := headers(r)
-	if t, ok := hdr[taskevent.HeaderEventType]; ok && t != taskevent.TypeTaskCreated {
+	if t, ok := hdr[taskevent.HeaderEventType]; ok && !drives(t) {
 		return OutcomeIgnored, nil
 	}
 	ev, err := verifyRecord(r, hdr)
 	if err != nil {
 		return "", err
 	}
-	if ev.EventType != taskevent.TypeTaskCreated {
-		if _, ok := hdr[taskevent.HeaderEventType]; ok {
-			return "", &DeterministicError{Code: CodeEventTypeMismatch, Err: fmt.Errorf("header TaskCreated, value %s", ev.EventType)}
+	if !drives(ev.EventType) {
+		if t, ok := hdr[taskevent.HeaderEventType]; ok {
+			return "", &DeterministicError{Code: CodeEventTypeMismatch, Err: fmt.Errorf("header %s, value %s", t, ev.EventType)}
 		}
 		return OutcomeIgnored, nil
 	}
+	if err := w.faults.ErrKey(fault.WorkerProcessError, ev.TaskID, ev.Task.InputSHA256); err != nil {
+		return "", &DeterministicError{Code: CodeInjectedProcessingError, Err: err}
+	}
 	return w.process(ctx, r, ev, hdr[taskevent.HeaderPayloadSHA256])
+}
+
+// drives reports whether an event type asks the worker to drive its task:
+// TaskCreated, and TaskRedriveRequested from the reconciler.
+func drives(eventType string) bool {
+	return eventType == taskevent.TypeTaskCreated || eventType == taskevent.TypeTaskRedriveRequested
 }
 
 func headers(r *kgo.Record) map[string]string {
@@ -61,31 +70,6 @@ func verifyRecord(r *kgo.Record, hdr map[string]string) (*taskevent.Event, error
 		return nil, &DeterministicError{Code: CodeKeyMismatch, Err: fmt.Errorf("key %q, task %q", r.Key, ev.TaskID)}
 	}
 	return ev, nil
-}
-
-// recordFailure makes a deterministic failure durable (see store's
-// recordFailure). A record without a message id (no event-id header, value
-// not decodable) is only logged and counted.
-func (w *Worker) recordFailure(ctx context.Context, r *kgo.Record, cause error) (string, error) {
-	msgID := headers(r)[taskevent.HeaderEventID]
-	if msgID == "" {
-		if ev, err := taskevent.Decode(r.Value); err == nil {
-			msgID = ev.EventID
-		}
-	}
-	if msgID == "" {
-		w.log.ErrorContext(ctx, "undecodable record without event id skipped", slog.String("topic", r.Topic),
-			slog.Int("partition", int(r.Partition)), slog.Int64("offset", r.Offset), slog.String("code", ErrorCode(cause)))
-		return OutcomeFailed, nil
-	}
-	var outcome string
-	err := pgx.BeginFunc(ctx, w.pool, func(tx pgx.Tx) error {
-		var err error
-		outcome, err = recordFailure(ctx, tx, conflictRecord{Consumer: w.cfg.Group, MessageID: msgID,
-			PayloadSHA256: canon.SHA256Hex(r.Value), Topic: r.Topic, Partition: r.Partition, Offset: r.Offset}, ErrorCode(cause))
-		return err
-	})
-	return outcome, err
 }
 
 // job is one TaskCreated delivery being processed.

@@ -198,12 +198,16 @@ func oneTask(row pgx.Row, action string) (taskevent.Task, bool, error) {
 	return t, true, nil
 }
 
-// startTask moves a task queued -> running when it is still at version
-// (seed 2.2, 10): version+1, attempt+1. ok is false when nothing matched.
+// startTask moves a task queued -> running when its version is at least
+// the event's (seed 2.2, 10): version+1, attempt+1. A task queued at a
+// higher version than the event was re-opened by a dead-letter replay (or
+// is re-driven): it starts from its current version. The update is a
+// compare-and-set on status queued, so of two deliveries only one starts the
+// task. ok is false when nothing matched.
 func startTask(ctx context.Context, q querier, taskID string, version int64) (taskevent.Task, bool, error) {
 	return oneTask(q.QueryRow(ctx, `
 UPDATE task SET status = 'running', version = version + 1, attempt = attempt + 1, updated_at = now()
-WHERE task_id = $1 AND status = 'queued' AND version = $2
+WHERE task_id = $1 AND status = 'queued' AND version >= $2
 RETURNING `+taskColumns, taskID, version), "start task "+taskID)
 }
 
@@ -327,4 +331,18 @@ VALUES ($1, $2, $3, $4, $5::jsonb, $6)`, ev.EventID, t.TaskID, t.Version, eventT
 		return ev, fmt.Errorf("insert %s outbox event of task %s: %w", eventType, t.TaskID, err)
 	}
 	return ev, nil
+}
+
+// lockTask reads a task and locks its row until the transaction ends.
+func lockTask(ctx context.Context, q querier, taskID string) (taskevent.Task, bool, error) {
+	return oneTask(q.QueryRow(ctx, `SELECT `+taskColumns+` FROM task WHERE task_id = $1 FOR UPDATE`, taskID), "lock task "+taskID)
+}
+
+// failTaskAt moves a task from status at version to failed with a terminal
+// error code (compare-and-set on status and version).
+func failTaskAt(ctx context.Context, q querier, taskID, status string, version int64, code string) (taskevent.Task, bool, error) {
+	return oneTask(q.QueryRow(ctx, `
+UPDATE task SET status = 'failed', version = version + 1, terminal_error_code = $4, updated_at = now()
+WHERE task_id = $1 AND status = $2 AND version = $3
+RETURNING `+taskColumns, taskID, status, version, code), "fail task "+taskID)
 }

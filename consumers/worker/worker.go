@@ -18,6 +18,7 @@ import (
 
 	"github.com/converge-run/converge/internal/artifact"
 	"github.com/converge-run/converge/internal/fault"
+	"github.com/converge-run/converge/internal/kafkatopic"
 	"github.com/converge-run/converge/internal/taskevent"
 )
 
@@ -47,7 +48,16 @@ const (
 	// OutcomeRetried: one attempt failed with a retryable error and the
 	// record is retried in place after a backoff.
 	OutcomeRetried = "retried"
+	// OutcomeDeadLettered: the record failed deterministically, or with
+	// retryable errors MaxAttempts times, and was parked on the dead-letter
+	// topic (seed 13.5).
+	OutcomeDeadLettered = "dead_lettered"
 )
+
+// DefaultProcessorVersion identifies this processing code in dead letters
+// (header dlq-processor-version); a fix that changes how records are
+// processed bumps it.
+const DefaultProcessorVersion = "converge-worker/2"
 
 // Config configures a Worker. Zero values take the defaults noted.
 type Config struct {
@@ -92,6 +102,22 @@ type Config struct {
 	RetryBackoffMin time.Duration
 	// RetryBackoffMax caps the retry delay. Defaults to 10s.
 	RetryBackoffMax time.Duration
+	// MaxAttempts bounds the attempts on a record that fails with retryable
+	// errors; after the last one the record is dead-lettered (class
+	// retryable, code RETRIES_EXHAUSTED). With the default backoff, 10
+	// attempts span about 30s: an outage of PostgreSQL or the store longer
+	// than that dead-letters the records that meet it, and `converge dlq
+	// replay` brings them back. Defaults to 10.
+	MaxAttempts int
+	// DeadLetterTopic receives the parked records. Defaults to Topic +
+	// ".dlq"; created (DeadLetterPartitions partitions) when missing.
+	DeadLetterTopic string
+	// DeadLetterPartitions is the partition count used when the worker
+	// creates DeadLetterTopic. Defaults to 1.
+	DeadLetterPartitions int32
+	// ProcessorVersion is written in header dlq-processor-version.
+	// Defaults to DefaultProcessorVersion.
+	ProcessorVersion string
 	// AttemptTimeout bounds one processing attempt of one record (database
 	// statements and store calls). An attempt in flight when Run's context
 	// is cancelled runs to its end within this bound. Defaults to 30s.
@@ -126,6 +152,18 @@ func (c *Config) setDefaults() {
 	if c.AttemptTimeout <= 0 {
 		c.AttemptTimeout = 30 * time.Second
 	}
+	if c.MaxAttempts <= 0 {
+		c.MaxAttempts = 10
+	}
+	if c.DeadLetterTopic == "" {
+		c.DeadLetterTopic = taskevent.DeadLetterTopic(c.Topic)
+	}
+	if c.DeadLetterPartitions <= 0 {
+		c.DeadLetterPartitions = 1
+	}
+	if c.ProcessorVersion == "" {
+		c.ProcessorVersion = DefaultProcessorVersion
+	}
 }
 
 // Validate reports a missing or inconsistent field.
@@ -137,6 +175,8 @@ func (c *Config) Validate() error {
 		return errors.New("worker: Brokers is required")
 	case c.ArtifactStore == nil:
 		return errors.New("worker: ArtifactStore is required")
+	case c.DeadLetterTopic == c.Topic:
+		return fmt.Errorf("worker: DeadLetterTopic must differ from Topic %q", c.Topic)
 	case c.RetryBackoffMax < c.RetryBackoffMin:
 		return fmt.Errorf("worker: RetryBackoffMax %s is below RetryBackoffMin %s", c.RetryBackoffMax, c.RetryBackoffMin)
 	}
@@ -204,6 +244,11 @@ func (w *Worker) Run(ctx context.Context) error {
 		return fmt.Errorf("worker: create kafka client: %w", err)
 	}
 	c.cl = cl
+	ectx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	if err := kafkatopic.Ensure(ectx, cl, w.cfg.DeadLetterPartitions, w.cfg.DeadLetterTopic); err != nil {
+		w.log.WarnContext(ctx, "dead-letter topic not ensured; producing to it may fail", slog.String("topic", w.cfg.DeadLetterTopic), slog.Any("err", err))
+	}
+	cancel()
 	w.log.InfoContext(ctx, "worker started", slog.String("topic", w.cfg.Topic), slog.String("group", w.cfg.Group))
 	for {
 		fetches := cl.PollRecords(ctx, w.cfg.MaxPollRecords)
@@ -262,7 +307,7 @@ func (c *consumer) processBatch(ctx context.Context, fetches kgo.Fetches) {
 	for i, k := range order {
 		recs := byPart[k]
 		g.Go(func() error {
-			done[i] = c.w.processPartition(ctx, recs)
+			done[i] = c.w.processPartition(ctx, c.cl, recs)
 			return nil
 		})
 	}
@@ -367,10 +412,10 @@ func (c *consumer) forget(parts map[string][]int32) {
 // processPartition processes records of one partition in order and returns
 // the last one whose outcome is durable (nil if none). It stops early when
 // ctx is cancelled.
-func (w *Worker) processPartition(ctx context.Context, recs []*kgo.Record) *kgo.Record {
+func (w *Worker) processPartition(ctx context.Context, cl *kgo.Client, recs []*kgo.Record) *kgo.Record {
 	var last *kgo.Record
 	for _, r := range recs {
-		if ctx.Err() != nil || !w.processRecord(ctx, r) {
+		if ctx.Err() != nil || !w.processRecord(ctx, cl, r) {
 			return last
 		}
 		last = r
@@ -379,19 +424,36 @@ func (w *Worker) processPartition(ctx context.Context, recs []*kgo.Record) *kgo.
 }
 
 // processRecord handles one record until its outcome is durable, retrying
-// retryable errors in place with backoff. It returns false only when ctx was
-// cancelled before the outcome became durable.
-func (w *Worker) processRecord(ctx context.Context, r *kgo.Record) bool {
+// retryable errors in place with backoff at most MaxAttempts times, and
+// dead-lettering the record after a deterministic error or the last
+// attempt. It returns false only when ctx was cancelled before the outcome
+// became durable.
+func (w *Worker) processRecord(ctx context.Context, cl *kgo.Client, r *kgo.Record) bool {
 	start := time.Now()
 	log := w.log.With(slog.String("topic", r.Topic), slog.Int("partition", int(r.Partition)), slog.Int64("offset", r.Offset))
+	var first time.Time
 	for attempt := 0; ; attempt++ {
 		actx, cancel := context.WithTimeout(context.WithoutCancel(ctx), w.cfg.AttemptTimeout)
 		outcome, err := w.handle(actx, r)
-		if err != nil && !Retryable(err) {
-			log.WarnContext(ctx, "deterministic failure", slog.String("code", ErrorCode(err)), slog.Any("err", err))
-			outcome, err = w.recordFailure(actx, r, err)
-		}
 		cancel()
+		if err != nil {
+			now := time.Now()
+			if first.IsZero() {
+				first = now
+			}
+			f := failure{class: ClassRetryable, code: CodeRetriesExhausted, err: err, attempts: attempt + 1, first: first, last: now}
+			if !Retryable(err) {
+				f.class, f.code = ClassDeterministic, ErrorCode(err)
+			}
+			if f.class == ClassDeterministic || f.attempts >= w.cfg.MaxAttempts {
+				if !w.deadLetter(ctx, cl, r, f, log) {
+					return false
+				}
+				w.m.messages.WithLabelValues(OutcomeDeadLettered).Inc()
+				w.m.processing.Observe(time.Since(start).Seconds())
+				return true
+			}
+		}
 		if err == nil {
 			w.m.messages.WithLabelValues(outcome).Inc()
 			w.m.processing.Observe(time.Since(start).Seconds())
@@ -426,18 +488,23 @@ func backoff(min, max time.Duration, n int) time.Duration {
 
 // metrics are the converge_worker_* collectors (listed in doc.go).
 type metrics struct {
-	messages   *prometheus.CounterVec
-	effects    *prometheus.CounterVec
-	processing prometheus.Histogram
-	endToEnd   prometheus.Histogram
+	messages     *prometheus.CounterVec
+	deadLettered *prometheus.CounterVec
+	effects      *prometheus.CounterVec
+	processing   prometheus.Histogram
+	endToEnd     prometheus.Histogram
 }
 
 func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 	m := &metrics{
 		messages: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "converge_worker_messages_total",
-			Help: "Task-event records handled by the worker, by outcome (processed, duplicate, conflict, ignored, failed, retried).",
+			Help: "Task-event records handled by the worker, by outcome (processed, duplicate, conflict, ignored, failed, retried, dead_lettered).",
 		}, []string{"outcome"}),
+		deadLettered: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "converge_deadletter_published_total",
+			Help: "Records the worker parked on the dead-letter topic (acknowledged by the broker and recorded), by error code.",
+		}, []string{"error_code"}),
 		effects: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "converge_worker_effect_transitions_total",
 			Help: "Effect ledger state transitions made by the worker, by effect kind and new state.",
@@ -453,10 +520,10 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 			Buckets: prometheus.ExponentialBuckets(0.005, 2.5, 14),
 		}),
 	}
-	for _, o := range []string{OutcomeProcessed, OutcomeDuplicate, OutcomeConflict, OutcomeIgnored, OutcomeFailed, OutcomeRetried} {
+	for _, o := range []string{OutcomeProcessed, OutcomeDuplicate, OutcomeConflict, OutcomeIgnored, OutcomeFailed, OutcomeRetried, OutcomeDeadLettered} {
 		m.messages.WithLabelValues(o)
 	}
-	for _, c := range []prometheus.Collector{m.messages, m.effects, m.processing, m.endToEnd} {
+	for _, c := range []prometheus.Collector{m.messages, m.deadLettered, m.effects, m.processing, m.endToEnd} {
 		if err := reg.Register(c); err != nil {
 			return nil, fmt.Errorf("worker: register metrics: %w", err)
 		}

@@ -42,6 +42,8 @@ type testBundle struct {
 	store    *artifact.Store
 	producer *kgo.Client
 	admin    *kadm.Client
+	// maxAttempts of the workers started; 0: 1000.
+	maxAttempts int
 }
 
 // setup creates the bundle; storeFaults are armed in the artifact store.
@@ -68,8 +70,13 @@ type runningWorker struct {
 // start runs a worker with faults (nil: none) until stop or the test's end.
 func (b *testBundle) start(t *testing.T, faults *fault.Set, opts ...kgo.Opt) *runningWorker {
 	t.Helper()
+	maxAttempts := b.maxAttempts
+	if maxAttempts == 0 {
+		maxAttempts = 1000 // tests of in-place retries never dead-letter
+	}
 	w, err := New(Config{
-		Pool: b.db.Pool, Brokers: b.kafka.Brokers, ArtifactStore: b.store, Faults: faults, KafkaOpts: opts,
+		MaxAttempts: maxAttempts,
+		Pool:        b.db.Pool, Brokers: b.kafka.Brokers, ArtifactStore: b.store, Faults: faults, KafkaOpts: opts,
 		Logger:          slog.New(slog.NewTextHandler(t.Output(), &slog.HandlerOptions{Level: slog.LevelWarn})),
 		Registerer:      prometheus.NewRegistry(),
 		RetryBackoffMin: 10 * time.Millisecond, RetryBackoffMax: 100 * time.Millisecond,
@@ -630,9 +637,12 @@ func TestPoisonRecordsDoNotBlockPartition(t *testing.T) {
 	rw := b.start(t, nil)
 	testenv.Eventually(t, waitFor, "valid task completed", func() bool { return b.status(c.taskID) == taskevent.StatusCompleted })
 	testenv.Eventually(t, waitFor, "offsets committed", func() bool { return b.allCommitted(t) })
-	if rw.count(OutcomeFailed) != 3 || rw.count(OutcomeIgnored) != 1 || rw.count(OutcomeProcessed) != 1 || rw.count(OutcomeRetried) != 0 {
-		t.Errorf("failed=%v ignored=%v processed=%v retried=%v, want 3 1 1 0",
-			rw.count(OutcomeFailed), rw.count(OutcomeIgnored), rw.count(OutcomeProcessed), rw.count(OutcomeRetried))
+	if rw.count(OutcomeDeadLettered) != 3 || rw.count(OutcomeIgnored) != 1 || rw.count(OutcomeProcessed) != 1 || rw.count(OutcomeRetried) != 0 {
+		t.Errorf("dead_lettered=%v ignored=%v processed=%v retried=%v, want 3 1 1 0",
+			rw.count(OutcomeDeadLettered), rw.count(OutcomeIgnored), rw.count(OutcomeProcessed), rw.count(OutcomeRetried))
+	}
+	if got := len(b.deadLetters(t, 3)); got != 3 {
+		t.Errorf("%d dead-letter records, want 3", got)
 	}
 	for id, code := range map[string]string{"poison-1": CodeInvalidEvent, ghostEv.EventID: CodeKeyMismatch} {
 		if s := b.scalar(t, `SELECT state || ' ' || (result_json->>'error_code') FROM inbox_message WHERE message_id = $1`, id); s != "failed "+code {
@@ -654,7 +664,7 @@ func TestUnknownTaskIsRecordedAsFailed(t *testing.T) {
 	}
 	b.produce(t, record(id, value, &ev, sum))
 	rw := b.start(t, nil)
-	testenv.Eventually(t, waitFor, "failure recorded", func() bool { return rw.count(OutcomeFailed) == 1 })
+	testenv.Eventually(t, waitFor, "failure recorded", func() bool { return rw.count(OutcomeDeadLettered) == 1 })
 	testenv.Eventually(t, waitFor, "offsets committed", func() bool { return b.allCommitted(t) })
 	if s := b.scalar(t, `SELECT result_json->>'error_code' FROM inbox_message WHERE message_id = $1 AND state = 'failed'`, ev.EventID); s != CodeTaskNotFound {
 		t.Errorf("inbox error code %v, want %s", s, CodeTaskNotFound)

@@ -4,13 +4,16 @@
 //
 // Layout under the root directory:
 //
-//	objects/<token>.data   the artifact bytes
-//	objects/<token>.meta   JSON Meta: task id, attempt, size, sha256, time
-//	hidden/<token>.*       objects hidden by a compensation (seed section 8)
+//	objects/<token>.<sha256>.data  the artifact bytes, named by the SHA-256
+//	                               the writer intended
+//	objects/<token>.meta           JSON Meta: task id, attempt, size, sha256, time
+//	hidden/<token>.*               objects hidden by a compensation (seed section 8)
 //
-// Put writes the data file, then the meta file, each as temp file + fsync +
-// rename, then fsyncs the directory: the meta file's rename is the commit
-// point, so an object without meta does not exist. Put with a token that is
+// Put writes the data file, then the meta file, each as temp file + fsync and
+// then a hard link to its final name that fails when the name exists (so
+// nothing is ever overwritten), then fsyncs the directory. Linking the meta
+// file is the commit point: an object without meta does not exist, and of two
+// concurrent Puts of one token exactly one commits. Put with a token that is
 // already committed with the same content returns the existing Meta and
 // writes nothing (the store honours the idempotency token); with different
 // content it returns ErrTokenConflict.
@@ -56,7 +59,7 @@ var (
 	ErrInvalidToken = errors.New("invalid artifact token")
 )
 
-var tokenRE = regexp.MustCompile(`^[A-Za-z0-9][A-Za-z0-9._:-]{0,199}$`)
+var tokenRE = regexp.MustCompile(`^[A-Za-z0-9][A-Za-z0-9._:-]{0,179}$`)
 
 // Store is a directory-backed artifact store. Its zero value is not usable;
 // use Open.
@@ -105,14 +108,25 @@ func (s *Store) Put(token, taskID string, attempt int, data []byte) (Meta, error
 	if s.faults.Hit(fault.ArtifactCorruptAfterWrite) == fault.ActionCorrupt {
 		stored = append(append([]byte(nil), data...), "corrupted"...)
 	}
-	if err := s.writeAtomic(s.path("objects", token, ".data"), stored); err != nil {
+	dataPath := s.dataPath(token, m.SHA256)
+	if err := s.writeNew(dataPath, stored); err != nil && !errors.Is(err, os.ErrExist) {
 		return Meta{}, err
 	}
 	mb, err := json.Marshal(m)
 	if err != nil {
 		return Meta{}, err
 	}
-	if err := s.writeAtomic(s.path("objects", token, ".meta"), mb); err != nil {
+	if err := s.writeNew(s.path("objects", token, ".meta"), mb); errors.Is(err, os.ErrExist) {
+		// A concurrent Put committed first: its Meta decides.
+		old, herr := s.Head(token)
+		if herr != nil {
+			return Meta{}, herr
+		}
+		if old.SHA256 == m.SHA256 && old.TaskID == taskID && old.Attempt == attempt {
+			return old, nil
+		}
+		return old, fmt.Errorf("%w: %s", ErrTokenConflict, token)
+	} else if err != nil {
 		return Meta{}, err
 	}
 	if err := syncDir(filepath.Join(s.root, "objects")); err != nil {
@@ -124,12 +138,19 @@ func (s *Store) Put(token, taskID string, attempt int, data []byte) (Meta, error
 	return m, nil
 }
 
-func (s *Store) writeAtomic(dst string, data []byte) error {
+func (s *Store) dataPath(token, sha string) string {
+	return filepath.Join(s.root, "objects", token+"."+sha+".data")
+}
+
+// writeNew writes data to a temp file, fsyncs it and links it to dst; the
+// error wraps os.ErrExist when dst already exists (it is never replaced).
+func (s *Store) writeNew(dst string, data []byte) error {
 	f, err := os.CreateTemp(filepath.Join(s.root, "tmp"), "put-*")
 	if err != nil {
 		return fmt.Errorf("artifact temp file: %w", err)
 	}
 	tmp := f.Name()
+	defer os.Remove(tmp)
 	_, werr := f.Write(data)
 	if werr == nil {
 		werr = f.Sync()
@@ -138,10 +159,9 @@ func (s *Store) writeAtomic(dst string, data []byte) error {
 		werr = cerr
 	}
 	if werr == nil {
-		werr = os.Rename(tmp, dst)
+		werr = os.Link(tmp, dst)
 	}
 	if werr != nil {
-		os.Remove(tmp)
 		return fmt.Errorf("artifact write %s: %w", filepath.Base(dst), werr)
 	}
 	return nil
@@ -185,7 +205,7 @@ func (s *Store) Open(token string) (io.ReadSeekCloser, Meta, error) {
 	if err != nil {
 		return nil, Meta{}, err
 	}
-	f, err := os.Open(s.path("objects", token, ".data"))
+	f, err := os.Open(s.dataPath(token, m.SHA256))
 	if errors.Is(err, os.ErrNotExist) {
 		return nil, Meta{}, ErrNotFound
 	}
@@ -226,13 +246,27 @@ func (s *Store) Hide(token string) error {
 		return fmt.Errorf("%w: %q", ErrInvalidToken, token)
 	}
 	// meta first: once it is gone the object no longer exists for readers.
-	for _, ext := range []string{".meta", ".data"} {
-		err := os.Rename(s.path("objects", token, ext), s.path("hidden", token, ext))
+	names := []string{token + ".meta"}
+	datas, _ := filepath.Glob(filepath.Join(s.root, "objects", token+".*.data"))
+	for _, d := range datas {
+		names = append(names, filepath.Base(d))
+	}
+	for _, n := range names {
+		err := os.Rename(filepath.Join(s.root, "objects", n), filepath.Join(s.root, "hidden", n))
 		if err != nil && !errors.Is(err, os.ErrNotExist) {
 			return fmt.Errorf("artifact hide %s: %w", token, err)
 		}
 	}
-	return syncDir(filepath.Join(s.root, "objects"))
+	if err := syncDir(filepath.Join(s.root, "hidden")); err != nil {
+		return err
+	}
+	if err := syncDir(filepath.Join(s.root, "objects")); err != nil {
+		return err
+	}
+	if s.faults.Hit(fault.ArtifactHideTimeoutAfterCommit) != fault.ActionNone {
+		return ErrTimeout // hidden, but the caller does not know (seed 14)
+	}
+	return nil
 }
 
 // Token returns the idempotency token of the artifact-writing effect of a

@@ -8,18 +8,29 @@
 //
 // A Set is configured from a spec string (CONVERGE_FAULTS or --faults):
 //
-//	name=action[@n][,name=action[@n]...]
+//	name=action[@n][#key][,name=action[@n][#key]...]
 //
 // where action is "error" (the step returns ErrInjected), "crash" (the
 // process exits at once with status 137, running no deferred code), or
 // "corrupt" (a point that writes data alters it), and @n fires only on the
 // n-th hit (1-based); without @n the point fires on every hit.
+//
+// #key restricts a rule to the passes whose key matches: points that act on
+// one task pass its keys to HitKey/ErrKey — the task id and the task's
+// input_sha256 (the SHA-256 of the document's RFC 8785 form, known before
+// the task exists). Passes with other keys, and Hit calls without keys, are
+// not counted for @n. Example: a poison message for one document,
+//
+//	worker.process-error=error#<input_sha256 or task_id>
+//
+// Hit on a nil *Set is a nil check: off costs nothing.
 package fault
 
 import (
 	"errors"
 	"fmt"
 	"os"
+	"slices"
 	"sort"
 	"strconv"
 	"strings"
@@ -81,16 +92,37 @@ const (
 	// APIAfterCommitResponseLost: the create transaction committed, the
 	// response is not sent (the connection is closed).
 	APIAfterCommitResponseLost = "api.after-commit-response-lost"
+	// RelayPublishConfirmLost: Kafka acknowledged a record but the relay
+	// sees a produce error (the publisher confirm is lost): Run fails and a
+	// restart republishes from the slot (seed 13.2, experiment 1).
+	RelayPublishConfirmLost = "relay.publish-confirm-lost"
+	// CacheWriteError: a task view write (projector Put, API back-fill,
+	// reconciler repair) or an invalidation (DEL) fails before reaching
+	// Redis (seed 14, "cache invalidation fails"). Keys: task id, input
+	// SHA-256.
+	CacheWriteError = "cache.write-error"
+	// WorkerProcessError: a deterministic processing error (a poison
+	// message, seed 13.5) for the task events of a task. Keys: task id,
+	// input SHA-256. Use with #key to poison one task.
+	WorkerProcessError = "worker.process-error"
+	// ArtifactHideTimeoutAfterCommit: the store hid an object (a
+	// compensation) but the caller sees a timeout (seed 14, "compensation
+	// times out").
+	ArtifactHideTimeoutAfterCommit = "artifact.hide-timeout-after-commit"
 )
 
 var known = map[string]bool{
-	RelayAfterAckBeforeConfirm:    true,
-	RelayBeforeMarkPublished:      true,
-	WorkerAfterArtifactWrite:      true,
-	WorkerBeforeOffsetCommit:      true,
-	ArtifactPutTimeoutAfterCommit: true,
-	ArtifactCorruptAfterWrite:     true,
-	APIAfterCommitResponseLost:    true,
+	RelayAfterAckBeforeConfirm:     true,
+	RelayBeforeMarkPublished:       true,
+	WorkerAfterArtifactWrite:       true,
+	WorkerBeforeOffsetCommit:       true,
+	ArtifactPutTimeoutAfterCommit:  true,
+	ArtifactCorruptAfterWrite:      true,
+	APIAfterCommitResponseLost:     true,
+	RelayPublishConfirmLost:        true,
+	CacheWriteError:                true,
+	WorkerProcessError:             true,
+	ArtifactHideTimeoutAfterCommit: true,
 }
 
 // Names returns the known fault point names, sorted.
@@ -105,7 +137,8 @@ func Names() []string {
 
 type rule struct {
 	action Action
-	nth    int // 0: every hit
+	nth    int    // 0: every hit
+	key    string // "": any pass
 	hits   int
 }
 
@@ -134,7 +167,13 @@ func Parse(spec string) (*Set, error) {
 		if !ok {
 			return nil, fmt.Errorf("fault spec %q: want name=action", part)
 		}
-		nth := 0
+		nth, key := 0, ""
+		if a, k, ok := strings.Cut(act, "#"); ok {
+			if k == "" {
+				return nil, fmt.Errorf("fault spec %q: #key must not be empty", part)
+			}
+			act, key = a, k
+		}
 		if a, n, ok := strings.Cut(act, "@"); ok {
 			v, err := strconv.Atoi(n)
 			if err != nil || v < 1 {
@@ -153,7 +192,7 @@ func Parse(spec string) (*Set, error) {
 		default:
 			return nil, fmt.Errorf("fault spec %q: unknown action %q (error, crash, corrupt)", part, act)
 		}
-		if err := s.Arm(name, action, nth); err != nil {
+		if err := s.ArmKey(name, action, nth, key); err != nil {
 			return nil, err
 		}
 	}
@@ -163,6 +202,12 @@ func Parse(spec string) (*Set, error) {
 // Arm arms point name with action, firing on the nth hit only (nth >= 1) or
 // on every hit (nth == 0). Unknown names are an error.
 func (s *Set) Arm(name string, action Action, nth int) error {
+	return s.ArmKey(name, action, nth, "")
+}
+
+// ArmKey is Arm restricted to the passes of HitKey/ErrKey that carry key
+// (key "" matches every pass).
+func (s *Set) ArmKey(name string, action Action, nth int, key string) error {
 	if !known[name] {
 		return fmt.Errorf("unknown fault point %q (known: %s)", name, strings.Join(Names(), ", "))
 	}
@@ -171,7 +216,7 @@ func (s *Set) Arm(name string, action Action, nth int) error {
 	if s.rules == nil {
 		s.rules = map[string]*rule{}
 	}
-	s.rules[name] = &rule{action: action, nth: nth}
+	s.rules[name] = &rule{action: action, nth: nth, key: key}
 	return nil
 }
 
@@ -191,9 +236,23 @@ func (s *Set) Hit(name string) Action {
 	if s == nil {
 		return ActionNone
 	}
+	return s.hit(name, nil)
+}
+
+// HitKey is Hit for a pass that concerns the given keys (for example a
+// task id and an input SHA-256): a rule armed with #key fires only when one
+// of keys equals it.
+func (s *Set) HitKey(name string, keys ...string) Action {
+	if s == nil {
+		return ActionNone
+	}
+	return s.hit(name, keys)
+}
+
+func (s *Set) hit(name string, keys []string) Action {
 	s.mu.Lock()
 	r := s.rules[name]
-	if r == nil {
+	if r == nil || (r.key != "" && !slices.Contains(keys, r.key)) {
 		s.mu.Unlock()
 		return ActionNone
 	}
@@ -222,6 +281,14 @@ func (s *Set) Hit(name string) Action {
 // it returns a wrapped ErrInjected when the point fires, nil otherwise.
 func (s *Set) Err(name string) error {
 	if s.Hit(name) != ActionNone {
+		return fmt.Errorf("%s: %w", name, ErrInjected)
+	}
+	return nil
+}
+
+// ErrKey is Err for HitKey.
+func (s *Set) ErrKey(name string, keys ...string) error {
+	if s.HitKey(name, keys...) != ActionNone {
 		return fmt.Errorf("%s: %w", name, ErrInjected)
 	}
 	return nil

@@ -18,13 +18,16 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
 	"github.com/redis/go-redis/v9"
+	"github.com/twmb/franz-go/pkg/kgo"
 	"golang.org/x/sync/errgroup"
 
 	"github.com/converge-run/converge/cdc"
+	"github.com/converge-run/converge/consumers/deadletter"
 	"github.com/converge-run/converge/consumers/reconciler"
 	"github.com/converge-run/converge/consumers/worker"
 	"github.com/converge-run/converge/internal/artifact"
 	"github.com/converge-run/converge/internal/fault"
+	"github.com/converge-run/converge/internal/kafkametrics"
 	"github.com/converge-run/converge/internal/taskevent"
 	"github.com/converge-run/converge/projections/taskview"
 	"github.com/converge-run/converge/schemas"
@@ -65,6 +68,28 @@ type Config struct {
 	// Ready, when set, is called once the relay streams and the API
 	// serves, with the API's address.
 	Ready func(addr string)
+	// LagSampleInterval is how often consumer-group lag is sampled
+	// (kafkametrics.LagSampler: the worker and projector groups on Topic,
+	// and every other group of the cluster). Defaults to 10s.
+	LagSampleInterval time.Duration
+	// HeartbeatInterval and SlotSampleInterval of the relay (cdc.Config).
+	// Default to the relay's defaults (10s each).
+	HeartbeatInterval  time.Duration
+	SlotSampleInterval time.Duration
+	// Worker tunes the worker (MaxAttempts, RetryBackoffMin/Max,
+	// AttemptTimeout, ...); the pipeline sets its Pool, Brokers, Topic,
+	// ArtifactStore, Logger, Registerer and Faults. Zero values take the
+	// worker's defaults.
+	Worker worker.Config
+	// Reconciler tunes the reconciler (Interval, EffectDeadline,
+	// TaskDeadline, InboxLease, OutboxThreshold, BatchSize); the pipeline
+	// sets its Pool, ArtifactStore, Brokers, Topic, Redis, Logger,
+	// Registerer and cache faults. Zero values take the reconciler's
+	// defaults.
+	Reconciler reconciler.Config
+	// MaxReplays of a dead letter through the admin API
+	// (deadletter.Config.MaxReplays). Defaults to deadletter's default (3).
+	MaxReplays int
 }
 
 func (c *Config) setDefaults() {
@@ -140,34 +165,59 @@ func Run(ctx context.Context, cfg Config) error {
 	relay, err := cdc.New(cdc.Config{
 		DatabaseURL: cfg.DatabaseURL, Brokers: cfg.Brokers, Topic: cfg.Topic, Partitions: cfg.Partitions,
 		SlotName: cfg.SlotName, PublicationName: cfg.PublicationName,
+		HeartbeatInterval: cfg.HeartbeatInterval, SlotSampleInterval: cfg.SlotSampleInterval,
 		Logger: log.With("component", "relay"), Registerer: reg, Faults: cfg.Faults,
+		KafkaOpts: []kgo.Opt{kafkametrics.ClientMetrics(reg, "relay")},
 	})
 	if err != nil {
 		return err
 	}
-	wrk, err := worker.New(worker.Config{
-		Pool: pool, Brokers: cfg.Brokers, Topic: cfg.Topic, ArtifactStore: store,
-		Logger: log.With("component", "worker"), Registerer: reg, Faults: cfg.Faults,
-	})
+	wcfg := cfg.Worker
+	wcfg.Pool, wcfg.Brokers, wcfg.Topic, wcfg.ArtifactStore = pool, cfg.Brokers, cfg.Topic, store
+	wcfg.Logger, wcfg.Registerer, wcfg.Faults = log.With("component", "worker"), reg, cfg.Faults
+	wcfg.KafkaOpts = append(wcfg.KafkaOpts, kafkametrics.ClientMetrics(reg, "worker"))
+	wrk, err := worker.New(wcfg)
 	if err != nil {
 		return err
 	}
 	proj, err := taskview.New(taskview.Config{
-		Brokers: cfg.Brokers, Topic: cfg.Topic, Redis: rdb,
+		Brokers: cfg.Brokers, Topic: cfg.Topic, Redis: rdb, Cache: taskview.CacheOptions{Faults: cfg.Faults},
 		Logger: log.With("component", "projector"), Registerer: reg,
+		KafkaOpts: []kgo.Opt{kafkametrics.ClientMetrics(reg, "projector")},
 	})
 	if err != nil {
 		return err
 	}
-	rec, err := reconciler.New(reconciler.Config{
-		Pool: pool, ArtifactStore: store,
-		Logger: log.With("component", "reconciler"), Registerer: reg,
+	lag, err := kafkametrics.NewLagSampler(kafkametrics.LagConfig{
+		Brokers: cfg.Brokers, AllGroups: true, Interval: cfg.LagSampleInterval,
+		Groups: []kafkametrics.Group{
+			{Name: worker.DefaultGroup, Topics: []string{cfg.Topic}},
+			{Name: taskview.DefaultGroup, Topics: []string{cfg.Topic}},
+		},
+		Logger: log.With("component", "lag"), Registerer: reg,
 	})
+	if err != nil {
+		return err
+	}
+	rcfg := cfg.Reconciler
+	rcfg.Pool, rcfg.ArtifactStore, rcfg.Brokers, rcfg.Topic, rcfg.Redis = pool, store, cfg.Brokers, cfg.Topic, rdb
+	rcfg.Logger, rcfg.Registerer, rcfg.Cache.Faults = log.With("component", "reconciler"), reg, cfg.Faults
+	rec, err := reconciler.New(rcfg)
+	if err != nil {
+		return err
+	}
+	producer, err := kgo.NewClient(kgo.SeedBrokers(cfg.Brokers...))
+	if err != nil {
+		return fmt.Errorf("dead-letter replay producer: %w", err)
+	}
+	defer producer.Close()
+	dls, err := deadletter.New(deadletter.Config{Pool: pool, Producer: producer, MaxReplays: cfg.MaxReplays,
+		Logger: log.With("component", "deadletter"), Registerer: reg})
 	if err != nil {
 		return err
 	}
 	srv, err := api.New(api.Config{
-		Pool: pool, Redis: rdb, ArtifactStore: store, MaxBodyBytes: cfg.MaxBodyBytes,
+		Pool: pool, Redis: rdb, ArtifactStore: store, MaxBodyBytes: cfg.MaxBodyBytes, DeadLetters: dls,
 		Logger: log.With("component", "api"), Registerer: reg, Gatherer: reg, Faults: cfg.Faults,
 	})
 	if err != nil {
@@ -196,6 +246,7 @@ func Run(ctx context.Context, cfg Config) error {
 	run("worker", wrk.Run)
 	run("projector", proj.Run)
 	run("reconciler", rec.Run)
+	run("lag sampler", lag.Run)
 	g.Go(func() error {
 		// Serve only once the relay streams from its slot: a row committed
 		// before the slot exists would never be relayed.

@@ -42,6 +42,13 @@ type bundle struct {
 // the shared redis-server, and stops it when t ends.
 func setup(t *testing.T) *bundle {
 	t.Helper()
+	return setupWith(t, nil)
+}
+
+// setupWith is setup with cfg changed by mod (when not nil) before the
+// pipeline starts.
+func setupWith(t *testing.T, mod func(cfg *pipeline.Config)) *bundle {
+	t.Helper()
 	db := testenv.NewDB(t)
 	k := testenv.NewKafka(t)
 	redisURL, _ := testenv.Redis(t)
@@ -56,6 +63,9 @@ func setup(t *testing.T) *bundle {
 		DatabaseURL: db.URL, Brokers: k.Brokers, RedisURL: redisURL, ArtifactDir: t.TempDir(),
 		SlotName: "s_" + db.Name, PublicationName: "p_" + db.Name, Listener: ln,
 		Logger: slog.New(slog.NewTextHandler(io.Discard, nil)),
+	}
+	if mod != nil {
+		mod(&cfg)
 	}
 	go func() { b.done <- pipeline.Run(ctx, cfg) }()
 	t.Cleanup(func() {

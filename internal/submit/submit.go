@@ -80,6 +80,10 @@ func Files(paths []string) ([]string, error) {
 		if err != nil {
 			return nil, err
 		}
+		// The walk below yields cleaned paths (filepath.Join), so an explicit
+		// file must be cleaned too, or "./d/a.json" and the walk's "d/a.json"
+		// would be submitted twice.
+		p = filepath.Clean(p)
 		if !st.IsDir() {
 			if !seen[p] {
 				seen[p] = true

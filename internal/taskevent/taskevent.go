@@ -31,7 +31,15 @@ const (
 	TypeTaskCreated   = "TaskCreated"
 	TypeTaskCompleted = "TaskCompleted"
 	TypeTaskFailed    = "TaskFailed"
+	// TypeTaskRedriveRequested is written by the reconciler for a task left
+	// queued or running without progress; it carries the task's current
+	// version (unchanged) and the worker handles it like TaskCreated.
+	TypeTaskRedriveRequested = "TaskRedriveRequested"
 )
+
+// DeadLetterTopic returns the dead-letter topic of a task-events topic:
+// topic + ".dlq".
+func DeadLetterTopic(topic string) string { return topic + ".dlq" }
 
 // SchemaVersion is the major version of the event schema; a breaking change
 // bumps it and the topic name.

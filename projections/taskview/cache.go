@@ -11,6 +11,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/redis/go-redis/v9"
 
+	"github.com/converge-run/converge/internal/fault"
 	"github.com/converge-run/converge/internal/taskevent"
 )
 
@@ -62,6 +63,10 @@ type CacheOptions struct {
 	// registry), the existing one is reused. Defaults to a fresh registry
 	// (the metric is then not exported).
 	Registerer prometheus.Registerer
+	// Faults arms fault.CacheWriteError (keys: task id, input SHA-256):
+	// Put and Invalidate then fail before reaching Redis. Defaults to nil
+	// (off).
+	Faults *fault.Set
 }
 
 func (o *CacheOptions) setDefaults() {
@@ -137,6 +142,9 @@ func (c *Cache) Put(ctx context.Context, t taskevent.Task) (bool, error) {
 	if err != nil {
 		return false, fmt.Errorf("%w: encode task %s: %v", ErrInvalidTask, t.TaskID, err)
 	}
+	if err := c.opts.Faults.ErrKey(fault.CacheWriteError, t.TaskID, t.InputSHA256); err != nil {
+		return false, fmt.Errorf("put task view %s v%d: %w", t.TaskID, t.Version, err)
+	}
 	n, err := putScript.Run(ctx, c.client, []string{Key(t.TaskID)}, t.Version, raw, c.ttl().Milliseconds()).Int()
 	if err != nil {
 		return false, fmt.Errorf("put task view %s v%d: %w", t.TaskID, t.Version, err)
@@ -178,6 +186,9 @@ func (c *Cache) Get(ctx context.Context, taskID string) (*taskevent.Task, bool, 
 // outside the event stream call it after their PostgreSQL commit (seed 9:
 // commit first, then invalidate); the next read back-fills from PostgreSQL.
 func (c *Cache) Invalidate(ctx context.Context, taskID string) error {
+	if err := c.opts.Faults.ErrKey(fault.CacheWriteError, taskID); err != nil {
+		return fmt.Errorf("invalidate task view %s: %w", taskID, err)
+	}
 	if err := c.client.Del(ctx, Key(taskID)).Err(); err != nil {
 		return fmt.Errorf("invalidate task view %s: %w", taskID, err)
 	}

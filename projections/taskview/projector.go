@@ -18,13 +18,17 @@ import (
 	"github.com/converge-run/converge/internal/taskevent"
 )
 
+// DefaultGroup is the projector's consumer group.
+const DefaultGroup = "converge-projector"
+
 // Config configures a Projector.
 type Config struct {
 	// Brokers are the Kafka seed brokers. Required.
 	Brokers []string
 	// Topic is the task-events topic. Defaults to taskevent.DefaultTopic.
 	Topic string
-	// Group is the consumer group. Defaults to "converge-projector".
+	// Group is the consumer group. Defaults to DefaultGroup
+	// ("converge-projector").
 	Group string
 	// Redis is the client of the task view. Required.
 	Redis *redis.Client
@@ -56,7 +60,7 @@ func (c *Config) setDefaults() {
 		c.Topic = taskevent.DefaultTopic
 	}
 	if c.Group == "" {
-		c.Group = "converge-projector"
+		c.Group = DefaultGroup
 	}
 	if c.MaxPollRecords == 0 {
 		c.MaxPollRecords = 500

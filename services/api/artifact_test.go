@@ -80,7 +80,7 @@ func TestGetArtifact(t *testing.T) {
 	}
 
 	// Stored bytes that no longer match the verified hash are never served.
-	if err := os.WriteFile(filepath.Join(b.artifacts.Root(), "objects", token+".data"), append(canonical, ' '), 0o644); err != nil {
+	if err := os.WriteFile(filepath.Join(b.artifacts.Root(), "objects", token+"."+hex.EncodeToString(sum[:])+".data"), append(canonical, ' '), 0o644); err != nil {
 		t.Fatal(err)
 	}
 	wantProblem(t, b.do(t, http.MethodGet, "/v1/tasks/"+id+"/artifact", nil, nil), http.StatusServiceUnavailable, CodeArtifactUnavailable)

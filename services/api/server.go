@@ -16,6 +16,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 	"github.com/redis/go-redis/v9"
 
+	"github.com/converge-run/converge/consumers/deadletter"
 	"github.com/converge-run/converge/internal/artifact"
 	"github.com/converge-run/converge/internal/fault"
 	"github.com/converge-run/converge/projections/taskview"
@@ -59,7 +60,15 @@ type Config struct {
 	// a prometheus.Gatherer (as *prometheus.Registry is); required
 	// otherwise.
 	Gatherer prometheus.Gatherer
-	// Faults arms fault points (fault.APIAfterCommitResponseLost). Nil: off.
+	// DeadLetters serves the admin endpoints GET /v1/admin/dead-letters,
+	// GET /v1/admin/dead-letters/{id} and POST
+	// /v1/admin/dead-letters/{id}/replay. Optional: without it they answer
+	// 503 DEAD_LETTERS_UNAVAILABLE. The endpoints have no authentication of
+	// their own: expose them only to operators.
+	DeadLetters *deadletter.Service
+	// Faults arms fault points (fault.APIAfterCommitResponseLost, and
+	// fault.CacheWriteError for back-fills unless Cache.Faults is set).
+	// Nil: off.
 	Faults *fault.Set
 }
 
@@ -92,6 +101,9 @@ func (c *Config) setDefaults() {
 	}
 	if c.Cache.Registerer == nil {
 		c.Cache.Registerer = c.Registerer
+	}
+	if c.Cache.Faults == nil {
+		c.Cache.Faults = c.Faults
 	}
 }
 
@@ -148,6 +160,7 @@ func New(cfg Config) (*Server, error) {
 	s.mux.HandleFunc("GET /v1/tasks/{id}/artifact", s.handleGetArtifact)
 	s.mux.HandleFunc("GET /healthz", s.handleHealthz)
 	s.mux.HandleFunc("GET /readyz", s.handleReadyz)
+	s.registerAdmin()
 	s.mux.Handle("GET /metrics", promhttp.HandlerFor(cfg.Gatherer, promhttp.HandlerOpts{ErrorLog: slog.NewLogLogger(cfg.Logger.Handler(), slog.LevelWarn)}))
 	return s, nil
 }

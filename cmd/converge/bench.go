@@ -1,0 +1,88 @@
+package main
+
+import (
+	"encoding/json"
+	"fmt"
+	"os"
+	"strings"
+	"time"
+
+	"github.com/converge-run/converge/internal/bench"
+)
+
+// BenchCmd runs every stage against its physical limit (make bench).
+type BenchCmd struct {
+	Quick          bool          `help:"Small sizes: every stage in a few minutes."`
+	Stages         []string      `sep:"," help:"Stages to run (create,relay,rss,worker,e2e; default all)."`
+	Runs           int           `help:"Repetitions of each measurement; the median is reported (default 3)."`
+	CreateClients  []int         `sep:"," help:"Client counts of the create stage (default 1,4,16,64)."`
+	CreateDuration time.Duration `help:"Length of each create measurement (default 5s)."`
+	RelayRows      int           `help:"Rows of the pre-filled outbox of the relay stage (default 200000)."`
+	RSSRows        int           `name:"rss-rows" help:"Rows of the single transaction of the relay RSS stage (default 1000000)."`
+	WorkerTasks    int           `help:"Pre-filled tasks of the worker stage (default 10000)."`
+	E2ERates       []float64     `name:"e2e-rates" sep:"," help:"Fixed rates of the end-to-end ladder (default 100,250,500,750,1000,1500,2000)."`
+	E2EStep        time.Duration `name:"e2e-step" help:"Sending time of each end-to-end step (default 8s)."`
+	DocSize        int           `help:"Size in bytes of the generated documents (default 1024)."`
+	Dir            string        `type:"path" help:"Working directory (cluster, broker, logs); default a temporary directory, removed at the end."`
+	ProfileDir     string        `type:"path" help:"Write CPU profiles of the converge process per stage to this directory."`
+	Out            string        `type:"path" default:"bench-results.json" help:"JSON results file."`
+	Markdown       string        `type:"path" help:"Also write the results table (markdown) to this file."`
+}
+
+// Run runs the benchmark, prints progress and the results table, and writes
+// the JSON file.
+func (c *BenchCmd) Run(env *runEnv) error {
+	cfg := bench.Config{}
+	if c.Quick {
+		cfg = bench.Quick()
+	}
+	setIf(&cfg.Runs, c.Runs)
+	setIf(&cfg.RelayRows, c.RelayRows)
+	setIf(&cfg.RSSRows, c.RSSRows)
+	setIf(&cfg.WorkerTasks, c.WorkerTasks)
+	setIf(&cfg.DocSize, c.DocSize)
+	setIf(&cfg.CreateDuration, c.CreateDuration)
+	setIf(&cfg.E2EStep, c.E2EStep)
+	if len(c.CreateClients) > 0 {
+		cfg.CreateClients = c.CreateClients
+	}
+	if len(c.E2ERates) > 0 {
+		cfg.E2ERates = c.E2ERates
+	}
+	cfg.Stages, cfg.Dir, cfg.ProfileDir, cfg.Progress = c.Stages, c.Dir, c.ProfileDir, os.Stdout
+	res, err := bench.Run(env.ctx, cfg)
+	if res == nil {
+		return err
+	}
+	var md strings.Builder
+	res.Markdown(&md)
+	fmt.Println()
+	fmt.Print(md.String())
+	b, jerr := json.MarshalIndent(res, "", "  ")
+	if jerr != nil {
+		return jerr
+	}
+	if werr := os.WriteFile(c.Out, append(b, '\n'), 0o644); werr != nil {
+		return werr
+	}
+	fmt.Println("\nresults written to", c.Out)
+	if c.Markdown != "" {
+		if werr := os.WriteFile(c.Markdown, []byte(md.String()), 0o644); werr != nil {
+			return werr
+		}
+	}
+	if err != nil {
+		return err
+	}
+	if len(res.Errors) > 0 {
+		return exitCode(1)
+	}
+	return nil
+}
+
+func setIf[T comparable](dst *T, v T) {
+	var zero T
+	if v != zero {
+		*dst = v
+	}
+}

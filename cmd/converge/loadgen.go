@@ -1,0 +1,51 @@
+package main
+
+import (
+	"encoding/json"
+	"fmt"
+	"os"
+	"time"
+
+	"github.com/converge-run/converge/internal/loadgen"
+)
+
+// LoadgenCmd submits create requests at a fixed rate (open model) or with N
+// back-to-back clients (closed model) and measures them.
+type LoadgenCmd struct {
+	APIURL      string        `name:"api-url" env:"CONVERGE_API_URL" default:"http://127.0.0.1:8080" help:"Base URL of the converge API."`
+	Rate        float64       `help:"Fixed arrival rate in requests/s (open model: latency from each request's intended send time, so coordinated omission is accounted for). 0 selects the closed model."`
+	Clients     int           `help:"Closed model: concurrent clients (default 16). Open model: most requests in flight (default 1000)."`
+	Duration    time.Duration `default:"10s" help:"Length of the sending phase (0: until --count)."`
+	Count       int           `help:"Number of requests (0: until --duration)."`
+	Docs        string        `type:"existingdir" help:"Directory walked for *.json documents, sent round-robin (default: generated documents)."`
+	DocSize     int           `default:"1024" help:"Size in bytes of a generated document."`
+	Wait        bool          `default:"true" negatable:"" help:"After sending, read every created task until it is terminal, for the end-to-end latency."`
+	WaitTimeout time.Duration `default:"60s" help:"Longest wait for the created tasks."`
+	Out         string        `type:"path" help:"Also write the result as JSON to this file."`
+}
+
+// Run runs the load and prints the result; exits 1 when no request was
+// accepted.
+func (c *LoadgenCmd) Run(env *runEnv) error {
+	res, err := loadgen.Run(env.ctx, loadgen.Config{
+		BaseURL: c.APIURL, Rate: c.Rate, Clients: c.Clients, Duration: c.Duration, Count: c.Count,
+		DocsDir: c.Docs, DocSize: c.DocSize, Wait: c.Wait, WaitTimeout: c.WaitTimeout,
+	})
+	if err != nil {
+		return err
+	}
+	res.Print(os.Stdout)
+	if c.Out != "" {
+		b, err := json.MarshalIndent(res, "", "  ")
+		if err != nil {
+			return err
+		}
+		if err := os.WriteFile(c.Out, append(b, '\n'), 0o644); err != nil {
+			return fmt.Errorf("write %s: %w", c.Out, err)
+		}
+	}
+	if res.Accepted == 0 {
+		return exitCode(1)
+	}
+	return nil
+}

@@ -1,0 +1,409 @@
+package deadletter
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/twmb/franz-go/pkg/kgo"
+
+	"github.com/converge-run/converge/consumers/worker"
+	"github.com/converge-run/converge/internal/taskevent"
+	"github.com/converge-run/converge/projections/taskview"
+)
+
+// Dead-letter states (dead_letter.state).
+const (
+	StateParked   = "parked"
+	StateReplayed = "replayed"
+	StateResolved = "resolved"
+	StateRefused  = "refused"
+)
+
+// Replay outcomes, the outcome label of converge_deadletter_replays_total.
+const (
+	// OutcomeReplayed: the original record was re-published (and its task
+	// re-opened when it had failed because of this dead letter).
+	OutcomeReplayed = "replayed"
+	// OutcomeNoop: the task is terminal for another reason, or the dead
+	// letter was already resolved; nothing was published.
+	OutcomeNoop = "noop"
+	// OutcomeRefused: MaxReplays reached, or the dead letter was refused
+	// before; nothing was published.
+	OutcomeRefused = "refused"
+	// OutcomeError: the replay failed (database or broker); nothing changed.
+	OutcomeError = "error"
+)
+
+// DefaultMaxReplays is the default Config.MaxReplays.
+const DefaultMaxReplays = 3
+
+// ErrNotFound: no dead letter has the id.
+var ErrNotFound = errors.New("dead letter not found")
+
+// Header is a Kafka record header as stored in dead_letter.record_headers.
+type Header struct {
+	Key   string `json:"key"`
+	Value []byte `json:"value"`
+}
+
+// DeadLetter is a dead_letter row.
+type DeadLetter struct {
+	ID                int64      `json:"id"`
+	OriginTopic       string     `json:"origin_topic"`
+	OriginPartition   int32      `json:"origin_partition"`
+	OriginOffset      int64      `json:"origin_offset"`
+	ConsumerGroup     string     `json:"consumer_group"`
+	Key               []byte     `json:"key"`
+	Value             []byte     `json:"value"`
+	Headers           []Header   `json:"headers"`
+	MessageID         *string    `json:"message_id"`
+	TaskID            *string    `json:"task_id"`
+	ErrorClass        string     `json:"error_class"`
+	ErrorCode         string     `json:"error_code"`
+	ErrorMessage      string     `json:"error_message"`
+	Attempts          int        `json:"attempts"`
+	ProcessorVersion  string     `json:"processor_version"`
+	FirstFailureAt    time.Time  `json:"first_failure_at"`
+	LastFailureAt     time.Time  `json:"last_failure_at"`
+	DLQPartition      int32      `json:"dlq_partition"`
+	DLQOffset         int64      `json:"dlq_offset"`
+	State             string     `json:"state"`
+	ReplayCount       int        `json:"replay_count"`
+	LastReplayAt      *time.Time `json:"last_replay_at"`
+	LastReplayBy      *string    `json:"last_replay_by"`
+	LastReplayReason  *string    `json:"last_replay_reason"`
+	LastReplayOutcome *string    `json:"last_replay_outcome"`
+	RecordedAt        time.Time  `json:"recorded_at"`
+	UpdatedAt         time.Time  `json:"updated_at"`
+}
+
+// CodeHeadersMissing is the error code recorded for a record of the
+// dead-letter topic that lacks the worker's dlq-* origin headers: its own
+// position is recorded as its origin, so it is never dropped.
+const CodeHeadersMissing = "DLQ_HEADERS_MISSING"
+
+// FromRecord builds the dead letter of a record consumed from the
+// dead-letter topic: origin, error and times from the dlq-* headers (see
+// worker.DeadLetterRecord), the original headers without them, message id
+// from the event-id header and task id from the key.
+func FromRecord(r *kgo.Record) DeadLetter {
+	d := DeadLetter{Key: r.Key, Value: r.Value, DLQPartition: r.Partition, DLQOffset: r.Offset, Headers: []Header{}}
+	h := map[string]string{}
+	for _, kv := range r.Headers {
+		if strings.HasPrefix(kv.Key, worker.HeaderDLQPrefix) {
+			h[kv.Key] = string(kv.Value)
+			continue
+		}
+		d.Headers = append(d.Headers, Header{Key: kv.Key, Value: kv.Value})
+		if kv.Key == taskevent.HeaderEventID && len(kv.Value) > 0 {
+			id := string(kv.Value)
+			d.MessageID = &id
+		}
+	}
+	if len(r.Key) > 0 {
+		k := string(r.Key)
+		d.TaskID = &k
+	}
+	part, perr := strconv.ParseInt(h[worker.HeaderDLQOriginalPart], 10, 32)
+	off, oerr := strconv.ParseInt(h[worker.HeaderDLQOriginalOffset], 10, 64)
+	if h[worker.HeaderDLQOriginalTopic] == "" || perr != nil || oerr != nil || part < 0 || off < 0 {
+		d.OriginTopic, d.OriginPartition, d.OriginOffset = r.Topic, r.Partition, r.Offset
+		d.ErrorClass, d.ErrorCode, d.ErrorMessage = worker.ClassDeterministic, CodeHeadersMissing, "record without dlq-* origin headers"
+		d.Attempts, d.ProcessorVersion = 1, "unknown"
+		d.FirstFailureAt, d.LastFailureAt = r.Timestamp.UTC(), r.Timestamp.UTC()
+		return d
+	}
+	d.OriginTopic, d.OriginPartition, d.OriginOffset = h[worker.HeaderDLQOriginalTopic], int32(part), off
+	d.ConsumerGroup = h[worker.HeaderDLQConsumerGroup]
+	d.ErrorClass = h[worker.HeaderDLQErrorClass]
+	if d.ErrorClass != worker.ClassRetryable {
+		d.ErrorClass = worker.ClassDeterministic
+	}
+	d.ErrorCode = h[worker.HeaderDLQErrorCode]
+	if d.ErrorCode == "" {
+		d.ErrorCode = worker.CodeUnclassified
+	}
+	d.ErrorMessage = h[worker.HeaderDLQErrorMessage]
+	d.Attempts, _ = strconv.Atoi(h[worker.HeaderDLQAttempts])
+	d.Attempts = max(d.Attempts, 1)
+	d.ProcessorVersion = h[worker.HeaderDLQProcessorVersion]
+	if d.ProcessorVersion == "" {
+		d.ProcessorVersion = "unknown"
+	}
+	d.FirstFailureAt = parseTime(h[worker.HeaderDLQFirstFailureAt], r.Timestamp)
+	d.LastFailureAt = parseTime(h[worker.HeaderDLQLastFailureAt], r.Timestamp)
+	return d
+}
+
+func parseTime(s string, def time.Time) time.Time {
+	if t, err := time.Parse(time.RFC3339Nano, s); err == nil {
+		return t.UTC()
+	}
+	return def.UTC()
+}
+
+// Config configures a Service.
+type Config struct {
+	// Pool is the PostgreSQL pool. Required.
+	Pool *pgxpool.Pool
+	// Producer publishes replayed records. Required for Replay; List and
+	// Get work without it.
+	Producer *kgo.Client
+	// MaxReplays is how many times one dead letter may be replayed; the
+	// next request marks it refused. Defaults to DefaultMaxReplays (3).
+	MaxReplays int
+	// DefaultGroup is the worker's consumer group (inbox consumer_name)
+	// used for dead letters that do not name one. Defaults to
+	// worker.DefaultGroup.
+	DefaultGroup string
+	// Cache, when set, is invalidated for a re-opened task after the
+	// commit (its view would show failed until the next event).
+	Cache *taskview.Cache
+	// Logger defaults to slog.Default().
+	Logger *slog.Logger
+	// Registerer receives converge_deadletter_replays_total (reused when
+	// already registered there). Defaults to a new registry.
+	Registerer prometheus.Registerer
+	// ProduceTimeout bounds the broker's acknowledgement of a replayed
+	// record. Defaults to 30s.
+	ProduceTimeout time.Duration
+}
+
+func (c *Config) setDefaults() {
+	if c.MaxReplays <= 0 {
+		c.MaxReplays = DefaultMaxReplays
+	}
+	if c.DefaultGroup == "" {
+		c.DefaultGroup = worker.DefaultGroup
+	}
+	if c.Logger == nil {
+		c.Logger = slog.Default()
+	}
+	if c.Registerer == nil {
+		c.Registerer = prometheus.NewRegistry()
+	}
+	if c.ProduceTimeout <= 0 {
+		c.ProduceTimeout = 30 * time.Second
+	}
+}
+
+// Validate reports a missing field.
+func (c *Config) Validate() error {
+	if c.Pool == nil {
+		return errors.New("deadletter: Pool is required")
+	}
+	return nil
+}
+
+// Service lists, shows and replays dead letters; `converge dlq` and the
+// admin API both use it.
+type Service struct {
+	cfg     Config
+	store   *Store
+	replays *prometheus.CounterVec
+}
+
+// New validates cfg and returns a Service.
+func New(cfg Config) (*Service, error) {
+	cfg.setDefaults()
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	replays := prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "converge_deadletter_replays_total",
+		Help: "Dead-letter replay requests, by outcome (replayed, noop, refused, error).",
+	}, []string{"outcome"})
+	if err := cfg.Registerer.Register(replays); err != nil {
+		var are prometheus.AlreadyRegisteredError
+		if !errors.As(err, &are) {
+			return nil, fmt.Errorf("deadletter metrics: %w", err)
+		}
+		replays = are.ExistingCollector.(*prometheus.CounterVec)
+	}
+	for _, o := range []string{OutcomeReplayed, OutcomeNoop, OutcomeRefused, OutcomeError} {
+		replays.WithLabelValues(o)
+	}
+	return &Service{cfg: cfg, store: NewStore(cfg.Pool), replays: replays}, nil
+}
+
+// Store returns the service's store.
+func (s *Service) Store() *Store { return s.store }
+
+// List returns dead letters matching f, oldest first.
+func (s *Service) List(ctx context.Context, f Filter) ([]DeadLetter, error) {
+	return s.store.List(ctx, f)
+}
+
+// Get returns one dead letter or ErrNotFound.
+func (s *Service) Get(ctx context.Context, id int64) (DeadLetter, error) { return s.store.Get(ctx, id) }
+
+// Request is who asks for a replay and why; both are recorded.
+type Request struct {
+	Reason string `json:"reason"`
+	By     string `json:"by"`
+}
+
+// ErrReasonRequired: a replay request without a reason.
+var ErrReasonRequired = errors.New("a replay needs a reason")
+
+// Result is the answer to one replay request.
+type Result struct {
+	ID      int64  `json:"id"`
+	Outcome string `json:"outcome"`
+	// State is the dead letter's state afterwards.
+	State string `json:"state"`
+	// ReplayCount after the request.
+	ReplayCount int `json:"replay_count"`
+	// TaskReopened: the task had failed because of this dead letter and
+	// was moved back to queued.
+	TaskReopened bool `json:"task_reopened"`
+	// Message explains the outcome for a person.
+	Message string `json:"message"`
+}
+
+// Replay handles one replay request for dead letter id (see the package
+// doc). It returns ErrNotFound, ErrReasonRequired, or a database/broker
+// error (outcome error, nothing changed); refused and no-op answers are
+// Results, not errors.
+func (s *Service) Replay(ctx context.Context, id int64, req Request) (Result, error) {
+	if strings.TrimSpace(req.Reason) == "" {
+		return Result{ID: id}, ErrReasonRequired
+	}
+	if req.By == "" {
+		req.By = "unknown"
+	}
+	res, reopened, err := s.replay(ctx, id, req)
+	if err != nil {
+		if !errors.Is(err, ErrNotFound) {
+			s.replays.WithLabelValues(OutcomeError).Inc()
+		}
+		return res, err
+	}
+	s.replays.WithLabelValues(res.Outcome).Inc()
+	if reopened != "" && s.cfg.Cache != nil {
+		if err := s.cfg.Cache.Invalidate(ctx, reopened); err != nil {
+			s.cfg.Logger.WarnContext(ctx, "invalidate task view after re-open", slog.String("task_id", reopened), slog.Any("err", err))
+		}
+	}
+	s.cfg.Logger.InfoContext(ctx, "dead letter replay", slog.Int64("id", id), slog.String("outcome", res.Outcome),
+		slog.String("by", req.By), slog.String("reason", req.Reason), slog.String("message", res.Message))
+	return res, nil
+}
+
+func (s *Service) replay(ctx context.Context, id int64, req Request) (Result, string, error) {
+	res := Result{ID: id}
+	var reopened string
+	err := pgx.BeginFunc(ctx, s.cfg.Pool, func(tx pgx.Tx) error {
+		reopened = ""
+		d, err := get(ctx, tx, id, "FOR UPDATE")
+		if err != nil {
+			return err
+		}
+		res.State, res.ReplayCount = d.State, d.ReplayCount
+		switch {
+		case d.State == StateResolved:
+			res.Outcome, res.Message = OutcomeNoop, "dead letter already resolved; nothing replayed"
+			return nil
+		case d.State == StateRefused:
+			res.Outcome, res.Message = OutcomeRefused, fmt.Sprintf("dead letter refused earlier (replayed %d times, limit %d); a person must decide", d.ReplayCount, s.cfg.MaxReplays)
+			return nil
+		case d.ReplayCount >= s.cfg.MaxReplays:
+			res.Outcome, res.State = OutcomeRefused, StateRefused
+			res.Message = fmt.Sprintf("replayed %d times already (limit %d): refused, nothing published", d.ReplayCount, s.cfg.MaxReplays)
+			return recordReplay(ctx, tx, id, StateRefused, 0, req.By, req.Reason, res.Message)
+		}
+		if d.TaskID != nil {
+			t, found, err := lockTask(ctx, tx, *d.TaskID)
+			if err != nil {
+				return err
+			}
+			if found {
+				failedHere := t.Status == taskevent.StatusFailed && t.Code != nil && *t.Code == d.ErrorCode
+				switch {
+				case t.Status == taskevent.StatusCompleted, taskevent.Terminal(t.Status) && !failedHere:
+					code := ""
+					if t.Code != nil {
+						code = " (" + *t.Code + ")"
+					}
+					res.Outcome, res.State = OutcomeNoop, StateResolved
+					res.Message = fmt.Sprintf("task %s is already %s%s, not because of this dead letter; nothing replayed", *d.TaskID, t.Status, code)
+					return recordReplay(ctx, tx, id, StateResolved, 0, req.By, req.Reason, res.Message)
+				case failedHere:
+					ok, err := reopenTask(ctx, tx, *d.TaskID, t.Version)
+					if err != nil {
+						return err
+					}
+					if !ok {
+						return fmt.Errorf("task %s changed while locked", *d.TaskID)
+					}
+					res.TaskReopened, reopened = true, *d.TaskID
+				}
+			}
+		}
+		if d.MessageID != nil {
+			group := d.ConsumerGroup
+			if group == "" {
+				group = s.cfg.DefaultGroup
+			}
+			if _, err := resetInbox(ctx, tx, group, *d.MessageID); err != nil {
+				return err
+			}
+		}
+		if s.cfg.Producer == nil {
+			return errors.New("deadletter: no Kafka producer configured")
+		}
+		rec := &kgo.Record{Topic: d.OriginTopic, Key: d.Key, Value: d.Value}
+		for _, h := range d.Headers {
+			rec.Headers = append(rec.Headers, kgo.RecordHeader{Key: h.Key, Value: h.Value})
+		}
+		pctx, cancel := context.WithTimeout(ctx, s.cfg.ProduceTimeout)
+		err = s.cfg.Producer.ProduceSync(pctx, rec).FirstErr()
+		cancel()
+		if err != nil {
+			return fmt.Errorf("re-publish dead letter %d to %s: %w", id, d.OriginTopic, err)
+		}
+		res.Outcome, res.State, res.ReplayCount = OutcomeReplayed, StateReplayed, d.ReplayCount+1
+		res.Message = fmt.Sprintf("original record re-published to %s (replay %d of %d)", d.OriginTopic, res.ReplayCount, s.cfg.MaxReplays)
+		if res.TaskReopened {
+			res.Message += fmt.Sprintf("; task %s re-opened (failed -> queued)", *d.TaskID)
+		}
+		return recordReplay(ctx, tx, id, StateReplayed, 1, req.By, req.Reason, res.Message)
+	})
+	if err != nil {
+		return Result{ID: id, Outcome: OutcomeError}, "", err
+	}
+	return res, reopened, nil
+}
+
+// ReplayAll replays every parked dead letter (of code, when
+// not empty), at most limit of them (default 1000), oldest first, and
+// returns one Result per dead letter; it stops at the first error.
+func (s *Service) ReplayAll(ctx context.Context, code string, limit int, req Request) ([]Result, error) {
+	if strings.TrimSpace(req.Reason) == "" {
+		return nil, ErrReasonRequired
+	}
+	if limit <= 0 {
+		limit = 1000
+	}
+	ids, err := s.store.replayable(ctx, code, limit)
+	if err != nil {
+		return nil, err
+	}
+	out := make([]Result, 0, len(ids))
+	for _, id := range ids {
+		r, err := s.Replay(ctx, id, req)
+		if err != nil {
+			return out, err
+		}
+		out = append(out, r)
+	}
+	return out, nil
+}

@@ -1,0 +1,62 @@
+// Package deadletter is converge's dead-letter store and controlled replay
+// (seed 13.5, 14 "Poison Message"; DESIGN.md "Kafka contract"): the
+// reconciler records every record of the dead-letter topic in the
+// dead_letter table (FromRecord, Store.Insert), and a person lists, inspects
+// and replays them (`converge dlq`, GET/POST /v1/admin/dead-letters) through
+// a Service. The SQL is in store.go.
+//
+// # Identity
+//
+// A dead letter is identified by its origin (topic, partition, offset),
+// unique in the table: consuming the dead-letter topic again, or a record
+// dead-lettered twice after a worker crash, is recorded once (INSERT ... ON
+// CONFLICT DO NOTHING). Its id (dead_letter_id) is what the commands take.
+//
+// # States
+//
+//	parked    recorded from the dead-letter topic, never replayed
+//	replayed  the original record was re-published (replay_count counts it)
+//	resolved  a replay found nothing to do: the task is completed, or failed
+//	          for another reason than this dead letter
+//	refused   a replay was asked past MaxReplays (default 3); a person must
+//	          decide (the record stays in the table, nothing is dropped)
+//
+// Every replay request records who asked, when and why (last_replay_by,
+// last_replay_at, last_replay_reason, last_replay_outcome).
+//
+// # Replay
+//
+// Replay re-publishes the ORIGINAL record — same key, value and headers
+// (the dlq-* headers are not part of it), so the same event id — to the
+// original topic, in one database transaction that holds the dead letter's
+// row lock while the broker acknowledges:
+//
+//  1. the dead letter is locked; resolved or refused ones are answered as
+//     they are; one at MaxReplays becomes refused;
+//  2. its task (when the record names one) decides: completed, or failed or
+//     compensated with another terminal_error_code than the dead letter's,
+//     makes the replay a no-op (state resolved, a clear message); a task
+//     failed WITH the dead letter's code is re-opened by a compare-and-set
+//     on its version (failed -> queued, version+1, terminal_error_code
+//     cleared); a queued or running task is left as it is;
+//  3. the worker's inbox row of the message (consumer group from the dead
+//     letter) is reset to processing when it is failed, so the redelivery
+//     is processed instead of being taken as a duplicate; the worker starts
+//     a queued task whose version is above the event's from its current
+//     version;
+//  4. the original record is produced and acknowledged, then the dead
+//     letter becomes replayed (replay_count+1) and the transaction commits.
+//
+// A produce failure rolls everything back. A commit failure after the
+// produce leaves the redelivery a duplicate (the inbox row is still failed)
+// and the replay can be asked again. The worker's inbox insert waits for
+// the row lock of step 3, so it never sees the old state after the
+// replayed record arrives.
+//
+// # Metrics
+//
+//	converge_deadletter_replays_total{outcome}   counter  replay requests by outcome: replayed, noop, refused, error
+//
+// The reconciler exports converge_deadletter_unresolved (parked or refused
+// rows) and the worker converge_deadletter_published_total{error_code}.
+package deadletter

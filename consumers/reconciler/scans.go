@@ -1,0 +1,213 @@
+package reconciler
+
+import (
+	"context"
+	"errors"
+	"log/slog"
+
+	"github.com/redis/go-redis/v9"
+
+	"github.com/converge-run/converge/consumers/deadletter"
+	"github.com/converge-run/converge/internal/taskevent"
+	"github.com/converge-run/converge/projections/taskview"
+)
+
+// scans runs the scans after the effect scans (see Pass). A failing scan
+// is logged and counted as an error; the others still run.
+func (r *Reconciler) scans(ctx context.Context, res *Result) error {
+	var errs []error
+	for _, scan := range []struct {
+		name string
+		fn   func(context.Context, *Result) error
+	}{
+		{"inbox leases", r.scanInbox},
+		{"stuck tasks", r.scanTasks},
+		{"idempotency records", r.scanIdempotency},
+		{"outbox", r.scanOutbox},
+		{"dead letters", r.scanDeadLetters},
+		{"task views", r.scanCache},
+	} {
+		if err := scan.fn(ctx, res); err != nil {
+			r.log.WarnContext(ctx, "reconciler scan failed", slog.String("scan", scan.name), slog.Any("err", err))
+			errs = append(errs, err)
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// cacheKey is the Redis key of a task view.
+func cacheKey(taskID string) string { return taskview.Key(taskID) }
+
+func (r *Reconciler) act(res *Result, kind string, n *int) {
+	r.m.actions.WithLabelValues(kind).Inc()
+	switch kind {
+	case ActionSkipped:
+		res.Skipped++
+	case ActionError:
+		res.Errors++
+	default:
+		*n++
+	}
+}
+
+// scanInbox finishes inbox rows left processing past InboxLease whose task
+// is terminal: the delivery's outcome was decided by another delivery or a
+// repair. Rows of tasks still queued or running are left to scanTasks,
+// which re-drives the task; a redelivery resumes the processing row.
+func (r *Reconciler) scanInbox(ctx context.Context, res *Result) error {
+	rows, err := staleInbox(ctx, r.pool, r.cfg.InboxLease, r.cfg.BatchSize)
+	if err != nil {
+		return err
+	}
+	for _, in := range rows {
+		if in.TaskStatus == nil || !taskevent.Terminal(*in.TaskStatus) {
+			continue
+		}
+		ok, err := releaseInbox(ctx, r.pool, in, *in.TaskStatus)
+		switch {
+		case err != nil:
+			r.log.WarnContext(ctx, "release inbox row", slog.String("message_id", in.MessageID), slog.Any("err", err))
+			r.act(res, ActionError, nil)
+		case !ok:
+			r.act(res, ActionSkipped, nil)
+		default:
+			r.log.InfoContext(ctx, "inbox row released", slog.String("consumer", in.Consumer), slog.String("message_id", in.MessageID), slog.String("task_status", *in.TaskStatus))
+			r.act(res, ActionInboxReleased, &res.InboxReleased)
+		}
+	}
+	return nil
+}
+
+// scanTasks re-drives tasks queued or running past TaskDeadline: a
+// TaskRedriveRequested outbox event for the task's current version, written
+// in a transaction that re-reads the task by compare-and-set on status and
+// version (a task that moved meanwhile is skipped). The outbox's unique
+// (task, version, type) allows one re-drive per task version.
+func (r *Reconciler) scanTasks(ctx context.Context, res *Result) error {
+	tasks, err := stuckTasks(ctx, r.pool, r.cfg.TaskDeadline, r.cfg.BatchSize)
+	if err != nil {
+		return err
+	}
+	for _, t := range tasks {
+		ok, err := redrive(ctx, r.pool, t)
+		switch {
+		case err != nil:
+			r.log.WarnContext(ctx, "re-drive task", slog.String("task_id", t.TaskID), slog.Any("err", err))
+			r.act(res, ActionError, nil)
+		case !ok:
+			r.act(res, ActionSkipped, nil)
+		default:
+			r.log.InfoContext(ctx, "task re-driven", slog.String("task_id", t.TaskID), slog.String("status", t.Status), slog.Int64("version", t.Version))
+			r.act(res, ActionTaskRedriven, &res.TasksRedriven)
+		}
+	}
+	return nil
+}
+
+// scanIdempotency resolves idempotency records in_progress past
+// locked_until from the task state, never assuming the first execution did
+// not happen (seed 3.1): a record whose task exists becomes succeeded with
+// the response the API gives for that task; a record without a task (the
+// API writes both in one transaction, so none was created) is deleted so
+// that the client's retry with the same key creates the task.
+func (r *Reconciler) scanIdempotency(ctx context.Context, res *Result) error {
+	recs, err := expiredIdempotency(ctx, r.pool, r.cfg.BatchSize)
+	if err != nil {
+		return err
+	}
+	for _, rec := range recs {
+		ok, err := resolveIdempotency(ctx, r.pool, rec)
+		switch {
+		case err != nil:
+			r.log.WarnContext(ctx, "resolve idempotency record", slog.String("key", rec.Key), slog.Any("err", err))
+			r.act(res, ActionError, nil)
+		case !ok:
+			r.act(res, ActionSkipped, nil)
+		default:
+			r.log.InfoContext(ctx, "idempotency record resolved", slog.String("scope", rec.Scope), slog.String("key", rec.Key))
+			r.act(res, ActionIdempotencyResolved, &res.IdempotencyResolved)
+		}
+	}
+	return nil
+}
+
+// scanOutbox reports outbox rows unpublished for longer than
+// OutboxThreshold (gauges and a warning); the relay publishes them, the
+// reconciler never does.
+func (r *Reconciler) scanOutbox(ctx context.Context, res *Result) error {
+	n, age, err := unpublishedOutbox(ctx, r.pool, r.cfg.OutboxThreshold)
+	if err != nil {
+		return err
+	}
+	r.m.outboxRows.Set(float64(n))
+	r.m.outboxAge.Set(age.Seconds())
+	res.OutboxUnpublished = n
+	if n > 0 {
+		r.log.WarnContext(ctx, "outbox rows unpublished past the threshold; is the relay running?",
+			slog.Int("rows", n), slog.Duration("oldest_age", age), slog.Duration("threshold", r.cfg.OutboxThreshold))
+	}
+	return nil
+}
+
+// scanDeadLetters refreshes converge_deadletter_unresolved.
+func (r *Reconciler) scanDeadLetters(ctx context.Context, _ *Result) error {
+	n, err := deadletter.NewStore(r.pool).Unresolved(ctx)
+	if err != nil {
+		return err
+	}
+	r.m.unresolved.Set(float64(n))
+	return nil
+}
+
+// scanCache compares the Redis views of up to BatchSize tasks (a cursor on
+// task id walks the whole table across passes) with their database
+// versions and replaces a view older than the database by the database
+// snapshot (Cache.Put, whose Lua compare-and-set never regresses a view).
+// Absent views are left absent: the next read back-fills them.
+func (r *Reconciler) scanCache(ctx context.Context, res *Result) error {
+	if r.cache == nil {
+		return nil
+	}
+	tasks, err := tasksAfter(ctx, r.pool, r.cacheCursor, r.cfg.BatchSize)
+	if err != nil {
+		return err
+	}
+	if len(tasks) < r.cfg.BatchSize {
+		r.cacheCursor = ""
+	} else {
+		r.cacheCursor = tasks[len(tasks)-1].TaskID
+	}
+	if len(tasks) == 0 {
+		return nil
+	}
+	pipe := r.cfg.Redis.Pipeline()
+	cmds := make([]*redis.StringCmd, len(tasks))
+	for i, t := range tasks {
+		cmds[i] = pipe.HGet(ctx, cacheKey(t.TaskID), "v")
+	}
+	if _, err := pipe.Exec(ctx); err != nil && !errors.Is(err, redis.Nil) {
+		return err
+	}
+	for i, t := range tasks {
+		v, err := cmds[i].Int64()
+		if errors.Is(err, redis.Nil) || (err == nil && v >= t.Version) {
+			continue
+		}
+		if err != nil {
+			r.act(res, ActionError, nil)
+			continue
+		}
+		stored, err := r.cache.Put(ctx, t)
+		switch {
+		case err != nil:
+			r.log.WarnContext(ctx, "repair task view", slog.String("task_id", t.TaskID), slog.Any("err", err))
+			r.act(res, ActionError, nil)
+		case !stored:
+			r.act(res, ActionSkipped, nil)
+		default:
+			r.log.InfoContext(ctx, "stale task view repaired", slog.String("task_id", t.TaskID), slog.Int64("view_version", v), slog.Int64("version", t.Version))
+			r.act(res, ActionCacheRepaired, &res.CacheRepaired)
+		}
+	}
+	return nil
+}

@@ -1,0 +1,108 @@
+package reconciler
+
+import (
+	"context"
+	"errors"
+	"testing"
+	"time"
+
+	"github.com/converge-run/converge/internal/artifact"
+	"github.com/converge-run/converge/internal/fault"
+)
+
+// A compensation whose hide timed out after it happened (seed 14) is
+// reconciled by observation: the token is gone, so the hide is recorded
+// verified without hiding again, and the effect becomes compensated.
+func TestCompensationTimeoutReconciledByObservation(t *testing.T) {
+	t.Parallel()
+	b := setup(t, Config{EffectDeadline: time.Second})
+	ctx := context.Background()
+	data := []byte(`{"a":1}`)
+	tok := b.effectFor(t, stateCompensationRequired, data, time.Hour)
+	b.put(t, tok, 1, data)
+	// The worker's compensation: ledger row first, then a hide that
+	// happens but times out.
+	var e effect
+	e.EffectID, e.TaskID, e.Attempt, e.TargetIdentity, e.RequestSize = tok, tok[:len(tok)-len(".attempt-1")], 1, "artifact://"+tok, int64(len(data))
+	if _, state, err := planHide(ctx, b.db.Pool, e, sum(data)); err != nil || state != "started" {
+		t.Fatalf("plan hide: %s %v", state, err)
+	}
+	faults := &fault.Set{}
+	if err := faults.Arm(fault.ArtifactHideTimeoutAfterCommit, fault.ActionError, 0); err != nil {
+		t.Fatal(err)
+	}
+	workerStore, err := artifact.Open(b.store.Root(), faults)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := workerStore.Hide(tok); !errors.Is(err, artifact.ErrTimeout) {
+		t.Fatalf("hide = %v, want a timeout", err)
+	}
+	res, err := b.r.Pass(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if res.Compensated != 1 || res.CompensationsObserved != 1 || res.Errors != 0 {
+		t.Errorf("pass = %+v, want 1 compensation observed", res)
+	}
+	if got := b.effect(t, kindArtifactPut, tok).state; got != stateCompensated {
+		t.Errorf("effect %s, want compensated", got)
+	}
+	if got := b.effect(t, "artifact.hide", "compensation-for-"+tok).state; got != stateVerified {
+		t.Errorf("hide %s, want verified", got)
+	}
+	if got := b.actions(ActionCompensationObserved); got != 1 {
+		t.Errorf("actions{kind=compensation_observed} = %v", got)
+	}
+}
+
+// A task left queued past TaskDeadline is re-driven once per version by a
+// TaskRedriveRequested outbox event; inbox rows of terminal tasks left
+// processing are released; expired in_progress idempotency records without
+// a task are removed; unpublished outbox rows are reported.
+func TestScansRedriveReleaseResolve(t *testing.T) {
+	t.Parallel()
+	b := setup(t, Config{TaskDeadline: time.Minute, InboxLease: time.Minute, OutboxThreshold: time.Minute})
+	ctx := context.Background()
+	stuck := b.effectFor(t, stateVerified, []byte(`1`), 0)
+	stuckTask := stuck[:len(stuck)-len(".attempt-1")]
+	done := b.effectFor(t, stateVerified, []byte(`2`), 0)
+	doneTask := done[:len(done)-len(".attempt-1")]
+	exec := func(sql string, args ...any) {
+		t.Helper()
+		if _, err := b.db.Pool.Exec(ctx, sql, args...); err != nil {
+			t.Fatalf("%s: %v", sql, err)
+		}
+	}
+	exec(`UPDATE task SET status = 'queued', updated_at = now() - interval '1 hour' WHERE task_id = $1`, stuckTask)
+	exec(`UPDATE task SET status = 'failed', terminal_error_code = 'X' WHERE task_id = $1`, doneTask)
+	exec(`INSERT INTO outbox_event (outbox_id, aggregate_id, aggregate_version, event_type, payload, payload_sha256, created_at)
+VALUES ('ev-done', $1, 0, 'TaskCreated', '{}', $2, now() - interval '1 hour')`, doneTask, sum([]byte("x")))
+	exec(`INSERT INTO inbox_message (consumer_name, message_id, payload_sha256, state, last_seen_at)
+VALUES ('converge-worker', 'ev-done', $1, 'processing', now() - interval '1 hour')`, sum([]byte("x")))
+	exec(`INSERT INTO idempotency_record (scope, idempotency_key, request_fingerprint, state, locked_until, expires_at)
+VALUES ('s', 'k-expired', $1, 'in_progress', now() - interval '1 minute', now() + interval '1 day')`, sum([]byte("y")))
+
+	res, err := b.r.Pass(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if res.TasksRedriven != 1 || res.InboxReleased != 1 || res.IdempotencyResolved != 1 || res.OutboxUnpublished != 1 {
+		t.Errorf("pass = %+v", res)
+	}
+	var typ string
+	var version int64
+	if err := b.db.Pool.QueryRow(ctx, `SELECT event_type, aggregate_version FROM outbox_event WHERE aggregate_id = $1`, stuckTask).Scan(&typ, &version); err != nil || typ != "TaskRedriveRequested" || version != 1 {
+		t.Errorf("re-drive event %s v%d (%v)", typ, version, err)
+	}
+	var state string
+	_ = b.db.Pool.QueryRow(ctx, `SELECT state FROM inbox_message WHERE message_id = 'ev-done'`).Scan(&state)
+	if state != "completed" {
+		t.Errorf("inbox %s, want completed", state)
+	}
+	// A second pass re-drives nothing more: one re-drive per task version.
+	res, err = b.r.Pass(ctx)
+	if err != nil || res.TasksRedriven != 0 || res.InboxReleased != 0 || res.IdempotencyResolved != 0 {
+		t.Errorf("second pass = %+v %v", res, err)
+	}
+}

@@ -1,0 +1,162 @@
+package worker
+
+import (
+	"context"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/twmb/franz-go/pkg/kgo"
+
+	"github.com/converge-run/converge/internal/fault"
+	"github.com/converge-run/converge/internal/taskevent"
+	"github.com/converge-run/converge/internal/testenv"
+)
+
+// deadLetters reads n records from the dead-letter topic.
+func (b *testBundle) deadLetters(t *testing.T, n int) []*kgo.Record {
+	t.Helper()
+	cl := b.kafka.Client(t, kgo.ConsumeTopics(taskevent.DeadLetterTopic(b.kafka.Topic)), kgo.ConsumeResetOffset(kgo.NewOffset().AtStart()))
+	var out []*kgo.Record
+	deadline := time.Now().Add(waitFor)
+	for len(out) < n && time.Now().Before(deadline) {
+		ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+		cl.PollFetches(ctx).EachRecord(func(r *kgo.Record) { out = append(out, r) })
+		cancel()
+	}
+	return out
+}
+
+func header(r *kgo.Record, key string) (string, int) {
+	var v string
+	n := 0
+	for _, h := range r.Headers {
+		if h.Key == key {
+			v, n = string(h.Value), n+1
+		}
+	}
+	return v, n
+}
+
+// A poison message (fault.WorkerProcessError for one task) is dead-lettered
+// at once with the original record and the dlq-* headers, the task fails
+// with the stable code, and the partition moves on.
+func TestPoisonMessageIsDeadLettered(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	poison := createTask(t, b.db.Pool, []byte(`{"poison":true}`))
+	healthy := createTask(t, b.db.Pool, []byte(`{"healthy":true}`))
+	faults := &fault.Set{}
+	if err := faults.ArmKey(fault.WorkerProcessError, fault.ActionError, 0, poison.ev.Task.InputSHA256); err != nil {
+		t.Fatal(err)
+	}
+	orig := poison.record()
+	b.produce(t, orig, healthy.record())
+	rw := b.start(t, faults)
+	testenv.Eventually(t, waitFor, "healthy completed, poison failed", func() bool {
+		return b.status(healthy.taskID) == taskevent.StatusCompleted && b.status(poison.taskID) == taskevent.StatusFailed
+	})
+	testenv.Eventually(t, waitFor, "offsets committed", func() bool { return b.allCommitted(t) })
+	task := b.task(t, poison.taskID)
+	if task.TerminalErrorCode == nil || *task.TerminalErrorCode != CodeInjectedProcessingError || task.Version != 1 {
+		t.Errorf("poison task v%d code %v, want v1 %s", task.Version, task.TerminalErrorCode, CodeInjectedProcessingError)
+	}
+	if n := b.scalar(t, `SELECT count(*) FROM outbox_event WHERE aggregate_id = $1 AND event_type = 'TaskFailed'`, poison.taskID); n != int64(1) {
+		t.Errorf("%v TaskFailed events, want 1", n)
+	}
+	if s := b.scalar(t, `SELECT state || ' ' || (result_json->>'error_code') FROM inbox_message WHERE message_id = $1`, poison.ev.EventID); s != "failed "+CodeInjectedProcessingError {
+		t.Errorf("inbox %v", s)
+	}
+	if rw.count(OutcomeDeadLettered) != 1 || rw.count(OutcomeRetried) != 0 {
+		t.Errorf("dead_lettered=%v retried=%v, want 1 0", rw.count(OutcomeDeadLettered), rw.count(OutcomeRetried))
+	}
+	if v := counterValue(rw.w.m.deadLettered.WithLabelValues(CodeInjectedProcessingError)); v != 1 {
+		t.Errorf("converge_deadletter_published_total = %v, want 1", v)
+	}
+	recs := b.deadLetters(t, 1)
+	if len(recs) != 1 {
+		t.Fatalf("%d dead letters, want 1", len(recs))
+	}
+	d := recs[0]
+	if string(d.Key) != string(orig.Key) || string(d.Value) != string(orig.Value) {
+		t.Error("dead letter key/value differ from the original")
+	}
+	if got, _ := header(d, taskevent.HeaderEventID); got != poison.ev.EventID {
+		t.Errorf("event-id header %q", got)
+	}
+	want := map[string]string{
+		HeaderDLQOriginalTopic: b.kafka.Topic, HeaderDLQConsumerGroup: DefaultGroup, HeaderDLQErrorClass: ClassDeterministic,
+		HeaderDLQErrorCode: CodeInjectedProcessingError, HeaderDLQAttempts: "1", HeaderDLQProcessorVersion: DefaultProcessorVersion,
+	}
+	for k, v := range want {
+		if got, n := header(d, k); got != v || n != 1 {
+			t.Errorf("header %s = %q (%d times), want %q once", k, got, n, v)
+		}
+	}
+	for _, k := range []string{HeaderDLQOriginalPart, HeaderDLQOriginalOffset, HeaderDLQErrorMessage, HeaderDLQFirstFailureAt, HeaderDLQLastFailureAt} {
+		if got, n := header(d, k); got == "" || n != 1 {
+			t.Errorf("header %s = %q (%d times)", k, got, n)
+		}
+	}
+}
+
+// A retryable error that persists is retried MaxAttempts times, then
+// dead-lettered with class retryable and RETRIES_EXHAUSTED.
+func TestRetriesExhaustedAreDeadLettered(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	b.maxAttempts = 3
+	c := createTask(t, b.db.Pool, []byte(`{"retry":"me"}`))
+	faults := &fault.Set{}
+	if err := faults.Arm(fault.WorkerAfterArtifactWrite, fault.ActionError, 0); err != nil {
+		t.Fatal(err)
+	}
+	b.produce(t, c.record())
+	rw := b.start(t, faults)
+	testenv.Eventually(t, waitFor, "task failed", func() bool { return b.status(c.taskID) == taskevent.StatusFailed })
+	testenv.Eventually(t, waitFor, "offsets committed", func() bool { return b.allCommitted(t) })
+	if got := faults.Fired(fault.WorkerAfterArtifactWrite); got != 3 {
+		t.Errorf("fault fired %d times, want 3 (MaxAttempts)", got)
+	}
+	if rw.count(OutcomeRetried) != 2 || rw.count(OutcomeDeadLettered) != 1 {
+		t.Errorf("retried=%v dead_lettered=%v, want 2 1", rw.count(OutcomeRetried), rw.count(OutcomeDeadLettered))
+	}
+	task := b.task(t, c.taskID)
+	if task.TerminalErrorCode == nil || *task.TerminalErrorCode != CodeRetriesExhausted {
+		t.Errorf("code %v, want %s", task.TerminalErrorCode, CodeRetriesExhausted)
+	}
+	recs := b.deadLetters(t, 1)
+	if len(recs) != 1 {
+		t.Fatalf("%d dead letters", len(recs))
+	}
+	if cl, _ := header(recs[0], HeaderDLQErrorClass); cl != ClassRetryable {
+		t.Errorf("class %q", cl)
+	}
+	if a, _ := header(recs[0], HeaderDLQAttempts); a != "3" {
+		t.Errorf("attempts %q", a)
+	}
+}
+
+// Re-dead-lettering replaces the dlq-* headers and keeps the earliest first
+// failure.
+func TestDeadLetterRecordReplacesHeaders(t *testing.T) {
+	t.Parallel()
+	t0 := time.Date(2025, 1, 1, 0, 0, 0, 0, time.UTC)
+	r := &kgo.Record{Topic: "t", Partition: 2, Offset: 7, Key: []byte("k"), Value: []byte("v"),
+		Headers: []kgo.RecordHeader{{Key: "event-id", Value: []byte("e1")}}}
+	once := DeadLetterRecord(r, "t.dlq", "g", ClassDeterministic, "C1", "boom", 1, "p1", t0, t0)
+	once.Topic, once.Partition, once.Offset = "t", 3, 9 // consumed again from t
+	twice := DeadLetterRecord(once, "t.dlq", "g", ClassRetryable, "C2", strings.Repeat("x", 5000), 4, "p2", t0.Add(time.Hour), t0.Add(2*time.Hour))
+	if len(twice.Headers) != len(once.Headers) {
+		t.Fatalf("headers grew from %d to %d", len(once.Headers), len(twice.Headers))
+	}
+	for k, v := range map[string]string{"event-id": "e1", HeaderDLQErrorCode: "C2", HeaderDLQOriginalPart: "3", HeaderDLQOriginalOffset: "9",
+		HeaderDLQAttempts: "4", HeaderDLQFirstFailureAt: t0.Format(time.RFC3339Nano)} {
+		if got, n := header(twice, k); got != v || n != 1 {
+			t.Errorf("%s = %q (%d), want %q", k, got, n, v)
+		}
+	}
+	if m, _ := header(twice, HeaderDLQErrorMessage); len(m) != maxErrorMessage {
+		t.Errorf("message of %d bytes, want %d", len(m), maxErrorMessage)
+	}
+}

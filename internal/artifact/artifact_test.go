@@ -1,0 +1,654 @@
+package artifact_test
+
+import (
+	"bytes"
+	"crypto/sha256"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"path/filepath"
+	"slices"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/converge-run/converge/internal/artifact"
+	"github.com/converge-run/converge/internal/fault"
+)
+
+type testBundle struct {
+	store  *artifact.Store
+	faults *fault.Set
+}
+
+// setup opens a store on a fresh temp dir. arm, when not nil, arms the
+// store's fault set before the store is used.
+func setup(t *testing.T, arm func(s *fault.Set)) *testBundle {
+	t.Helper()
+	var faults *fault.Set
+	if arm != nil {
+		faults = &fault.Set{}
+		arm(faults)
+	}
+	st, err := artifact.Open(t.TempDir(), faults)
+	if err != nil {
+		t.Fatalf("Open: %v", err)
+	}
+	return &testBundle{store: st, faults: faults}
+}
+
+func sha(b []byte) string {
+	sum := sha256.Sum256(b)
+	return hex.EncodeToString(sum[:])
+}
+
+func mustArm(t *testing.T, s *fault.Set, name string, a fault.Action, nth int) {
+	t.Helper()
+	if err := s.Arm(name, a, nth); err != nil {
+		t.Fatalf("Arm %s: %v", name, err)
+	}
+}
+
+// dirNames lists the entry names of one of the store's folders, sorted.
+func dirNames(t *testing.T, st *artifact.Store, dir string) []string {
+	t.Helper()
+	ents, err := os.ReadDir(filepath.Join(st.Root(), dir))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var out []string
+	for _, e := range ents {
+		out = append(out, e.Name())
+	}
+	return out
+}
+
+func readAll(t *testing.T, r io.Reader) []byte {
+	t.Helper()
+	b, err := io.ReadAll(r)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return b
+}
+
+func TestOpenCreatesLayout(t *testing.T) {
+	t.Parallel()
+	root := filepath.Join(t.TempDir(), "a", "b")
+	st, err := artifact.Open(root, nil)
+	if err != nil {
+		t.Fatalf("Open: %v", err)
+	}
+	if st.Root() != root {
+		t.Errorf("Root() = %q, want %q", st.Root(), root)
+	}
+	for _, d := range []string{"objects", "hidden", "tmp"} {
+		if fi, err := os.Stat(filepath.Join(root, d)); err != nil || !fi.IsDir() {
+			t.Errorf("%s: not a directory (%v)", d, err)
+		}
+	}
+	// Opening again is fine.
+	if _, err := artifact.Open(root, nil); err != nil {
+		t.Errorf("reopen: %v", err)
+	}
+
+	// A root that is a regular file cannot hold a store.
+	file := filepath.Join(t.TempDir(), "file")
+	if err := os.WriteFile(file, nil, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := artifact.Open(file, nil); err == nil {
+		t.Error("Open on a regular file: want error")
+	}
+}
+
+func TestPutRoundTrip(t *testing.T) {
+	t.Parallel()
+	tests := []struct {
+		name string
+		data []byte
+	}{
+		{"json", []byte(`{"a":1,"b":[true,null]}`)},
+		{"empty", []byte{}},
+		{"binary", bytes.Repeat([]byte{0, 1, 2, 0xff}, 4096)},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			t.Parallel()
+			b := setup(t, nil)
+			token := artifact.Token("task-"+tt.name, 2)
+			before := time.Now().UTC().Add(-time.Second)
+			m, err := b.store.Put(token, "task-"+tt.name, 2, tt.data)
+			if err != nil {
+				t.Fatalf("Put: %v", err)
+			}
+			after := time.Now().UTC().Add(time.Second)
+			if m.Token != token || m.TaskID != "task-"+tt.name || m.Attempt != 2 {
+				t.Errorf("Meta identity = %+v", m)
+			}
+			if m.Size != int64(len(tt.data)) || m.SHA256 != sha(tt.data) {
+				t.Errorf("Meta size/sha = %d/%s, want %d/%s", m.Size, m.SHA256, len(tt.data), sha(tt.data))
+			}
+			if m.CreatedAt.Before(before) || m.CreatedAt.After(after) || m.CreatedAt.Location() != time.UTC {
+				t.Errorf("CreatedAt = %v, want UTC now", m.CreatedAt)
+			}
+
+			h, err := b.store.Head(token)
+			if err != nil {
+				t.Fatalf("Head: %v", err)
+			}
+			if !h.CreatedAt.Equal(m.CreatedAt) {
+				t.Errorf("Head CreatedAt = %v, want %v", h.CreatedAt, m.CreatedAt)
+			}
+			h.CreatedAt = m.CreatedAt
+			if h != m {
+				t.Errorf("Head = %+v, want %+v", h, m)
+			}
+
+			r, om, err := b.store.Open(token)
+			if err != nil {
+				t.Fatalf("Open: %v", err)
+			}
+			got := readAll(t, r)
+			if err := r.Close(); err != nil {
+				t.Errorf("Close: %v", err)
+			}
+			if !bytes.Equal(got, tt.data) {
+				t.Errorf("Open bytes differ: %d bytes, want %d", len(got), len(tt.data))
+			}
+			if om.SHA256 != m.SHA256 || om.Size != m.Size {
+				t.Errorf("Open meta = %+v", om)
+			}
+
+			obs, err := b.store.Observe(token)
+			if err != nil {
+				t.Fatalf("Observe: %v", err)
+			}
+			if obs.Size != m.Size || obs.SHA256 != m.SHA256 || obs.Meta.SHA256 != m.SHA256 {
+				t.Errorf("Observe = %+v, want size %d sha %s", obs, m.Size, m.SHA256)
+			}
+		})
+	}
+}
+
+func TestOpenIsSeekable(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	if _, err := b.store.Put("tok-seek", "t", 1, []byte("0123456789")); err != nil {
+		t.Fatal(err)
+	}
+	r, _, err := b.store.Open("tok-seek")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer r.Close()
+	if _, err := r.Seek(5, io.SeekStart); err != nil {
+		t.Fatal(err)
+	}
+	if got := string(readAll(t, r)); got != "56789" {
+		t.Errorf("after Seek(5): %q", got)
+	}
+}
+
+func TestPutIdempotent(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	data := []byte(`{"x":"y"}`)
+	first, err := b.store.Put("tok-idem", "task-1", 1, data)
+	if err != nil {
+		t.Fatalf("first Put: %v", err)
+	}
+	dataPath := filepath.Join(b.store.Root(), "objects", dataName("tok-idem", data))
+	metaPath := filepath.Join(b.store.Root(), "objects", "tok-idem.meta")
+	stat := func(p string) os.FileInfo {
+		fi, err := os.Stat(p)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return fi
+	}
+	d0, m0 := stat(dataPath), stat(metaPath)
+
+	for i := range 3 {
+		again, err := b.store.Put("tok-idem", "task-1", 1, data)
+		if err != nil {
+			t.Fatalf("Put #%d: %v", i+2, err)
+		}
+		if !again.CreatedAt.Equal(first.CreatedAt) {
+			t.Errorf("Put #%d CreatedAt = %v, want the first %v", i+2, again.CreatedAt, first.CreatedAt)
+		}
+		again.CreatedAt = first.CreatedAt
+		if again != first {
+			t.Errorf("Put #%d = %+v, want %+v", i+2, again, first)
+		}
+	}
+	// Nothing was rewritten: same files (a rename would make new inodes),
+	// same modification times.
+	d1, m1 := stat(dataPath), stat(metaPath)
+	if !os.SameFile(d0, d1) || !d0.ModTime().Equal(d1.ModTime()) {
+		t.Error("data file was rewritten by an idempotent Put")
+	}
+	if !os.SameFile(m0, m1) || !m0.ModTime().Equal(m1.ModTime()) {
+		t.Error("meta file was rewritten by an idempotent Put")
+	}
+	if got := dirNames(t, b.store, "tmp"); len(got) != 0 {
+		t.Errorf("tmp not empty: %v", got)
+	}
+}
+
+func TestPutTokenConflict(t *testing.T) {
+	t.Parallel()
+	tests := []struct {
+		name    string
+		taskID  string
+		attempt int
+		data    string
+	}{
+		{"different content", "task-1", 1, "other"},
+		{"different task", "task-2", 1, "original"},
+		{"different attempt", "task-1", 2, "original"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			t.Parallel()
+			b := setup(t, nil)
+			orig, err := b.store.Put("tok-c", "task-1", 1, []byte("original"))
+			if err != nil {
+				t.Fatal(err)
+			}
+			got, err := b.store.Put("tok-c", tt.taskID, tt.attempt, []byte(tt.data))
+			if !errors.Is(err, artifact.ErrTokenConflict) {
+				t.Fatalf("Put: err = %v, want ErrTokenConflict", err)
+			}
+			if got.SHA256 != orig.SHA256 || got.TaskID != orig.TaskID {
+				t.Errorf("conflict returned %+v, want the existing %+v", got, orig)
+			}
+			obs, err := b.store.Observe("tok-c")
+			if err != nil {
+				t.Fatal(err)
+			}
+			if obs.SHA256 != sha([]byte("original")) {
+				t.Error("the committed object was changed by a conflicting Put")
+			}
+		})
+	}
+}
+
+func TestInvalidToken(t *testing.T) {
+	t.Parallel()
+	tokens := []string{
+		"",
+		"../x",
+		"a/b",
+		"a b",
+		" a",
+		"a ",
+		".hidden",
+		"-flag",
+		"a\x00b",
+		"a\\b",
+		"é",
+		strings.Repeat("a", 181),
+	}
+	b := setup(t, nil)
+	for _, tok := range tokens {
+		if _, err := b.store.Put(tok, "t", 1, []byte("x")); !errors.Is(err, artifact.ErrInvalidToken) {
+			t.Errorf("Put(%.20q): err = %v, want ErrInvalidToken", tok, err)
+		}
+		if _, err := b.store.Head(tok); !errors.Is(err, artifact.ErrInvalidToken) {
+			t.Errorf("Head(%.20q): err = %v, want ErrInvalidToken", tok, err)
+		}
+		if err := b.store.Hide(tok); !errors.Is(err, artifact.ErrInvalidToken) {
+			t.Errorf("Hide(%.20q): err = %v, want ErrInvalidToken", tok, err)
+		}
+		if _, _, err := b.store.Open(tok); !errors.Is(err, artifact.ErrInvalidToken) {
+			t.Errorf("Open(%.20q): err = %v, want ErrInvalidToken", tok, err)
+		}
+		if _, err := b.store.Observe(tok); !errors.Is(err, artifact.ErrInvalidToken) {
+			t.Errorf("Observe(%.20q): err = %v, want ErrInvalidToken", tok, err)
+		}
+	}
+	// Nothing escaped the store or was written to it.
+	for _, d := range []string{"objects", "hidden", "tmp"} {
+		if got := dirNames(t, b.store, d); len(got) != 0 {
+			t.Errorf("%s: %v", d, got)
+		}
+	}
+	if _, err := os.Stat(filepath.Join(b.store.Root(), "x.data")); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("../x escaped the objects folder: %v", err)
+	}
+
+	// The longest and the most varied valid tokens work.
+	for _, tok := range []string{strings.Repeat("a", 180), "A9._:-z", "0"} {
+		if _, err := b.store.Put(tok, "t", 1, []byte("x")); err != nil {
+			t.Errorf("Put(%.20q): %v", tok, err)
+		}
+	}
+}
+
+func TestHeadAbsent(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	if _, err := b.store.Head("nope"); !errors.Is(err, artifact.ErrNotFound) {
+		t.Errorf("Head: err = %v, want ErrNotFound", err)
+	}
+	if _, _, err := b.store.Open("nope"); !errors.Is(err, artifact.ErrNotFound) {
+		t.Errorf("Open: err = %v, want ErrNotFound", err)
+	}
+	if _, err := b.store.Observe("nope"); !errors.Is(err, artifact.ErrNotFound) {
+		t.Errorf("Observe: err = %v, want ErrNotFound", err)
+	}
+}
+
+func TestHeadCorruptMeta(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	p := filepath.Join(b.store.Root(), "objects", "tok.meta")
+	if err := os.WriteFile(p, []byte("{not json"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	_, err := b.store.Head("tok")
+	if err == nil || errors.Is(err, artifact.ErrNotFound) {
+		t.Errorf("Head of corrupt meta: err = %v, want a non-NotFound error", err)
+	}
+	// Put must not overwrite what it cannot read.
+	if _, err := b.store.Put("tok", "t", 1, []byte("x")); err == nil {
+		t.Error("Put over corrupt meta: want error")
+	}
+}
+
+func TestHide(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	if _, err := b.store.Put("tok-h", "t", 1, []byte("payload")); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := b.store.Put("tok-keep", "t", 1, []byte("kept")); err != nil {
+		t.Fatal(err)
+	}
+	if err := b.store.Hide("tok-h"); err != nil {
+		t.Fatalf("Hide: %v", err)
+	}
+	if _, err := b.store.Head("tok-h"); !errors.Is(err, artifact.ErrNotFound) {
+		t.Errorf("Head after Hide: err = %v, want ErrNotFound", err)
+	}
+	if _, _, err := b.store.Open("tok-h"); !errors.Is(err, artifact.ErrNotFound) {
+		t.Errorf("Open after Hide: err = %v, want ErrNotFound", err)
+	}
+	if _, err := b.store.Head("tok-keep"); err != nil {
+		t.Errorf("Hide removed another object: %v", err)
+	}
+	// The hidden object is kept, not deleted.
+	if got, want := dirNames(t, b.store, "hidden"), []string{dataName("tok-h", []byte("payload")), "tok-h.meta"}; !slices.Equal(got, want) {
+		t.Errorf("hidden = %v, want %v", got, want)
+	}
+	hidden, err := os.ReadFile(filepath.Join(b.store.Root(), "hidden", dataName("tok-h", []byte("payload"))))
+	if err != nil || string(hidden) != "payload" {
+		t.Errorf("hidden data = %q, %v", hidden, err)
+	}
+
+	// Idempotent: hide again, hide something that never existed.
+	if err := b.store.Hide("tok-h"); err != nil {
+		t.Errorf("second Hide: %v", err)
+	}
+	if err := b.store.Hide("never-existed"); err != nil {
+		t.Errorf("Hide of absent: %v", err)
+	}
+	if got, want := dirNames(t, b.store, "objects"), []string{dataName("tok-keep", []byte("kept")), "tok-keep.meta"}; !slices.Equal(got, want) {
+		t.Errorf("objects = %v, want %v", got, want)
+	}
+}
+
+func TestFaultCorruptAfterWrite(t *testing.T) {
+	t.Parallel()
+	b := setup(t, func(s *fault.Set) {
+		mustArm(t, s, fault.ArtifactCorruptAfterWrite, fault.ActionCorrupt, 0)
+	})
+	data := []byte(`{"doc":true}`)
+	m, err := b.store.Put("tok-corrupt", "t", 1, data)
+	if err != nil {
+		t.Fatalf("Put: %v", err)
+	}
+	// Meta describes what the caller asked to store...
+	if m.SHA256 != sha(data) || m.Size != int64(len(data)) {
+		t.Errorf("Meta = %+v, want the sha/size of the input", m)
+	}
+	// ...but reading back shows something else.
+	obs, err := b.store.Observe("tok-corrupt")
+	if err != nil {
+		t.Fatalf("Observe: %v", err)
+	}
+	if obs.SHA256 == obs.Meta.SHA256 || obs.Size == obs.Meta.Size {
+		t.Errorf("Observe = %+v: the corruption is not visible", obs)
+	}
+	if got := b.faults.Fired(fault.ArtifactCorruptAfterWrite); got != 1 {
+		t.Errorf("Fired = %d, want 1", got)
+	}
+}
+
+func TestFaultCorruptNeedsCorruptAction(t *testing.T) {
+	t.Parallel()
+	// "error" on the corrupt point is not a corruption.
+	b := setup(t, func(s *fault.Set) {
+		mustArm(t, s, fault.ArtifactCorruptAfterWrite, fault.ActionError, 0)
+	})
+	if _, err := b.store.Put("tok", "t", 1, []byte("x")); err != nil {
+		t.Fatal(err)
+	}
+	obs, err := b.store.Observe("tok")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if obs.SHA256 != obs.Meta.SHA256 {
+		t.Errorf("stored bytes altered by a non-corrupt action: %+v", obs)
+	}
+}
+
+func TestFaultPutTimeoutAfterCommit(t *testing.T) {
+	t.Parallel()
+	b := setup(t, func(s *fault.Set) {
+		mustArm(t, s, fault.ArtifactPutTimeoutAfterCommit, fault.ActionError, 1)
+	})
+	data := []byte("committed anyway")
+	_, err := b.store.Put("tok-to", "task-9", 3, data)
+	if !errors.Is(err, artifact.ErrTimeout) {
+		t.Fatalf("Put: err = %v, want ErrTimeout", err)
+	}
+	// The outcome is observable: the object was committed.
+	h, err := b.store.Head("tok-to")
+	if err != nil {
+		t.Fatalf("Head after timeout: %v", err)
+	}
+	if h.SHA256 != sha(data) || h.TaskID != "task-9" || h.Attempt != 3 {
+		t.Errorf("Head = %+v", h)
+	}
+	// A retry with the same token is the idempotent path: the existing
+	// object, no error (and the fault point is not passed again).
+	again, err := b.store.Put("tok-to", "task-9", 3, data)
+	if err != nil {
+		t.Fatalf("retried Put: %v", err)
+	}
+	if !again.CreatedAt.Equal(h.CreatedAt) {
+		t.Errorf("retried Put returned a new CreatedAt")
+	}
+	if got := b.faults.Fired(fault.ArtifactPutTimeoutAfterCommit); got != 1 {
+		t.Errorf("Fired = %d, want 1", got)
+	}
+}
+
+func TestDataWithoutMetaDoesNotExist(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	// A crash between the data rename and the meta rename leaves this.
+	orphan := filepath.Join(b.store.Root(), "objects", dataName("tok-crash", []byte("an earlier attempt")))
+	if err := os.WriteFile(orphan, []byte("half-written attempt"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := b.store.Head("tok-crash"); !errors.Is(err, artifact.ErrNotFound) {
+		t.Errorf("Head: err = %v, want ErrNotFound", err)
+	}
+	if _, _, err := b.store.Open("tok-crash"); !errors.Is(err, artifact.ErrNotFound) {
+		t.Errorf("Open: err = %v, want ErrNotFound", err)
+	}
+	data := []byte("the real artifact")
+	m, err := b.store.Put("tok-crash", "t", 1, data)
+	if err != nil {
+		t.Fatalf("Put after crash: %v", err)
+	}
+	obs, err := b.store.Observe("tok-crash")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if obs.SHA256 != m.SHA256 || obs.SHA256 != sha(data) {
+		t.Errorf("Observe = %+v, want the new bytes", obs)
+	}
+}
+
+func TestMetaWithoutDataIsNotFoundOnOpen(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	if _, err := b.store.Put("tok", "t", 1, []byte("x")); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Remove(filepath.Join(b.store.Root(), "objects", dataName("tok", []byte("x")))); err != nil {
+		t.Fatal(err)
+	}
+	if _, _, err := b.store.Open("tok"); !errors.Is(err, artifact.ErrNotFound) {
+		t.Errorf("Open: err = %v, want ErrNotFound", err)
+	}
+	if _, err := b.store.Observe("tok"); !errors.Is(err, artifact.ErrNotFound) {
+		t.Errorf("Observe: err = %v, want ErrNotFound", err)
+	}
+}
+
+func TestNoTempFilesLeft(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	for i := range 10 {
+		tok := artifact.Token("task", i)
+		if _, err := b.store.Put(tok, "task", i, bytes.Repeat([]byte{byte(i)}, 100*i)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if got := dirNames(t, b.store, "tmp"); len(got) != 0 {
+		t.Errorf("tmp has leftovers: %v", got)
+	}
+	if got := len(dirNames(t, b.store, "objects")); got != 20 {
+		t.Errorf("objects has %d files, want 20", got)
+	}
+}
+
+func TestConcurrentPutSameToken(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	data := bytes.Repeat([]byte(`{"k":"v"}`), 1000)
+	const n = 8
+	metas := make([]artifact.Meta, n)
+	errs := make([]error, n)
+	var wg sync.WaitGroup
+	start := make(chan struct{})
+	for i := range n {
+		wg.Go(func() {
+			<-start
+			metas[i], errs[i] = b.store.Put("tok-race", "task", 1, data)
+		})
+	}
+	close(start)
+	wg.Wait()
+	for i := range n {
+		if errs[i] != nil {
+			t.Errorf("Put %d: %v", i, errs[i])
+			continue
+		}
+		if metas[i].SHA256 != sha(data) || metas[i].Size != int64(len(data)) {
+			t.Errorf("Put %d: Meta = %+v", i, metas[i])
+		}
+	}
+	if got, want := dirNames(t, b.store, "objects"), []string{dataName("tok-race", data), "tok-race.meta"}; !slices.Equal(got, want) {
+		t.Errorf("objects = %v, want %v", got, want)
+	}
+	if got := dirNames(t, b.store, "tmp"); len(got) != 0 {
+		t.Errorf("tmp has leftovers: %v", got)
+	}
+	obs, err := b.store.Observe("tok-race")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if obs.SHA256 != sha(data) || obs.Meta.SHA256 != sha(data) {
+		t.Errorf("Observe = %+v", obs)
+	}
+}
+
+func TestToken(t *testing.T) {
+	t.Parallel()
+	tests := []struct {
+		taskID  string
+		attempt int
+		want    string
+	}{
+		{"0b7c6f1e-2a3d-4e5f-8a9b-0c1d2e3f4a5b", 1, "0b7c6f1e-2a3d-4e5f-8a9b-0c1d2e3f4a5b.attempt-1"},
+		{"task", 0, "task.attempt-0"},
+		{"task", 12, "task.attempt-12"},
+	}
+	b := setup(t, nil)
+	for _, tt := range tests {
+		got := artifact.Token(tt.taskID, tt.attempt)
+		if got != tt.want {
+			t.Errorf("Token(%q, %d) = %q, want %q", tt.taskID, tt.attempt, got, tt.want)
+		}
+		if artifact.Token(tt.taskID, tt.attempt) != got {
+			t.Errorf("Token(%q, %d) is not stable", tt.taskID, tt.attempt)
+		}
+		// Every token of a valid task id is a valid store token.
+		if _, err := b.store.Head(got); !errors.Is(err, artifact.ErrNotFound) {
+			t.Errorf("Head(%q): err = %v, want ErrNotFound", got, err)
+		}
+	}
+	if artifact.Token("t", 1) == artifact.Token("t", 2) {
+		t.Error("attempts share a token")
+	}
+}
+
+// dataName is the file name of an object's bytes: token, intended SHA-256.
+func dataName(token string, data []byte) string {
+	return token + "." + sha(data) + ".data"
+}
+
+// TestConcurrentPutDifferentContent: of two concurrent Puts of one token with
+// different bytes exactly one commits; the other gets ErrTokenConflict, and
+// the committed object's bytes match its meta.
+func TestConcurrentPutDifferentContent(t *testing.T) {
+	t.Parallel()
+	for round := range 50 {
+		b := setup(t, nil)
+		tok := fmt.Sprintf("tok-diff-%d", round)
+		var wg sync.WaitGroup
+		errs := make([]error, 2)
+		for i := range 2 {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				_, errs[i] = b.store.Put(tok, "t", 1, []byte(fmt.Sprintf("content-%d", i)))
+			}()
+		}
+		wg.Wait()
+		ok := 0
+		for _, err := range errs {
+			if err == nil {
+				ok++
+			} else if !errors.Is(err, artifact.ErrTokenConflict) {
+				t.Fatalf("round %d: %v", round, err)
+			}
+		}
+		if ok != 1 {
+			t.Fatalf("round %d: %d Puts committed, want 1 (%v)", round, ok, errs)
+		}
+		obs, err := b.store.Observe(tok)
+		if err != nil || obs.SHA256 != obs.Meta.SHA256 || obs.Size != obs.Meta.Size {
+			t.Fatalf("round %d: stored bytes do not match meta: %+v %v", round, obs, err)
+		}
+	}
+}

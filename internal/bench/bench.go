@@ -1,0 +1,418 @@
+package bench
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"net/url"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"runtime"
+	"runtime/pprof"
+	"slices"
+	"strings"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/twmb/franz-go/pkg/kfake"
+
+	"github.com/converge-run/converge/internal/localpg"
+	"github.com/converge-run/converge/internal/localredis"
+	"github.com/converge-run/converge/schemas"
+)
+
+// Stage names, in the order they run.
+const (
+	StageCreate = "create"
+	StageRelay  = "relay"
+	StageRSS    = "rss"
+	StageWorker = "worker"
+	StageE2E    = "e2e"
+)
+
+// AllStages is every stage in order.
+var AllStages = []string{StageCreate, StageRelay, StageRSS, StageWorker, StageE2E}
+
+// Config sizes a run. Zero values take the defaults of Full; Quick and Tiny
+// return smaller sizes.
+type Config struct {
+	// Stages to run, a subset of AllStages. Defaults to all.
+	Stages []string
+	// Runs is how many times each measurement is repeated (the median is
+	// reported). Defaults to 3.
+	Runs int
+	// CreateClients are the client counts of the create stage. Defaults to
+	// 1, 4, 16, 64.
+	CreateClients []int
+	// CreateDuration of each create measurement (API and pgbench alike,
+	// whole seconds). Defaults to 5s.
+	CreateDuration time.Duration
+	// RelayRows is the size of the pre-filled outbox of the relay stage,
+	// one row per transaction. Defaults to 200000.
+	RelayRows int
+	// RSSRows is the size of the single transaction the relay subprocess
+	// relays while its peak RSS is sampled. Defaults to 1000000.
+	RSSRows int
+	// WorkerTasks is the number of pre-filled TaskCreated events of the
+	// worker stage (and of tasks pgbench processes). Defaults to 10000.
+	WorkerTasks int
+	// E2ERates are the fixed rates (tasks/s) of the end-to-end ladder; the
+	// ladder stops at the first rate that misses the 1 s p99 target, but
+	// 500/s is always measured. Defaults to 100, 250, 500, 750, 1000, 1500,
+	// 2000.
+	E2ERates []float64
+	// E2EStep is the sending time of each end-to-end step. Defaults to 8s.
+	E2EStep time.Duration
+	// DocSize is the size in bytes of every generated document. Defaults to
+	// 1024.
+	DocSize int
+	// Dir holds the cluster, broker and artifact data; removed at the end
+	// when it was created by Run. Defaults to a new temporary directory.
+	Dir string
+	// RelayCommand starts a relay process (the RSS stage); the relay's
+	// settings are passed as CONVERGE_* environment variables. Defaults to
+	// this executable with the argument "relay" (converge relay).
+	RelayCommand []string
+	// ProfileDir, when set, receives a CPU profile of this process per
+	// stage (create at 16 clients, relay, worker, end to end at the last
+	// rate).
+	ProfileDir string
+	// NoFsync turns fsync off in PostgreSQL and kfake. Only for the test
+	// that proves the driver works; results are meaningless with it.
+	NoFsync bool
+	// Logger receives the components' logs (they log at info level as in
+	// production). Defaults to a text logger on Dir/components.log.
+	Logger *slog.Logger
+	// Progress receives one line per measurement. Defaults to io.Discard.
+	Progress io.Writer
+}
+
+// Quick returns a configuration that runs every stage in about two minutes.
+func Quick() Config {
+	return Config{Runs: 3, CreateClients: []int{1, 4, 16, 64}, CreateDuration: 2 * time.Second, RelayRows: 20000, RSSRows: 50000,
+		WorkerTasks: 1500, E2ERates: []float64{100, 250, 500}, E2EStep: 3 * time.Second}
+}
+
+// Tiny returns the smallest configuration, for the test that proves the
+// driver still works (seconds, not minutes).
+func Tiny() Config {
+	return Config{Runs: 1, CreateClients: []int{1, 4}, CreateDuration: time.Second, RelayRows: 300, RSSRows: 1000,
+		WorkerTasks: 60, E2ERates: []float64{20}, E2EStep: time.Second}
+}
+
+func (c *Config) setDefaults() {
+	if len(c.Stages) == 0 {
+		c.Stages = AllStages
+	}
+	if c.Runs <= 0 {
+		c.Runs = 3
+	}
+	if len(c.CreateClients) == 0 {
+		c.CreateClients = []int{1, 4, 16, 64}
+	}
+	if c.CreateDuration < time.Second {
+		c.CreateDuration = 5 * time.Second
+	}
+	c.CreateDuration = c.CreateDuration.Round(time.Second)
+	if c.RelayRows <= 0 {
+		c.RelayRows = 200000
+	}
+	if c.RSSRows <= 0 {
+		c.RSSRows = 1000000
+	}
+	if c.WorkerTasks <= 0 {
+		c.WorkerTasks = 10000
+	}
+	if len(c.E2ERates) == 0 {
+		c.E2ERates = []float64{100, 250, 500, 750, 1000, 1500, 2000}
+	}
+	if c.E2EStep <= 0 {
+		c.E2EStep = 8 * time.Second
+	}
+	if c.DocSize <= 0 {
+		c.DocSize = 1024
+	}
+	if c.Progress == nil {
+		c.Progress = io.Discard
+	}
+}
+
+// Validate reports an unknown stage.
+func (c *Config) Validate() error {
+	for _, s := range c.Stages {
+		if !slices.Contains(AllStages, s) {
+			return fmt.Errorf("bench: unknown stage %q (want %s)", s, strings.Join(AllStages, ", "))
+		}
+	}
+	return nil
+}
+
+// Results is everything one run measured; it is written as JSON.
+type Results struct {
+	Date     string        `json:"date"`
+	Command  string        `json:"command"`
+	Machine  Machine       `json:"machine"`
+	Settings Settings      `json:"settings"`
+	Create   []CreatePoint `json:"create,omitempty"`
+	Relay    *RelayResult  `json:"relay,omitempty"`
+	RSS      *RSSResult    `json:"relay_rss,omitempty"`
+	Worker   *WorkerResult `json:"worker,omitempty"`
+	E2E      *E2EResult    `json:"end_to_end,omitempty"`
+	// Errors of stages that could not finish (the others still ran).
+	Errors map[string]string `json:"errors,omitempty"`
+	// TotalSeconds of the run.
+	TotalSeconds float64 `json:"total_seconds"`
+}
+
+// Settings records the sizes used.
+type Settings struct {
+	Runs            int       `json:"runs"`
+	CreateClients   []int     `json:"create_clients"`
+	CreateSeconds   float64   `json:"create_seconds"`
+	RelayRows       int       `json:"relay_rows"`
+	RSSRows         int       `json:"rss_rows"`
+	WorkerTasks     int       `json:"worker_tasks"`
+	E2ERates        []float64 `json:"e2e_rates"`
+	E2EStepSeconds  float64   `json:"e2e_step_seconds"`
+	DocSize         int       `json:"doc_size"`
+	Fsync           bool      `json:"fsync"`
+	PostgresVersion string    `json:"postgres_version"`
+	GoVersion       string    `json:"go_version"`
+}
+
+// Run executes the configured stages and returns their results. A stage
+// that fails is recorded in Results.Errors and the next one runs; Run
+// returns an error only when the environment cannot be started.
+func Run(ctx context.Context, cfg Config) (*Results, error) {
+	cfg.setDefaults()
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	start := time.Now()
+	res := &Results{Date: start.UTC().Format(time.RFC3339), Command: strings.Join(os.Args, " "), Machine: machine(),
+		Errors: map[string]string{}}
+	res.Settings = Settings{Runs: cfg.Runs, CreateClients: cfg.CreateClients, CreateSeconds: cfg.CreateDuration.Seconds(),
+		RelayRows: cfg.RelayRows, RSSRows: cfg.RSSRows, WorkerTasks: cfg.WorkerTasks, E2ERates: cfg.E2ERates,
+		E2EStepSeconds: cfg.E2EStep.Seconds(), DocSize: cfg.DocSize, Fsync: !cfg.NoFsync, GoVersion: runtime.Version()}
+	e, err := startEnv(ctx, &cfg)
+	if err != nil {
+		return nil, err
+	}
+	defer e.close()
+	_ = e.admin.QueryRow(ctx, "SHOW server_version").Scan(&res.Settings.PostgresVersion)
+
+	stages := map[string]func(context.Context, *env, *Results) error{
+		StageCreate: runCreate,
+		StageRelay:  runRelay,
+		StageRSS:    runRSS,
+		StageWorker: runWorker,
+		StageE2E:    runE2E,
+	}
+	for _, s := range AllStages {
+		if !slices.Contains(cfg.Stages, s) || ctx.Err() != nil {
+			continue
+		}
+		e.progress("== stage %s (load %s)", s, loadavg())
+		if err := stages[s](ctx, e, res); err != nil {
+			res.Errors[s] = err.Error()
+			e.progress("stage %s failed: %v", s, err)
+		}
+	}
+	res.Machine.LoadAvgAfter = loadavg()
+	res.TotalSeconds = time.Since(start).Seconds()
+	return res, ctx.Err()
+}
+
+// env is the shared environment of a run.
+type env struct {
+	cfg      *Config
+	dir      string
+	ownDir   bool
+	log      *slog.Logger
+	logFile  *os.File
+	pg       *localpg.Cluster
+	pgData   string
+	admin    *pgx.Conn
+	kafka    *kfake.Cluster
+	brokers  []string
+	redis    *localredis.Server
+	redisURL string
+}
+
+func startEnv(ctx context.Context, cfg *Config) (_ *env, err error) {
+	e := &env{cfg: cfg, dir: cfg.Dir}
+	defer func() {
+		if err != nil {
+			e.close()
+		}
+	}()
+	if e.dir == "" {
+		if e.dir, err = os.MkdirTemp("", "converge-bench-"); err != nil {
+			return nil, err
+		}
+		e.ownDir = true
+	}
+	// PostgreSQL runs as the postgres user when we are root: it must be
+	// able to enter the directory.
+	if err := os.Chmod(e.dir, 0o755); err != nil {
+		return nil, err
+	}
+	e.log = cfg.Logger
+	if e.log == nil {
+		if e.logFile, err = os.Create(filepath.Join(e.dir, "components.log")); err != nil {
+			return nil, err
+		}
+		e.log = slog.New(slog.NewTextHandler(e.logFile, nil))
+	}
+	if _, err := exec.LookPath("pgbench"); err != nil {
+		bin, berr := localpg.BinDir()
+		if berr != nil {
+			return nil, berr
+		}
+		if _, err := os.Stat(filepath.Join(bin, "pgbench")); err != nil {
+			return nil, fmt.Errorf("pgbench not found next to the PostgreSQL server binaries in %s", bin)
+		}
+	}
+	port, err := freePort()
+	if err != nil {
+		return nil, err
+	}
+	e.pgData = filepath.Join(e.dir, "pg")
+	e.pg, err = localpg.Start(ctx, localpg.Config{DataDir: e.pgData, Port: port, Fsync: !cfg.NoFsync, Logger: e.log})
+	if err != nil {
+		return nil, fmt.Errorf("start PostgreSQL: %w", err)
+	}
+	if e.admin, err = pgx.Connect(ctx, e.pg.URL("postgres")); err != nil {
+		return nil, err
+	}
+	opts := []kfake.Opt{kfake.NumBrokers(1), kfake.DataDir(filepath.Join(e.dir, "kafka")), kfake.DefaultNumPartitions(4)}
+	if !cfg.NoFsync {
+		opts = append(opts, kfake.SyncWrites())
+	}
+	if e.kafka, err = kfake.NewCluster(opts...); err != nil {
+		return nil, fmt.Errorf("start kfake: %w", err)
+	}
+	e.brokers = e.kafka.ListenAddrs()
+	rport, err := freePort()
+	if err != nil {
+		return nil, err
+	}
+	if e.redis, err = localredis.Start(ctx, localredis.Config{Port: rport, Dir: filepath.Join(e.dir, "redis")}); err != nil {
+		return nil, fmt.Errorf("start redis-server: %w", err)
+	}
+	e.redisURL = e.redis.URL()
+	return e, nil
+}
+
+func (e *env) close() {
+	if e.redis != nil {
+		e.redis.Stop()
+	}
+	if e.kafka != nil {
+		e.kafka.Close()
+	}
+	if e.admin != nil {
+		e.admin.Close(context.Background())
+	}
+	if e.pg != nil {
+		e.pg.Stop()
+	}
+	if e.logFile != nil {
+		e.logFile.Close()
+	}
+	if e.ownDir {
+		os.RemoveAll(e.dir)
+	}
+}
+
+func (e *env) progress(format string, args ...any) {
+	fmt.Fprintf(e.cfg.Progress, "%s  %s\n", time.Now().Format("15:04:05"), fmt.Sprintf(format, args...))
+}
+
+// newDB creates and migrates database name and returns its URL and a pool.
+func (e *env) newDB(ctx context.Context, name string) (string, *pgxpool.Pool, error) {
+	if _, err := e.admin.Exec(ctx, "CREATE DATABASE "+pgx.Identifier{name}.Sanitize()); err != nil {
+		return "", nil, fmt.Errorf("create database %s: %w", name, err)
+	}
+	u := e.pg.URL(name)
+	pool, err := pgxpool.New(ctx, u)
+	if err != nil {
+		return "", nil, err
+	}
+	if err := schemas.Migrate(ctx, pool); err != nil {
+		pool.Close()
+		return "", nil, err
+	}
+	return u, pool, nil
+}
+
+// dbName returns the database name of a URL.
+func dbName(u string) string {
+	p, err := url.Parse(u)
+	if err != nil {
+		return ""
+	}
+	return strings.TrimPrefix(p.Path, "/")
+}
+
+// profile starts a CPU profile named name when ProfileDir is set; the
+// returned function stops it.
+func (e *env) profile(name string) func() {
+	if e.cfg.ProfileDir == "" {
+		return func() {}
+	}
+	if err := os.MkdirAll(e.cfg.ProfileDir, 0o755); err != nil {
+		return func() {}
+	}
+	f, err := os.Create(filepath.Join(e.cfg.ProfileDir, name+".pprof"))
+	if err != nil {
+		return func() {}
+	}
+	if err := pprof.StartCPUProfile(f); err != nil {
+		f.Close()
+		return func() {}
+	}
+	return func() {
+		pprof.StopCPUProfile()
+		f.Close()
+	}
+}
+
+func freePort() (int, error) {
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return 0, err
+	}
+	defer l.Close()
+	return l.Addr().(*net.TCPAddr).Port, nil
+}
+
+// median returns the median of xs (the mean of the two middle values for an
+// even count), 0 for none.
+func median(xs []float64) float64 {
+	if len(xs) == 0 {
+		return 0
+	}
+	s := slices.Clone(xs)
+	slices.Sort(s)
+	n := len(s)
+	if n%2 == 1 {
+		return s[n/2]
+	}
+	return (s[n/2-1] + s[n/2]) / 2
+}
+
+func ratio(a, b float64) float64 {
+	if b == 0 {
+		return 0
+	}
+	return a / b
+}
+
+// errStage marks a stage that cannot run here.
+var errStage = errors.New("stage cannot run")

@@ -1,0 +1,171 @@
+package bench
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"net/http"
+	"path/filepath"
+	"strings"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/redis/go-redis/v9"
+
+	"github.com/converge-run/converge/internal/artifact"
+	"github.com/converge-run/converge/internal/loadgen"
+	"github.com/converge-run/converge/services/api"
+)
+
+// CreatePoint compares the API with pgbench at one client count.
+type CreatePoint struct {
+	Clients int `json:"clients"`
+	// APIRate is requests/s of each run (closed model, every request a new
+	// task), APIMedian their median.
+	APIRate   []float64 `json:"api_requests_per_sec"`
+	APIMedian float64   `json:"api_median"`
+	// APIP50 and APIP99 are the create latencies (ms) of the median run.
+	APIP50 float64 `json:"api_p50_ms"`
+	APIP99 float64 `json:"api_p99_ms"`
+	// APIErrors sums the failed requests of all runs by code.
+	APIErrors map[string]int `json:"api_errors,omitempty"`
+	// PgbenchTPS is transactions/s of each pgbench run, PgbenchMedian
+	// their median.
+	PgbenchTPS    []float64 `json:"pgbench_tps"`
+	PgbenchMedian float64   `json:"pgbench_median"`
+	PgbenchLatMS  float64   `json:"pgbench_latency_avg_ms"`
+	// Ratio is APIMedian / PgbenchMedian.
+	Ratio float64 `json:"ratio"`
+	// CPU of the last API run and of the last pgbench run, in cores.
+	APICPU     CPU `json:"api_cpu"`
+	PgbenchCPU CPU `json:"pgbench_cpu"`
+}
+
+// runCreate is stage 1.
+func runCreate(ctx context.Context, e *env, res *Results) error {
+	dbURL, pool, err := e.newDB(ctx, "bench_create")
+	if err != nil {
+		return err
+	}
+	pool.Close()
+	// The API's pool as `converge api` opens it (pgxpool defaults).
+	apiPool, err := pgxpool.New(ctx, dbURL)
+	if err != nil {
+		return err
+	}
+	defer apiPool.Close()
+	ropt, err := redis.ParseURL(e.redisURL)
+	if err != nil {
+		return err
+	}
+	rdb := redis.NewClient(ropt)
+	defer rdb.Close()
+	store, err := artifact.Open(filepath.Join(e.dir, "artifacts-create"), nil)
+	if err != nil {
+		return err
+	}
+	reg := prometheus.NewRegistry()
+	srv, err := api.New(api.Config{Pool: apiPool, Redis: rdb, ArtifactStore: store, Logger: e.log.With("component", "api"), Registerer: reg})
+	if err != nil {
+		return err
+	}
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return err
+	}
+	hs := &http.Server{Handler: srv.Handler(), ReadHeaderTimeout: 10 * time.Second}
+	go hs.Serve(ln)
+	defer hs.Close()
+	baseURL := "http://" + ln.Addr().String()
+
+	fx := newFixtures(e.cfg.DocSize)
+	script := createScript(fx)
+	secs := int(e.cfg.CreateDuration.Seconds())
+
+	// Warm up both sides (connections, prepared statements, caches).
+	if _, err := loadgen.Run(ctx, loadgen.Config{BaseURL: baseURL, Clients: 16, Duration: time.Second, DocSize: e.cfg.DocSize}); err != nil {
+		return err
+	}
+	if _, err := e.pgbench(ctx, "bench_create", script, 4, 1, 0); err != nil {
+		return err
+	}
+	for _, c := range e.cfg.CreateClients {
+		p := CreatePoint{Clients: c, APIErrors: map[string]int{}}
+		var apiRuns []*loadgen.Result
+		for run := range e.cfg.Runs {
+			stop := func() {}
+			if c == 16 && run == 0 {
+				stop = e.profile("create-16")
+			}
+			m := e.cpuStart()
+			lr, err := loadgen.Run(ctx, loadgen.Config{BaseURL: baseURL, Clients: c, Duration: e.cfg.CreateDuration, DocSize: e.cfg.DocSize})
+			p.APICPU = m.stop(0)
+			stop()
+			if err != nil {
+				return err
+			}
+			for k, v := range lr.Errors {
+				p.APIErrors[k] += v
+			}
+			apiRuns = append(apiRuns, lr)
+			p.APIRate = append(p.APIRate, round2(lr.RequestsPerSec))
+
+			m = e.cpuStart()
+			pr, err := e.pgbench(ctx, "bench_create", script, c, secs, 0)
+			p.PgbenchCPU = m.stop(pr.CPU)
+			if err != nil {
+				return err
+			}
+			p.PgbenchTPS = append(p.PgbenchTPS, round2(pr.TPS))
+			p.PgbenchLatMS = pr.LatencyMS
+			e.progress("create  clients=%-3d run %d: api %.0f req/s (p99 %.1f ms, %d errors), pgbench %.0f tps; cpu api %+v pgbench %+v",
+				c, run+1, lr.RequestsPerSec, lr.CreateLatency.P99, lr.Requests-lr.Accepted, pr.TPS, p.APICPU, p.PgbenchCPU)
+		}
+		p.APIMedian, p.PgbenchMedian = round2(median(p.APIRate)), round2(median(p.PgbenchTPS))
+		p.Ratio = round2(ratio(p.APIMedian, p.PgbenchMedian))
+		for _, lr := range apiRuns {
+			if round2(lr.RequestsPerSec) == p.APIMedian || p.APIP50 == 0 {
+				p.APIP50, p.APIP99 = lr.CreateLatency.P50, lr.CreateLatency.P99
+			}
+		}
+		if len(p.APIErrors) == 0 {
+			p.APIErrors = nil
+		}
+		res.Create = append(res.Create, p)
+	}
+	if err := hs.Shutdown(ctx); err != nil && !errors.Is(err, http.ErrServerClosed) {
+		return err
+	}
+	return nil
+}
+
+// createScript is the API's create transaction (services/api store.go
+// createTask) as a pgbench script: the same five statements on rows of the
+// same sizes. Ids come from pgbench's client id and a random number; the
+// API computes its ids (UUIDv7) in Go.
+func createScript(fx *fixtures) string {
+	id := `'pgb-' || :client_id::text || '-' || :r::text`
+	payload, sha := fx.event(phTask, phOutbox)
+	r := strings.NewReplacer(
+		"$ID", id,
+		"$SCOPE", sqlText("public:create-document-task"),
+		"$FP", "'"+fx.fingerprint+"'",
+		"$INSHA", "'"+fx.inputSHA+"'",
+		"$INSIZE", fmt.Sprint(fx.inputSize),
+		"$DOC", sqlBytea(fx.doc),
+		"$PAYLOAD", sqlText(string(payload)),
+		"$PSHA", "'"+sha+"'",
+		"$RESP", sqlText(string(fx.response)),
+	)
+	return r.Replace(`\set r random(1, 1000000000000000)
+BEGIN;
+INSERT INTO idempotency_record (scope, idempotency_key, request_fingerprint, state, locked_until, created_at, expires_at) VALUES ($SCOPE, $ID, $FP, 'in_progress', now() + 30000 * interval '1 millisecond', now(), now() + 86400000 * interval '1 millisecond') ON CONFLICT (scope, idempotency_key) DO NOTHING RETURNING created_at;
+INSERT INTO task (task_id, request_fingerprint, status, version, attempt, output_format, input_sha256, input_size, created_at, updated_at) VALUES ($ID, $FP, 'queued', 0, 0, 'jcs', $INSHA, $INSIZE, now(), now());
+INSERT INTO task_input (task_id, document) VALUES ($ID, $DOC);
+INSERT INTO outbox_event (outbox_id, aggregate_id, aggregate_version, event_type, payload, payload_sha256, created_at) VALUES ('o' || $ID, $ID, 0, 'TaskCreated', $PAYLOAD, $PSHA, now());
+UPDATE idempotency_record SET state = 'succeeded', task_id = $ID, response_status = 202, response_body = $RESP, locked_until = NULL WHERE scope = $SCOPE AND idempotency_key = $ID AND state = 'in_progress' AND request_fingerprint = $FP;
+END;
+`)
+}

@@ -1,0 +1,90 @@
+package bench
+
+import (
+	"fmt"
+	"io"
+	"sort"
+	"strings"
+)
+
+// Markdown writes the results as the tables of BENCHMARKS.md.
+func (r *Results) Markdown(w io.Writer) {
+	m := r.Machine
+	fmt.Fprintf(w, "Run of %s: `%s`\n\n", r.Date, r.Command)
+	fmt.Fprintf(w, "Machine: %d cores (%s), %d MB memory, Linux %s; load average %s before, %s after. PostgreSQL %s, %s, fsync %v. Median of %d runs; %.0f s in all.\n\n",
+		m.Cores, m.CPUModel, m.MemTotalMB, m.Kernel, m.LoadAvgBefore, m.LoadAvgAfter, r.Settings.PostgresVersion, r.Settings.GoVersion,
+		onOffWord(r.Settings.Fsync), r.Settings.Runs, r.TotalSeconds)
+	fmt.Fprintln(w, "| stage | converge | limit, same run | ratio | target | CPU (cores) converge / postgres / other |")
+	fmt.Fprintln(w, "|---|---|---|---|---|---|")
+	for _, p := range r.Create {
+		fmt.Fprintf(w, "| create, %d clients | %.0f req/s (p50 %.1f ms, p99 %.1f ms) | pgbench %.0f tps (%.1f ms avg) | %.2f | %s | %s · %s |\n",
+			p.Clients, p.APIMedian, p.APIP50, p.APIP99, p.PgbenchMedian, p.PgbenchLatMS, p.Ratio, target(p.Clients == 16, "≥ 0.90", p.Ratio >= 0.9),
+			cpuCell(p.APICPU), cpuCell(p.PgbenchCPU))
+	}
+	if rr := r.Relay; rr != nil {
+		fmt.Fprintf(w, "| relay, %d rows (1 per txn) | %.0f events/s | decode-only loop %.0f rows/s | %.2f | %s | %s · %s |\n",
+			rr.Rows, rr.RelayMedian, rr.DecodeMedian, rr.Ratio, target(true, "≥ 0.80", rr.Ratio >= 0.8), cpuCell(rr.RelayCPU), cpuCell(rr.DecodeCPU))
+	}
+	if s := r.RSS; s != nil {
+		fmt.Fprintf(w, "| relay peak RSS, one txn of %d rows | %.0f MB (%.0f events/s, completed %v) | — | — | %s | — |\n",
+			s.Rows, s.PeakRSSMB, s.EventsPerSec, s.Completed, target(true, "≤ 200 MB", s.Completed && s.PeakRSSMB <= 200))
+	}
+	if wr := r.Worker; wr != nil {
+		fmt.Fprintf(w, "| worker, %d tasks | %.0f tasks/s | pgbench %.0f tasks/s (%d clients); artifact store alone %.0f/s | %.2f | — | %s · %s |\n",
+			wr.Tasks, wr.WorkerMedian, wr.PgbenchMedian, wr.PgbenchClients, wr.ArtifactMed, wr.Ratio, cpuCell(wr.WorkerCPU), cpuCell(wr.PgbenchCPU))
+	}
+	if e := r.E2E; e != nil {
+		fmt.Fprintf(w, "| end to end, sustained (p99 < 1 s) | %.0f tasks/s | — | — | %s | — |\n",
+			e.SustainedRate, target(true, "≥ 1500", e.SustainedRate >= 1500))
+		if e.Measured500 {
+			fmt.Fprintf(w, "| end to end, p99 at 500 tasks/s | %.0f ms (%d pending) | — | — | — | — |\n", e.P99At500, e.PendingAt500)
+		}
+		fmt.Fprintln(w)
+		fmt.Fprintln(w, "| fixed rate | sent req/s | completed tasks/s | e2e p50 | e2e p99 (median) | create p99 | pending | sustained | CPU |")
+		fmt.Fprintln(w, "|---|---|---|---|---|---|---|---|---|")
+		for _, s := range e.Steps {
+			fmt.Fprintf(w, "| %.0f/s | %s | %s | %s ms | %.0f ms | %s ms | %v | %v | %s |\n", s.Rate, list(s.Requests), list(s.Completed), list(s.P50),
+				s.P99Median, list(s.CreateP99), s.Pending, s.Sustained, cpuCell(s.CPU))
+		}
+	}
+	if len(r.Errors) > 0 {
+		fmt.Fprintln(w)
+		keys := make([]string, 0, len(r.Errors))
+		for k := range r.Errors {
+			keys = append(keys, k)
+		}
+		sort.Strings(keys)
+		for _, k := range keys {
+			fmt.Fprintf(w, "Stage %s failed: %s\n\n", k, strings.ReplaceAll(r.Errors[k], "\n", " "))
+		}
+	}
+}
+
+func target(applies bool, t string, ok bool) string {
+	if !applies {
+		return "—"
+	}
+	if ok {
+		return t + " met"
+	}
+	return t + " **not met**"
+}
+
+func cpuCell(c CPU) string {
+	return fmt.Sprintf("%.2f / %.2f / %.2f", c.Converge, c.Postgres, c.Other)
+}
+
+func list(xs []float64) string {
+	s := make([]string, len(xs))
+	for i, x := range xs {
+		s[i] = fmt.Sprintf("%.0f", x)
+	}
+	return strings.Join(s, ", ")
+}
+
+func onOffWord(b bool) string {
+	if b {
+		return "on"
+	}
+	return "off"
+}

@@ -1,0 +1,604 @@
+// Package loadgen is `converge loadgen`: it submits create requests
+// (POST /v1/tasks) to a converge API and measures them.
+//
+// Two load models:
+//
+//   - open (Config.Rate > 0): requests are due at fixed intervals of 1/Rate
+//     from the start, whatever the server does. A request's latency is
+//     measured from its INTENDED send time, not from when a client was free
+//     to send it, so a server that stalls is charged for the whole queue it
+//     caused (coordinated omission accounted for). At most Clients requests
+//     are in flight; late requests are sent as soon as one finishes.
+//   - closed (Rate == 0): Clients clients each send their next request as
+//     soon as the previous one is answered; latency is measured from the
+//     actual send.
+//
+// Every request carries a unique Idempotency-Key (KeyPrefix + sequence
+// number; the prefix is random per run), so each accepted request creates a
+// task. After the run, unless Wait is false, loadgen reads every created task
+// until it is terminal (or WaitTimeout passes) and reports the end-to-end
+// latency from the task's own timestamps (completed_at − created_at, both
+// taken by PostgreSQL) and the completion rate.
+package loadgen
+
+import (
+	"bytes"
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"io/fs"
+	"net/http"
+	"os"
+	"path/filepath"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+)
+
+// Defaults of Config.
+const (
+	DefaultClosedClients = 16
+	DefaultOpenInFlight  = 1000
+	DefaultDocSize       = 1024
+	DefaultWaitTimeout   = 60 * time.Second
+	DefaultPollInterval  = 100 * time.Millisecond
+)
+
+// Config describes one load run. Zero values take the defaults noted.
+type Config struct {
+	// BaseURL of the API, like http://127.0.0.1:8080. Required.
+	BaseURL string
+	// Rate is the fixed arrival rate in requests per second (open model).
+	// Zero selects the closed model.
+	Rate float64
+	// Clients is the number of concurrent clients (closed model, default
+	// 16) or the most requests in flight (open model, default 1000).
+	Clients int
+	// Duration bounds the sending phase. At least one of Duration and Count
+	// is required; with both, whichever ends first.
+	Duration time.Duration
+	// Count bounds the number of requests.
+	Count int
+	// DocsDir, when set, is walked for *.json files whose bytes are sent
+	// as the "document" member, round-robin. Otherwise documents are
+	// generated.
+	DocsDir string
+	// DocSize is the approximate size in bytes of a generated document
+	// (a JSON object with a sequence number and padding). Defaults to 1024.
+	DocSize int
+	// KeyPrefix starts every Idempotency-Key. Defaults to "lg-" + 12 random
+	// hex digits + "-", unique per run.
+	KeyPrefix string
+	// Wait reads the created tasks after the sending phase until they are
+	// terminal, for the end-to-end latency.
+	Wait bool
+	// WaitTimeout bounds that wait. Defaults to 60s.
+	WaitTimeout time.Duration
+	// Tasks reads task states while waiting. Defaults to GET
+	// /v1/tasks/{id} on BaseURL (HTTPTasks).
+	Tasks TaskReader
+	// HTTP is the client. Defaults to one whose transport keeps Clients
+	// idle connections to the API, with a 60s timeout.
+	HTTP *http.Client
+}
+
+func (c *Config) setDefaults() error {
+	if c.Clients <= 0 {
+		c.Clients = DefaultClosedClients
+		if c.Rate > 0 {
+			c.Clients = DefaultOpenInFlight
+		}
+	}
+	if c.DocSize <= 0 {
+		c.DocSize = DefaultDocSize
+	}
+	if c.KeyPrefix == "" {
+		var b [6]byte
+		if _, err := rand.Read(b[:]); err != nil {
+			return err
+		}
+		c.KeyPrefix = "lg-" + hex.EncodeToString(b[:]) + "-"
+	}
+	if c.WaitTimeout <= 0 {
+		c.WaitTimeout = DefaultWaitTimeout
+	}
+	if c.HTTP == nil {
+		tr := http.DefaultTransport.(*http.Transport).Clone()
+		tr.MaxIdleConns = c.Clients + 16
+		tr.MaxIdleConnsPerHost = c.Clients + 16
+		c.HTTP = &http.Client{Transport: tr, Timeout: 60 * time.Second}
+	}
+	if c.Tasks == nil {
+		c.Tasks = &HTTPTasks{BaseURL: c.BaseURL, HTTP: c.HTTP}
+	}
+	return nil
+}
+
+// Validate reports a missing or inconsistent field.
+func (c *Config) Validate() error {
+	switch {
+	case c.BaseURL == "":
+		return errors.New("loadgen: BaseURL is required")
+	case c.Duration <= 0 && c.Count <= 0:
+		return errors.New("loadgen: one of Duration and Count is required")
+	case c.Rate < 0:
+		return fmt.Errorf("loadgen: Rate %g is negative", c.Rate)
+	}
+	return nil
+}
+
+// Result is what one run measured. Latencies are in milliseconds.
+type Result struct {
+	// Model is "open" (fixed rate) or "closed".
+	Model string `json:"model"`
+	// TargetRate is the open model's rate in requests/s.
+	TargetRate float64 `json:"target_rate,omitempty"`
+	Clients    int     `json:"clients"`
+	// Requests sent (answered or failed) and Accepted (202).
+	Requests int `json:"requests"`
+	Accepted int `json:"accepted"`
+	// SendSeconds is the sending phase: first intended send to last answer.
+	SendSeconds float64 `json:"send_seconds"`
+	// RequestsPerSec is Requests / SendSeconds.
+	RequestsPerSec float64 `json:"requests_per_sec"`
+	// CreateLatency of every answered request (any status); in the open
+	// model from the intended send time.
+	CreateLatency Summary `json:"create_latency_ms"`
+	// Errors counts failed requests by problem "code", "HTTP_<status>"
+	// when the body had none, or "TRANSPORT" for a request without answer.
+	Errors map[string]int `json:"errors"`
+	// Task outcomes of the accepted requests after the wait (all pending
+	// when Wait is false).
+	Completed int `json:"tasks_completed"`
+	Failed    int `json:"tasks_failed"`
+	Pending   int `json:"tasks_pending"`
+	// EndToEnd is completed_at − created_at of the completed tasks.
+	EndToEnd Summary `json:"end_to_end_ms"`
+	// CompletedPerSec is Completed divided by the span from the first
+	// task's created_at to the last task's completed_at.
+	CompletedPerSec float64 `json:"tasks_completed_per_sec"`
+	// WaitSeconds is how long the wait for terminal tasks took.
+	WaitSeconds float64 `json:"wait_seconds"`
+	// TaskIDs of the accepted requests, in send order (not in JSON).
+	TaskIDs []string `json:"-"`
+}
+
+// Run executes one load run and returns its result. It returns an error only
+// for an invalid config or unreadable documents; failed requests are counted
+// in Result.Errors. Cancelling ctx ends the sending phase early (and the
+// wait); the partial result is returned.
+func Run(ctx context.Context, cfg Config) (*Result, error) {
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	if err := cfg.setDefaults(); err != nil {
+		return nil, err
+	}
+	docs, err := loadDocs(cfg.DocsDir)
+	if err != nil {
+		return nil, err
+	}
+	r := &run{cfg: cfg, docs: docs, errors: map[string]int{}}
+	res := &Result{Model: "closed", Clients: cfg.Clients}
+	var start, end time.Time
+	if cfg.Rate > 0 {
+		res.Model, res.TargetRate = "open", cfg.Rate
+		start, end = r.open(ctx)
+	} else {
+		start, end = r.closed(ctx)
+	}
+	res.Requests = int(r.sent.Load())
+	res.SendSeconds = end.Sub(start).Seconds()
+	if res.SendSeconds > 0 {
+		res.RequestsPerSec = float64(res.Requests) / res.SendSeconds
+	}
+	res.CreateLatency = r.latency.Summary()
+	res.Errors = r.errors
+	slices.SortFunc(r.created, func(a, b created) int { return a.seq - b.seq })
+	for _, c := range r.created {
+		res.TaskIDs = append(res.TaskIDs, c.taskID)
+	}
+	res.Accepted = len(res.TaskIDs)
+	res.Pending = res.Accepted
+	if cfg.Wait && res.Accepted > 0 {
+		waitStart := time.Now()
+		states := wait(ctx, cfg, res.TaskIDs)
+		res.WaitSeconds = time.Since(waitStart).Seconds()
+		summarize(res, states)
+	}
+	return res, nil
+}
+
+// run is the state of one Run.
+type run struct {
+	cfg     Config
+	docs    [][]byte
+	sent    atomic.Int64
+	latency Histogram
+	mu      sync.Mutex
+	errors  map[string]int
+	created []created
+}
+
+type created struct {
+	seq    int
+	taskID string
+}
+
+// open sends request i at start + i/Rate and measures from that instant.
+func (r *run) open(ctx context.Context) (start, end time.Time) {
+	interval := time.Duration(float64(time.Second) / r.cfg.Rate)
+	due := make(chan int, r.cfg.Clients)
+	start = time.Now()
+	var wg sync.WaitGroup
+	var last atomic.Int64
+	for range r.cfg.Clients {
+		wg.Go(func() {
+			for i := range due {
+				intended := start.Add(time.Duration(i) * interval)
+				r.do(ctx, i, intended)
+				last.Store(time.Now().UnixNano())
+			}
+		})
+	}
+	t := time.NewTimer(0)
+	defer t.Stop()
+	for i := 0; r.cfg.Count <= 0 || i < r.cfg.Count; i++ {
+		at := time.Duration(i) * interval
+		if r.cfg.Duration > 0 && at >= r.cfg.Duration {
+			break
+		}
+		if d := time.Until(start.Add(at)); d > 0 {
+			t.Reset(d)
+			select {
+			case <-ctx.Done():
+			case <-t.C:
+			}
+		}
+		if ctx.Err() != nil {
+			break
+		}
+		due <- i // blocks while Clients requests are in flight: they are late, and charged for it
+	}
+	close(due)
+	wg.Wait()
+	if last.Load() == 0 {
+		return start, time.Now()
+	}
+	return start, time.Unix(0, last.Load())
+}
+
+// closed runs Clients clients back to back.
+func (r *run) closed(ctx context.Context) (start, end time.Time) {
+	var next atomic.Int64
+	var deadline time.Time
+	start = time.Now()
+	if r.cfg.Duration > 0 {
+		deadline = start.Add(r.cfg.Duration)
+	}
+	var wg sync.WaitGroup
+	for range r.cfg.Clients {
+		wg.Go(func() {
+			for ctx.Err() == nil {
+				if !deadline.IsZero() && !time.Now().Before(deadline) {
+					return
+				}
+				i := int(next.Add(1) - 1)
+				if r.cfg.Count > 0 && i >= r.cfg.Count {
+					return
+				}
+				r.do(ctx, i, time.Now())
+			}
+		})
+	}
+	wg.Wait()
+	return start, time.Now()
+}
+
+// do sends request i and records its latency from from.
+func (r *run) do(ctx context.Context, i int, from time.Time) {
+	body := r.body(i)
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, r.cfg.BaseURL+"/v1/tasks", bytes.NewReader(body))
+	if err != nil {
+		r.fail("TRANSPORT")
+		return
+	}
+	req.Header.Set("Content-Type", "application/json")
+	req.Header.Set("Idempotency-Key", r.cfg.KeyPrefix+strconv.Itoa(i))
+	r.sent.Add(1)
+	resp, err := r.cfg.HTTP.Do(req)
+	if err != nil {
+		if ctx.Err() == nil {
+			r.fail("TRANSPORT")
+		}
+		return
+	}
+	rb, err := io.ReadAll(io.LimitReader(resp.Body, 1<<20))
+	resp.Body.Close()
+	r.latency.Record(time.Since(from))
+	if err != nil {
+		r.fail("TRANSPORT")
+		return
+	}
+	if resp.StatusCode != http.StatusAccepted {
+		var p struct {
+			Code string `json:"code"`
+		}
+		_ = json.Unmarshal(rb, &p)
+		if p.Code == "" {
+			p.Code = "HTTP_" + strconv.Itoa(resp.StatusCode)
+		}
+		r.fail(p.Code)
+		return
+	}
+	var c struct {
+		TaskID string `json:"task_id"`
+	}
+	if err := json.Unmarshal(rb, &c); err != nil || c.TaskID == "" {
+		r.fail("BAD_RESPONSE")
+		return
+	}
+	r.mu.Lock()
+	r.created = append(r.created, created{seq: i, taskID: c.TaskID})
+	r.mu.Unlock()
+}
+
+func (r *run) fail(code string) {
+	r.mu.Lock()
+	r.errors[code]++
+	r.mu.Unlock()
+}
+
+// body returns the create request of request i.
+func (r *run) body(i int) []byte {
+	var doc []byte
+	if len(r.docs) > 0 {
+		doc = r.docs[i%len(r.docs)]
+	} else {
+		doc = GenerateDocument(i, r.cfg.DocSize)
+	}
+	b := make([]byte, 0, len(doc)+40)
+	b = append(b, `{"output_format":"jcs","document":`...)
+	b = append(b, doc...)
+	return append(b, '}')
+}
+
+// GenerateDocument returns a JSON object of about size bytes that differs by
+// seq: {"seq":N,"source":"loadgen","items":[...],"pad":"..."}.
+func GenerateDocument(seq, size int) []byte {
+	b := make([]byte, 0, size+64)
+	b = append(b, `{"seq":`...)
+	b = strconv.AppendInt(b, int64(seq), 10)
+	b = append(b, `,"source":"loadgen","items":[`...)
+	for k := 0; k < 8 && len(b) < size/2; k++ {
+		if k > 0 {
+			b = append(b, ',')
+		}
+		b = append(b, `{"id":`...)
+		b = strconv.AppendInt(b, int64(k), 10)
+		b = append(b, `,"value":1.5e3,"ok":true,"name":"item \u00e9"}`...)
+	}
+	b = append(b, `],"pad":"`...)
+	for len(b) < size-2 {
+		b = append(b, 'x')
+	}
+	return append(b, `"}`...)
+}
+
+// loadDocs reads every *.json file under dir (nil when dir is empty).
+func loadDocs(dir string) ([][]byte, error) {
+	if dir == "" {
+		return nil, nil
+	}
+	var docs [][]byte
+	err := filepath.WalkDir(dir, func(p string, d fs.DirEntry, err error) error {
+		if err != nil {
+			return err
+		}
+		if d.IsDir() || !strings.HasSuffix(d.Name(), ".json") {
+			return nil
+		}
+		b, err := os.ReadFile(p)
+		if err != nil {
+			return err
+		}
+		docs = append(docs, b)
+		return nil
+	})
+	if err != nil {
+		return nil, fmt.Errorf("read documents in %s: %w", dir, err)
+	}
+	if len(docs) == 0 {
+		return nil, fmt.Errorf("no *.json documents in %s", dir)
+	}
+	return docs, nil
+}
+
+// TaskState is what the wait needs of a task.
+type TaskState struct {
+	Status      string
+	CreatedAt   time.Time
+	CompletedAt *time.Time
+}
+
+// Terminal reports whether the task reached a final status.
+func (s TaskState) Terminal() bool {
+	return s.Status == "completed" || s.Status == "failed" || s.Status == "compensated"
+}
+
+// TaskReader reads the states of tasks. Missing ids are left out of the
+// result.
+type TaskReader interface {
+	Tasks(ctx context.Context, ids []string) (map[string]TaskState, error)
+}
+
+// HTTPTasks reads tasks with GET /v1/tasks/{id}, 16 at a time.
+type HTTPTasks struct {
+	BaseURL string
+	HTTP    *http.Client
+}
+
+var _ TaskReader = (*HTTPTasks)(nil)
+
+// Tasks implements TaskReader.
+func (h *HTTPTasks) Tasks(ctx context.Context, ids []string) (map[string]TaskState, error) {
+	out := make(map[string]TaskState, len(ids))
+	var mu sync.Mutex
+	var firstErr error
+	sem := make(chan struct{}, 16)
+	var wg sync.WaitGroup
+	for _, id := range ids {
+		sem <- struct{}{}
+		wg.Go(func() {
+			defer func() { <-sem }()
+			st, err := h.get(ctx, id)
+			mu.Lock()
+			defer mu.Unlock()
+			if err != nil {
+				if firstErr == nil {
+					firstErr = err
+				}
+				return
+			}
+			out[id] = st
+		})
+	}
+	wg.Wait()
+	return out, firstErr
+}
+
+func (h *HTTPTasks) get(ctx context.Context, id string) (TaskState, error) {
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, h.BaseURL+"/v1/tasks/"+id, nil)
+	if err != nil {
+		return TaskState{}, err
+	}
+	resp, err := h.HTTP.Do(req)
+	if err != nil {
+		return TaskState{}, err
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		return TaskState{}, fmt.Errorf("GET /v1/tasks/%s: status %d", id, resp.StatusCode)
+	}
+	var t struct {
+		Status      string     `json:"status"`
+		CreatedAt   time.Time  `json:"created_at"`
+		CompletedAt *time.Time `json:"completed_at"`
+	}
+	if err := json.NewDecoder(resp.Body).Decode(&t); err != nil {
+		return TaskState{}, fmt.Errorf("decode task %s: %w", id, err)
+	}
+	return TaskState{Status: t.Status, CreatedAt: t.CreatedAt, CompletedAt: t.CompletedAt}, nil
+}
+
+// waitWindow is how many pending tasks one poll reads: tasks complete
+// roughly in creation order, so the oldest pending ones are read until they
+// are terminal, then the window moves on.
+const waitWindow = 512
+
+// wait polls the tasks until all are terminal or WaitTimeout passes, and
+// returns the last state read of each.
+func wait(ctx context.Context, cfg Config, ids []string) map[string]TaskState {
+	ctx, cancel := context.WithTimeout(ctx, cfg.WaitTimeout)
+	defer cancel()
+	states := make(map[string]TaskState, len(ids))
+	pending := slices.Clone(ids)
+	for len(pending) > 0 {
+		window := pending[:min(len(pending), waitWindow)]
+		got, _ := cfg.Tasks.Tasks(ctx, window)
+		for id, st := range got {
+			states[id] = st
+		}
+		kept := pending[:0]
+		for _, id := range pending {
+			if st, ok := states[id]; !ok || !st.Terminal() {
+				kept = append(kept, id)
+			}
+		}
+		pending = kept
+		if len(pending) == 0 {
+			break
+		}
+		if len(got) > 0 && len(pending) > 0 && pending[0] != window[0] {
+			continue // progress: read the next window at once
+		}
+		select {
+		case <-ctx.Done():
+			// One last read of everything still pending, so the result
+			// reflects the end of the wait.
+			rctx, rcancel := context.WithTimeout(context.WithoutCancel(ctx), 30*time.Second)
+			got, _ := cfg.Tasks.Tasks(rctx, pending)
+			rcancel()
+			for id, st := range got {
+				states[id] = st
+			}
+			return states
+		case <-time.After(DefaultPollInterval):
+		}
+	}
+	return states
+}
+
+// summarize fills the task outcome fields of res from states.
+func summarize(res *Result, states map[string]TaskState) {
+	var e2e Histogram
+	var first, last time.Time
+	for _, id := range res.TaskIDs {
+		st, ok := states[id]
+		switch {
+		case !ok || !st.Terminal():
+			continue
+		case st.Status == "completed" && st.CompletedAt != nil:
+			res.Completed++
+			e2e.Record(st.CompletedAt.Sub(st.CreatedAt))
+			if first.IsZero() || st.CreatedAt.Before(first) {
+				first = st.CreatedAt
+			}
+			if st.CompletedAt.After(last) {
+				last = *st.CompletedAt
+			}
+		default:
+			res.Failed++
+		}
+	}
+	res.Pending = res.Accepted - res.Completed - res.Failed
+	res.EndToEnd = e2e.Summary()
+	if span := last.Sub(first).Seconds(); span > 0 {
+		res.CompletedPerSec = float64(res.Completed) / span
+	}
+}
+
+// Print writes a human-readable summary of res.
+func (res *Result) Print(w io.Writer) {
+	model := fmt.Sprintf("closed, %d clients", res.Clients)
+	if res.Model == "open" {
+		model = fmt.Sprintf("open, %.0f requests/s target, at most %d in flight", res.TargetRate, res.Clients)
+	}
+	fmt.Fprintf(w, "model            %s\n", model)
+	fmt.Fprintf(w, "requests         %d in %.2fs = %.1f requests/s, %d accepted\n", res.Requests, res.SendSeconds, res.RequestsPerSec, res.Accepted)
+	c := res.CreateLatency
+	fmt.Fprintf(w, "create latency   p50 %.2f ms  p90 %.2f ms  p99 %.2f ms  max %.2f ms\n", c.P50, c.P90, c.P99, c.Max)
+	if len(res.Errors) > 0 {
+		codes := make([]string, 0, len(res.Errors))
+		for k := range res.Errors {
+			codes = append(codes, k)
+		}
+		slices.Sort(codes)
+		for _, k := range codes {
+			fmt.Fprintf(w, "error            %s × %d\n", k, res.Errors[k])
+		}
+	}
+	if res.WaitSeconds > 0 || res.Completed > 0 {
+		e := res.EndToEnd
+		fmt.Fprintf(w, "tasks            %d completed, %d failed, %d pending (waited %.1fs)\n", res.Completed, res.Failed, res.Pending, res.WaitSeconds)
+		fmt.Fprintf(w, "end to end       p50 %.2f ms  p90 %.2f ms  p99 %.2f ms  max %.2f ms\n", e.P50, e.P90, e.P99, e.Max)
+		fmt.Fprintf(w, "completed        %.1f tasks/s\n", res.CompletedPerSec)
+	}
+}

@@ -1,0 +1,150 @@
+package api
+
+import (
+	"encoding/json"
+	"errors"
+	"io"
+	"net/http"
+	"strconv"
+	"strings"
+
+	"github.com/converge-run/converge/consumers/deadletter"
+)
+
+// Problem codes of the admin endpoints.
+const (
+	CodeDeadLetterNotFound      = "DEAD_LETTER_NOT_FOUND"
+	CodeDeadLettersUnavailable  = "DEAD_LETTERS_UNAVAILABLE"
+	CodeReplayReasonRequired    = "REPLAY_REASON_REQUIRED"
+	CodeInvalidAdminRequest     = "INVALID_ADMIN_REQUEST"
+	maxAdminBodyBytes           = 64 << 10
+	defaultDeadLetterListLimit  = 100
+	maximumDeadLetterListLimit  = 1000
+	deadLetterCollectionPattern = "/v1/admin/dead-letters"
+)
+
+func init() {
+	kinds[CodeDeadLetterNotFound] = problemKind{http.StatusNotFound, "Dead letter not found"}
+	kinds[CodeDeadLettersUnavailable] = problemKind{http.StatusServiceUnavailable, "Dead-letter administration not configured"}
+	kinds[CodeReplayReasonRequired] = problemKind{http.StatusUnprocessableEntity, "A replay needs a reason"}
+	kinds[CodeInvalidAdminRequest] = problemKind{http.StatusBadRequest, "Invalid admin request"}
+}
+
+func (s *Server) registerAdmin() {
+	s.mux.HandleFunc("GET "+deadLetterCollectionPattern, s.handleListDeadLetters)
+	s.mux.HandleFunc("GET "+deadLetterCollectionPattern+"/{id}", s.handleGetDeadLetter)
+	s.mux.HandleFunc("POST "+deadLetterCollectionPattern+"/{id}/replay", s.handleReplayDeadLetter)
+}
+
+// deadLetterErr maps the deadletter package's errors to problems.
+func deadLetterErr(err error) error {
+	switch {
+	case errors.Is(err, deadletter.ErrNotFound):
+		return &Error{Code: CodeDeadLetterNotFound, Detail: "no dead letter with this id", Err: err}
+	case errors.Is(err, deadletter.ErrReasonRequired):
+		return &Error{Code: CodeReplayReasonRequired, Detail: `the JSON body needs a non-empty "reason"`, Err: err}
+	}
+	return err
+}
+
+func (s *Server) deadLetters(w http.ResponseWriter, r *http.Request) *deadletter.Service {
+	if s.cfg.DeadLetters == nil {
+		s.writeError(w, r, newError(CodeDeadLettersUnavailable, "this API instance has no dead-letter service"))
+	}
+	return s.cfg.DeadLetters
+}
+
+// handleListDeadLetters is GET /v1/admin/dead-letters[?code=&state=&task_id=&limit=]:
+// {"dead_letters": [...]} oldest first.
+func (s *Server) handleListDeadLetters(w http.ResponseWriter, r *http.Request) {
+	svc := s.deadLetters(w, r)
+	if svc == nil {
+		return
+	}
+	q := r.URL.Query()
+	f := deadletter.Filter{Code: q.Get("code"), TaskID: q.Get("task_id"), Limit: defaultDeadLetterListLimit}
+	if st := q.Get("state"); st != "" {
+		f.States = strings.Split(st, ",")
+	}
+	if l := q.Get("limit"); l != "" {
+		n, err := strconv.Atoi(l)
+		if err != nil || n < 1 || n > maximumDeadLetterListLimit {
+			s.writeError(w, r, newError(CodeInvalidAdminRequest, "limit must be an integer in [1, %d]", maximumDeadLetterListLimit))
+			return
+		}
+		f.Limit = n
+	}
+	list, err := svc.List(r.Context(), f)
+	if err != nil {
+		s.writeError(w, r, err)
+		return
+	}
+	s.writeAdminJSON(w, r, http.StatusOK, map[string]any{"dead_letters": list})
+}
+
+func parseID(w http.ResponseWriter, r *http.Request, s *Server) (int64, bool) {
+	id, err := strconv.ParseInt(r.PathValue("id"), 10, 64)
+	if err != nil || id < 1 {
+		s.writeError(w, r, newError(CodeDeadLetterNotFound, "no dead letter with id %q", clip(r.PathValue("id"), 40)))
+		return 0, false
+	}
+	return id, true
+}
+
+// handleGetDeadLetter is GET /v1/admin/dead-letters/{id}.
+func (s *Server) handleGetDeadLetter(w http.ResponseWriter, r *http.Request) {
+	svc := s.deadLetters(w, r)
+	if svc == nil {
+		return
+	}
+	id, ok := parseID(w, r, s)
+	if !ok {
+		return
+	}
+	d, err := svc.Get(r.Context(), id)
+	if err != nil {
+		s.writeError(w, r, deadLetterErr(err))
+		return
+	}
+	s.writeAdminJSON(w, r, http.StatusOK, d)
+}
+
+// handleReplayDeadLetter is POST /v1/admin/dead-letters/{id}/replay with
+// {"reason": "...", "by": "..."}: 200 with the deadletter.Result (outcome
+// replayed, noop or refused).
+func (s *Server) handleReplayDeadLetter(w http.ResponseWriter, r *http.Request) {
+	svc := s.deadLetters(w, r)
+	if svc == nil {
+		return
+	}
+	id, ok := parseID(w, r, s)
+	if !ok {
+		return
+	}
+	body, err := io.ReadAll(http.MaxBytesReader(w, r.Body, maxAdminBodyBytes))
+	if err != nil {
+		s.writeError(w, r, newError(CodeInvalidAdminRequest, "body could not be read"))
+		return
+	}
+	var req deadletter.Request
+	if err := json.Unmarshal(body, &req); err != nil {
+		s.writeError(w, r, newError(CodeInvalidAdminRequest, `body must be JSON {"reason": "...", "by": "..."}`))
+		return
+	}
+	res, err := svc.Replay(r.Context(), id, req)
+	if err != nil {
+		s.writeError(w, r, deadLetterErr(err))
+		return
+	}
+	s.writeAdminJSON(w, r, http.StatusOK, res)
+}
+
+func (s *Server) writeAdminJSON(w http.ResponseWriter, r *http.Request, status int, v any) {
+	body, err := json.Marshal(v)
+	if err != nil {
+		s.writeError(w, r, err)
+		return
+	}
+	w.Header().Set("Cache-Control", "no-store")
+	writeJSON(w, status, body)
+}
