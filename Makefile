@@ -16,6 +16,16 @@ test: deps rules-test
 	$(GO) vet ./...
 	$(GO) test -count=1 -timeout 14m ./...
 
+## bench: each stage against its physical limit on a fresh local PostgreSQL
+## (fsync on), median of 3 runs; see BENCHMARKS.md. BENCH_ARGS=--quick runs
+## small sizes in a few minutes. Results: bench-results/ (JSON, markdown
+## table, CPU profiles).
+BENCH_ARGS ?=
+bench: deps build
+	@mkdir -p bench-results
+	./$(BIN) bench --out bench-results/results.json --markdown bench-results/results.md \
+	  --profile-dir bench-results/profiles $(BENCH_ARGS)
+
 ## build: the converge binary in bin/.
 build:
 	$(GO) build -o $(BIN) ./cmd/converge

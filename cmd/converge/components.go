@@ -18,6 +18,7 @@ import (
 	"golang.org/x/sync/errgroup"
 
 	"github.com/converge-run/converge/cdc"
+	"github.com/converge-run/converge/consumers/deadletter"
 	"github.com/converge-run/converge/consumers/reconciler"
 	"github.com/converge-run/converge/consumers/worker"
 	"github.com/converge-run/converge/internal/artifact"
@@ -100,6 +101,7 @@ func openRedis(url string) (*redis.Client, error) {
 type APICmd struct {
 	Services
 	Pipeline
+	MaxReplays int `env:"CONVERGE_DLQ_MAX_REPLAYS" default:"3" help:"Replays allowed per dead-lettered message through POST /v1/admin/dead-letters/{id}/replay; the next request marks it refused."`
 }
 
 // Run serves the API until interrupted.
@@ -124,23 +126,30 @@ func (c *APICmd) Run(env *runEnv) error {
 		return err
 	}
 	reg := newRegistry()
-	srv, err := api.New(api.Config{Pool: pool, Redis: rdb, ArtifactStore: store, MaxBodyBytes: c.MaxBodyBytes,
+	// The admin endpoints list and show dead letters from PostgreSQL; a
+	// replay re-publishes to Kafka, so it needs brokers (without them it
+	// answers 503 DEAD_LETTERS_UNAVAILABLE saying so).
+	dcfg := deadletter.Config{Pool: pool, MaxReplays: c.MaxReplays, Logger: env.log.With("component", "deadletter"), Registerer: reg}
+	if len(c.KafkaBrokers) > 0 {
+		producer, err := kgo.NewClient(kgo.SeedBrokers(c.KafkaBrokers...), kafkametrics.ClientMetrics(reg, "api"))
+		if err != nil {
+			return fmt.Errorf("dead-letter replay producer: %w", err)
+		}
+		defer producer.Close()
+		dcfg.Producer = producer
+	} else {
+		env.log.Warn("no Kafka brokers (CONVERGE_KAFKA_BROKERS): dead-letter replays through the admin API answer 503")
+	}
+	dls, err := deadletter.New(dcfg)
+	if err != nil {
+		return err
+	}
+	srv, err := api.New(api.Config{Pool: pool, Redis: rdb, ArtifactStore: store, MaxBodyBytes: c.MaxBodyBytes, DeadLetters: dls,
 		Logger: env.log, Registerer: reg, Gatherer: reg, Faults: env.faults})
 	if err != nil {
 		return err
 	}
-	hs := &http.Server{Addr: c.HTTPAddr, Handler: srv.Handler(), ReadHeaderTimeout: 10 * time.Second}
-	errc := make(chan error, 1)
-	go func() { errc <- hs.ListenAndServe() }()
-	env.log.Info("api listening", "addr", c.HTTPAddr)
-	select {
-	case err := <-errc:
-		return err
-	case <-env.ctx.Done():
-	}
-	sctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-	defer cancel()
-	return hs.Shutdown(sctx)
+	return srv.Run(env.ctx, c.HTTPAddr)
 }
 
 // RelayCmd runs the CDC relay.

@@ -154,8 +154,8 @@ func parseTime(s string, def time.Time) time.Time {
 type Config struct {
 	// Pool is the PostgreSQL pool. Required.
 	Pool *pgxpool.Pool
-	// Producer publishes replayed records. Required for Replay; List and
-	// Get work without it.
+	// Producer publishes replayed records. Required for Replay (which
+	// returns ErrNoProducer without it); List and Get work without it.
 	Producer *kgo.Client
 	// MaxReplays is how many times one dead letter may be replayed; the
 	// next request marks it refused. Defaults to DefaultMaxReplays (3).
@@ -165,7 +165,8 @@ type Config struct {
 	// worker.DefaultGroup.
 	DefaultGroup string
 	// Cache, when set, is invalidated for a re-opened task after the
-	// commit (its view would show failed until the next event).
+	// commit. Optional: the TaskRedriveRequested event written with the
+	// re-open makes the projector write the queued view anyway.
 	Cache *taskview.Cache
 	// Logger defaults to slog.Default().
 	Logger *slog.Logger
@@ -269,13 +270,25 @@ type Result struct {
 	Message string `json:"message"`
 }
 
+// ErrNoProducer: Replay was asked of a Service without a Kafka producer
+// (Config.Producer); nothing changed.
+var ErrNoProducer = errors.New("no Kafka producer configured: a replay cannot re-publish (set the Kafka brokers)")
+
+// ErrPublish: the broker did not acknowledge the re-published record in
+// time; the transaction was rolled back and nothing changed (the record
+// may still have reached the topic: the inbox absorbs a duplicate).
+var ErrPublish = errors.New("re-publish failed")
+
 // Replay handles one replay request for dead letter id (see the package
-// doc). It returns ErrNotFound, ErrReasonRequired, or a database/broker
-// error (outcome error, nothing changed); refused and no-op answers are
-// Results, not errors.
+// doc). It returns ErrReasonRequired, ErrNoProducer, ErrNotFound, ErrPublish
+// or a database error (outcome error, nothing changed); refused and no-op
+// answers are Results, not errors.
 func (s *Service) Replay(ctx context.Context, id int64, req Request) (Result, error) {
 	if strings.TrimSpace(req.Reason) == "" {
 		return Result{ID: id}, ErrReasonRequired
+	}
+	if s.cfg.Producer == nil {
+		return Result{ID: id}, ErrNoProducer
 	}
 	if req.By == "" {
 		req.By = "unknown"
@@ -302,63 +315,83 @@ func (s *Service) replay(ctx context.Context, id int64, req Request) (Result, st
 	res := Result{ID: id}
 	var reopened string
 	err := pgx.BeginFunc(ctx, s.cfg.Pool, func(tx pgx.Tx) error {
-		reopened = ""
+		res, reopened = Result{ID: id}, ""
+		replays, err := lockMessage(ctx, tx, id)
+		if err != nil {
+			return err
+		}
 		d, err := get(ctx, tx, id, "FOR UPDATE")
 		if err != nil {
 			return err
 		}
 		res.State, res.ReplayCount = d.State, d.ReplayCount
-		switch {
-		case d.State == StateResolved:
+		switch d.State {
+		case StateResolved:
 			res.Outcome, res.Message = OutcomeNoop, "dead letter already resolved; nothing replayed"
 			return nil
-		case d.State == StateRefused:
-			res.Outcome, res.Message = OutcomeRefused, fmt.Sprintf("dead letter refused earlier (replayed %d times, limit %d); a person must decide", d.ReplayCount, s.cfg.MaxReplays)
+		case StateRefused:
+			res.Outcome, res.Message = OutcomeRefused, fmt.Sprintf("dead letter refused earlier (message replayed %d times, limit %d); a person must decide", replays, s.cfg.MaxReplays)
 			return nil
-		case d.ReplayCount >= s.cfg.MaxReplays:
-			res.Outcome, res.State = OutcomeRefused, StateRefused
-			res.Message = fmt.Sprintf("replayed %d times already (limit %d): refused, nothing published", d.ReplayCount, s.cfg.MaxReplays)
-			return recordReplay(ctx, tx, id, StateRefused, 0, req.By, req.Reason, res.Message)
 		}
+		group := d.ConsumerGroup
+		if group == "" {
+			group = s.cfg.DefaultGroup
+		}
+		if d.MessageID != nil {
+			if err := lockInbox(ctx, tx, group, *d.MessageID); err != nil {
+				return err
+			}
+		}
+		var task *taskState
 		if d.TaskID != nil {
 			t, found, err := lockTask(ctx, tx, *d.TaskID)
 			if err != nil {
 				return err
 			}
 			if found {
-				failedHere := t.Status == taskevent.StatusFailed && t.Code != nil && *t.Code == d.ErrorCode
-				switch {
-				case t.Status == taskevent.StatusCompleted, taskevent.Terminal(t.Status) && !failedHere:
-					code := ""
-					if t.Code != nil {
-						code = " (" + *t.Code + ")"
-					}
-					res.Outcome, res.State = OutcomeNoop, StateResolved
-					res.Message = fmt.Sprintf("task %s is already %s%s, not because of this dead letter; nothing replayed", *d.TaskID, t.Status, code)
-					return recordReplay(ctx, tx, id, StateResolved, 0, req.By, req.Reason, res.Message)
-				case failedHere:
-					ok, err := reopenTask(ctx, tx, *d.TaskID, t.Version)
-					if err != nil {
-						return err
-					}
-					if !ok {
-						return fmt.Errorf("task %s changed while locked", *d.TaskID)
-					}
-					res.TaskReopened, reopened = true, *d.TaskID
-				}
+				task = &t
 			}
 		}
-		if d.MessageID != nil {
-			group := d.ConsumerGroup
-			if group == "" {
-				group = s.cfg.DefaultGroup
+		failedHere := task != nil && task.Status == taskevent.StatusFailed && task.Code != nil && *task.Code == d.ErrorCode
+		if task != nil && taskevent.Terminal(task.Status) && !failedHere {
+			code := ""
+			if task.Code != nil {
+				code = " (" + *task.Code + ")"
 			}
+			res.Outcome, res.State = OutcomeNoop, StateResolved
+			res.Message = fmt.Sprintf("task %s is already %s%s, not because of this dead letter; nothing replayed", *d.TaskID, task.Status, code)
+			return recordReplay(ctx, tx, id, StateResolved, 0, req.By, req.Reason, res.Message)
+		}
+		if d.State == StateReplayed {
+			// Replayed before (a concurrent request may just have done it):
+			// its redelivery is in flight or done; one that failed again is
+			// parked as a new dead letter, which is the one to replay.
+			res.Outcome = OutcomeNoop
+			res.Message = fmt.Sprintf("dead letter already replayed (%d times); nothing published: a redelivery that failed again is parked as a new dead letter", d.ReplayCount)
+			return recordReplay(ctx, tx, id, StateReplayed, 0, req.By, req.Reason, res.Message)
+		}
+		if replays >= s.cfg.MaxReplays {
+			res.Outcome, res.State = OutcomeRefused, StateRefused
+			res.Message = fmt.Sprintf("message replayed %d times already (limit %d): refused, nothing published", replays, s.cfg.MaxReplays)
+			return recordReplay(ctx, tx, id, StateRefused, 0, req.By, req.Reason, res.Message)
+		}
+		if failedHere {
+			t, ok, err := reopenTask(ctx, tx, *d.TaskID, task.Version)
+			if err != nil {
+				return err
+			}
+			if !ok {
+				return fmt.Errorf("task %s changed while locked", *d.TaskID)
+			}
+			if _, err := insertRedrive(ctx, tx, t); err != nil {
+				return err
+			}
+			res.TaskReopened, reopened = true, *d.TaskID
+		}
+		if d.MessageID != nil {
 			if _, err := resetInbox(ctx, tx, group, *d.MessageID); err != nil {
 				return err
 			}
-		}
-		if s.cfg.Producer == nil {
-			return errors.New("deadletter: no Kafka producer configured")
 		}
 		rec := &kgo.Record{Topic: d.OriginTopic, Key: d.Key, Value: d.Value}
 		for _, h := range d.Headers {
@@ -368,12 +401,12 @@ func (s *Service) replay(ctx context.Context, id int64, req Request) (Result, st
 		err = s.cfg.Producer.ProduceSync(pctx, rec).FirstErr()
 		cancel()
 		if err != nil {
-			return fmt.Errorf("re-publish dead letter %d to %s: %w", id, d.OriginTopic, err)
+			return fmt.Errorf("%w: dead letter %d to %s: %w", ErrPublish, id, d.OriginTopic, err)
 		}
 		res.Outcome, res.State, res.ReplayCount = OutcomeReplayed, StateReplayed, d.ReplayCount+1
-		res.Message = fmt.Sprintf("original record re-published to %s (replay %d of %d)", d.OriginTopic, res.ReplayCount, s.cfg.MaxReplays)
+		res.Message = fmt.Sprintf("original record re-published to %s (replay %d of %d)", d.OriginTopic, replays+1, s.cfg.MaxReplays)
 		if res.TaskReopened {
-			res.Message += fmt.Sprintf("; task %s re-opened (failed -> queued)", *d.TaskID)
+			res.Message += fmt.Sprintf("; task %s re-opened (failed -> queued, TaskRedriveRequested written)", *d.TaskID)
 		}
 		return recordReplay(ctx, tx, id, StateReplayed, 1, req.By, req.Reason, res.Message)
 	})

@@ -29,29 +29,45 @@
 // Replay re-publishes the ORIGINAL record — same key, value and headers
 // (the dlq-* headers are not part of it), so the same event id — to the
 // original topic, in one database transaction that holds the dead letter's
-// row lock while the broker acknowledges:
+// row lock while the broker acknowledges. It needs a Kafka producer
+// (ErrNoProducer otherwise, before anything is read or written).
 //
-//  1. the dead letter is locked; resolved or refused ones are answered as
-//     they are; one at MaxReplays becomes refused;
-//  2. its task (when the record names one) decides: completed, or failed or
-//     compensated with another terminal_error_code than the dead letter's,
-//     makes the replay a no-op (state resolved, a clear message); a task
-//     failed WITH the dead letter's code is re-opened by a compare-and-set
-//     on its version (failed -> queued, version+1, terminal_error_code
-//     cleared); a queued or running task is left as it is;
-//  3. the worker's inbox row of the message (consumer group from the dead
+//  1. every dead letter of the same message (event id) is locked, in id
+//     order; resolved or refused ones are answered as they are;
+//  2. the worker's inbox row of the message, then the task (when the record
+//     names one), are locked — the order of the worker's transactions;
+//  3. the task decides: completed, or failed or compensated with another
+//     terminal_error_code than the dead letter's, makes the replay a no-op
+//     (state resolved, a clear message);
+//  4. a dead letter already replayed is a no-op (state unchanged): its
+//     redelivery is in flight or done, and one that failed again was
+//     parked as a new dead letter — so concurrent requests for one dead
+//     letter publish once;
+//  5. when the message was replayed MaxReplays times in all (the sum of
+//     replay_count over its dead letters: each re-dead-lettering makes a
+//     new one), the dead letter becomes refused and nothing is published;
+//  6. a task failed WITH the dead letter's code is re-opened by a
+//     compare-and-set on its version (failed -> queued, version+1,
+//     terminal_error_code cleared) and a TaskRedriveRequested outbox event
+//     of the new version is written in the same transaction: the projector
+//     replaces the failed view with the queued one, and the worker drives
+//     the task from whichever of the two records (this event, the
+//     re-published original) comes first — the other finds the task
+//     running or terminal and is a duplicate. A queued or running task is
+//     left as it is;
+//  7. the worker's inbox row of the message (consumer group from the dead
 //     letter) is reset to processing when it is failed, so the redelivery
 //     is processed instead of being taken as a duplicate; the worker starts
 //     a queued task whose version is above the event's from its current
-//     version;
-//  4. the original record is produced and acknowledged, then the dead
+//     version, resuming the task's unfinished artifact effect (same token);
+//  8. the original record is produced and acknowledged, then the dead
 //     letter becomes replayed (replay_count+1) and the transaction commits.
 //
-// A produce failure rolls everything back. A commit failure after the
-// produce leaves the redelivery a duplicate (the inbox row is still failed)
-// and the replay can be asked again. The worker's inbox insert waits for
-// the row lock of step 3, so it never sees the old state after the
-// replayed record arrives.
+// A produce failure (ErrPublish) rolls everything back. A commit failure
+// after the produce leaves the redelivery a duplicate (the inbox row is
+// still failed) and the replay can be asked again. The worker's inbox
+// insert waits for the row lock of step 7, so it never sees the old state
+// after the replayed record arrives.
 //
 // # Metrics
 //

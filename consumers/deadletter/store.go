@@ -6,9 +6,12 @@ import (
 	"errors"
 	"fmt"
 
+	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/converge-run/converge/internal/taskevent"
 )
 
 // All SQL of the dead-letter store. State changes are compare-and-sets on
@@ -153,15 +156,82 @@ func lockTask(ctx context.Context, q querier, taskID string) (taskState, bool, e
 }
 
 // reopenTask moves a task failed at version back to queued (version+1, no
-// terminal error code); false when it changed meanwhile.
-func reopenTask(ctx context.Context, q querier, taskID string, version int64) (bool, error) {
-	tag, err := q.Exec(ctx, `
-UPDATE task SET status = 'queued', version = version + 1, terminal_error_code = NULL, updated_at = now()
-WHERE task_id = $1 AND status = 'failed' AND version = $2`, taskID, version)
-	if err != nil {
-		return false, fmt.Errorf("reopen task %s: %w", taskID, err)
+// terminal error code, no artifact) and returns the task as re-opened;
+// found is false when it changed meanwhile.
+func reopenTask(ctx context.Context, q querier, taskID string, version int64) (taskevent.Task, bool, error) {
+	var t taskevent.Task
+	err := q.QueryRow(ctx, `
+UPDATE task SET status = 'queued', version = version + 1, terminal_error_code = NULL,
+  artifact_sha256 = NULL, artifact_size = NULL, completed_at = NULL, updated_at = now()
+WHERE task_id = $1 AND status = 'failed' AND version = $2
+RETURNING task_id, status, version, attempt, output_format, input_sha256, input_size,
+  artifact_sha256, artifact_size, terminal_error_code, created_at, updated_at, completed_at`, taskID, version).Scan(
+		&t.TaskID, &t.Status, &t.Version, &t.Attempt, &t.OutputFormat, &t.InputSHA256, &t.InputSize,
+		&t.ArtifactSHA256, &t.ArtifactSize, &t.TerminalErrorCode, &t.CreatedAt, &t.UpdatedAt, &t.CompletedAt)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return t, false, nil
 	}
-	return tag.RowsAffected() == 1, nil
+	if err != nil {
+		return t, false, fmt.Errorf("reopen task %s: %w", taskID, err)
+	}
+	t.CreatedAt, t.UpdatedAt = t.CreatedAt.UTC(), t.UpdatedAt.UTC()
+	return t, true, nil
+}
+
+// insertRedrive writes the TaskRedriveRequested outbox event of a task
+// re-opened at t.Version (seed 4: in the transaction of the change). The
+// projector writes the queued view from it (its version is newer than the
+// failed view's); the worker drives the task from it like from
+// TaskCreated. It returns the event id.
+func insertRedrive(ctx context.Context, q querier, t taskevent.Task) (string, error) {
+	id, err := uuid.NewV7()
+	if err != nil {
+		return "", fmt.Errorf("new outbox id: %w", err)
+	}
+	ev := taskevent.Event{EventID: id.String(), EventType: taskevent.TypeTaskRedriveRequested, SchemaVersion: taskevent.SchemaVersion,
+		TaskID: t.TaskID, TaskVersion: t.Version, OccurredAt: t.UpdatedAt, Task: t}
+	value, sum, err := taskevent.Encode(&ev)
+	if err != nil {
+		return "", err
+	}
+	_, err = q.Exec(ctx, `
+INSERT INTO outbox_event (outbox_id, aggregate_id, aggregate_version, event_type, payload, payload_sha256)
+VALUES ($1, $2, $3, $4, $5::jsonb, $6)`, ev.EventID, t.TaskID, t.Version, ev.EventType, string(value), sum)
+	if err != nil {
+		return "", fmt.Errorf("insert re-drive of re-opened task %s: %w", t.TaskID, err)
+	}
+	return ev.EventID, nil
+}
+
+// lockInbox locks the worker's inbox row of a message (when it exists)
+// before the task row, the order every worker transaction takes (inbox,
+// task, effect, outbox), so a replay and a delivery never deadlock.
+func lockInbox(ctx context.Context, q querier, consumer, messageID string) error {
+	_, err := q.Exec(ctx, `SELECT 1 FROM inbox_message WHERE consumer_name = $1 AND message_id = $2 FOR UPDATE`, consumer, messageID)
+	if err != nil {
+		return fmt.Errorf("lock inbox message %s: %w", messageID, err)
+	}
+	return nil
+}
+
+// lockMessage locks every dead letter of the message of dead letter id
+// (in id order, so concurrent replays never deadlock) and returns how many
+// times the message was replayed in all: a record that failed again after
+// a replay is dead-lettered anew under a new origin offset, and MaxReplays
+// bounds the message, not one of its dead letters.
+func lockMessage(ctx context.Context, q querier, id int64) (int, error) {
+	var n int
+	err := q.QueryRow(ctx, `
+WITH m AS (SELECT message_id FROM dead_letter WHERE dead_letter_id = $1),
+locked AS (
+  SELECT d.dead_letter_id, d.replay_count FROM dead_letter d, m
+  WHERE d.dead_letter_id = $1 OR (m.message_id IS NOT NULL AND d.message_id = m.message_id)
+  ORDER BY d.dead_letter_id FOR UPDATE OF d)
+SELECT COALESCE(sum(replay_count), 0)::int FROM locked`, id).Scan(&n)
+	if err != nil {
+		return 0, fmt.Errorf("lock dead letters of the message of %d: %w", id, err)
+	}
+	return n, nil
 }
 
 // resetInbox makes a failed inbox row processing again so that the

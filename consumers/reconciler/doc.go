@@ -17,6 +17,15 @@
 //	present, does not match                                   -> compensation_required (ARTIFACT_VERIFICATION_FAILED)
 //	absent                                                    -> planned: not executed, safe to retry with the same token
 //
+// A task has at most one verified artifact.put effect: a partial unique
+// index (migration 00003) decides. An effect found matching while another
+// effect of its task is already verified (an earlier attempt resolved late,
+// after a dead-letter replay) is "superseded": it becomes
+// compensation_required with error code ARTIFACT_SUPERSEDED and its object
+// is hidden in the same pass, as below. (The worker resumes a task's
+// unfinished effect with its own attempt and token, so this is the
+// constraint's last line of defence, not the common path.)
+//
 // An effect in compensation_required past the deadline is compensated (seed
 // 8): a ledger row of kind artifact.hide with token
 // "compensation-for-<effect_id>" is written first (or found: the worker
@@ -77,7 +86,7 @@
 //
 // # Metrics
 //
-//	converge_reconciler_actions_total{kind}          counter   actions, by kind: verified, planned, compensation_required, compensated, compensation_observed, skipped (lost compare-and-set), error, inbox_released, task_redriven, idempotency_resolved, cache_repaired, dead_letter_recorded
+//	converge_reconciler_actions_total{kind}          counter   actions, by kind: verified, planned, compensation_required, superseded, compensated, compensation_observed, skipped (lost compare-and-set), error, inbox_released, task_redriven, idempotency_resolved, cache_repaired, dead_letter_recorded
 //	converge_reconciler_passes_total{result}         counter   passes, by result: ok, error (a scan failed)
 //	converge_reconciler_pass_seconds                 histogram duration of one pass
 //	converge_deadletter_unresolved                   gauge     dead letters in state parked or refused (they need a person)

@@ -63,7 +63,18 @@ const (
 	// ActionDeadLetterRecorded: a record of the dead-letter topic was
 	// recorded in dead_letter.
 	ActionDeadLetterRecorded = "dead_letter_recorded"
+	// ActionSuperseded: an effect started/unknown past the deadline was
+	// found matching in the store while another artifact.put effect of its
+	// task is already verified (at most one may be: the unique index of
+	// migration 00003): -> compensation_required (ARTIFACT_SUPERSEDED), and
+	// its object is hidden in the same pass (counted as compensated).
+	ActionSuperseded = "superseded"
 )
+
+// CodeArtifactSuperseded is the effect error code of an artifact that
+// matched its request but was not verified because another effect of the
+// same task is; it is compensated (hidden).
+const CodeArtifactSuperseded = "ARTIFACT_SUPERSEDED"
 
 // Config configures a Reconciler. Zero values take the defaults noted.
 type Config struct {
@@ -266,8 +277,10 @@ type Result struct {
 	// Examined is the number of effects the pass read.
 	Examined int
 	// Verified, Planned, CompensationRequired and Compensated count the
-	// repairs written, by new state.
-	Verified, Planned, CompensationRequired, Compensated int
+	// repairs written, by new state; Superseded counts effects that matched
+	// while another effect of their task was verified (each also counts in
+	// Compensated once hidden).
+	Verified, Planned, CompensationRequired, Compensated, Superseded int
 	// Skipped counts compare-and-sets that found the effect changed
 	// concurrently (nothing written).
 	Skipped int
@@ -286,7 +299,7 @@ type Result struct {
 
 // Repairs is the number of repairs written by the pass.
 func (res Result) Repairs() int {
-	return res.Verified + res.Planned + res.CompensationRequired + res.Compensated + res.CompensationsObserved +
+	return res.Verified + res.Planned + res.CompensationRequired + res.Superseded + res.Compensated + res.CompensationsObserved +
 		res.InboxReleased + res.TasksRedriven + res.IdempotencyResolved + res.CacheRepaired
 }
 
@@ -299,7 +312,9 @@ func (res Result) Repairs() int {
 //     SHA-256 -> verified (with observed_result_sha256); present and not
 //     matching -> compensation_required (error_code
 //     ARTIFACT_VERIFICATION_FAILED); absent -> planned (not executed, safe
-//     to retry with the same token).
+//     to retry with the same token). Present and matching while another
+//     effect of the task is verified -> compensation_required
+//     (ARTIFACT_SUPERSEDED), compensated at once as in step 2.
 //  2. Effects of kind artifact.put in state compensation_required past the
 //     deadline (at most BatchSize) are compensated (seed 8): an
 //     artifact.hide ledger row with token "compensation-for-<effect_id>",
@@ -329,7 +344,12 @@ func (r *Reconciler) pass(ctx context.Context, res *Result) error {
 	}
 	for _, e := range unresolved {
 		res.Examined++
-		r.count(res, r.resolve(ctx, e))
+		action := r.resolve(ctx, e)
+		r.count(res, action)
+		if action == ActionSuperseded {
+			e.State = stateCompensationRequired
+			r.count(res, r.compensate(ctx, e))
+		}
 	}
 	pending, err := staleEffects(ctx, r.pool, kindArtifactPut, []string{stateCompensationRequired}, r.cfg.EffectDeadline, r.cfg.BatchSize)
 	if err != nil {
@@ -356,6 +376,8 @@ func (r *Reconciler) count(res *Result, action string) {
 	case ActionCompensationObserved:
 		res.Compensated++
 		res.CompensationsObserved++
+	case ActionSuperseded:
+		res.Superseded++
 	case ActionSkipped:
 		res.Skipped++
 	default:
@@ -386,6 +408,21 @@ func (r *Reconciler) resolve(ctx context.Context, e effect) string {
 		r.beforeRepair(ctx, e.EffectID)
 	}
 	ok, err := setState(ctx, r.pool, e.EffectID, e.State, to, observed, code)
+	if to == stateVerified && oneVerifiedViolation(err) {
+		// Another effect of the task is verified: this artifact is one too
+		// many; mark it for compensation instead (pass hides it).
+		c := CodeArtifactSuperseded
+		ok, err = setState(ctx, r.pool, e.EffectID, e.State, stateCompensationRequired, observed, &c)
+		if err != nil {
+			log.WarnContext(ctx, "repair superseded effect", slog.Any("err", err))
+			return ActionError
+		}
+		if !ok {
+			return ActionSkipped
+		}
+		log.WarnContext(ctx, "effect superseded: another artifact of the task is verified; compensating")
+		return ActionSuperseded
+	}
 	if err != nil {
 		log.WarnContext(ctx, "repair effect", slog.Any("err", err))
 		return ActionError
@@ -484,7 +521,7 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 	m := &metrics{
 		actions: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "converge_reconciler_actions_total",
-			Help: "Reconciler actions, by kind: effects (verified, planned, compensation_required, compensated, compensation_observed, skipped, error), inbox_released, task_redriven, idempotency_resolved, cache_repaired, dead_letter_recorded.",
+			Help: "Reconciler actions, by kind: effects (verified, planned, compensation_required, superseded, compensated, compensation_observed, skipped, error), inbox_released, task_redriven, idempotency_resolved, cache_repaired, dead_letter_recorded.",
 		}, []string{"kind"}),
 		passes: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "converge_reconciler_passes_total",
@@ -509,7 +546,7 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 		}),
 	}
 	for _, k := range []string{ActionVerified, ActionPlanned, ActionCompensationRequired, ActionCompensated, ActionSkipped, ActionError,
-		ActionCompensationObserved, ActionInboxReleased, ActionTaskRedriven, ActionIdempotencyResolved, ActionCacheRepaired, ActionDeadLetterRecorded} {
+		ActionCompensationObserved, ActionInboxReleased, ActionTaskRedriven, ActionIdempotencyResolved, ActionCacheRepaired, ActionDeadLetterRecorded, ActionSuperseded} {
 		m.actions.WithLabelValues(k)
 	}
 	for _, c := range []prometheus.Collector{m.actions, m.passes, m.passSeconds, m.unresolved, m.outboxRows, m.outboxAge} {

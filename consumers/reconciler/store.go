@@ -104,6 +104,16 @@ WHERE effect_id = $1 AND state = $2`, effectID, from, to, observed, code)
 	return tag.RowsAffected() == 1, nil
 }
 
+// oneVerifiedIndex allows at most one verified artifact.put effect per
+// task (migration 00003; worker.OneVerifiedIndex).
+const oneVerifiedIndex = "effect_ledger_one_verified_put_idx"
+
+// oneVerifiedViolation reports whether err violates oneVerifiedIndex.
+func oneVerifiedViolation(err error) bool {
+	var pe *pgconn.PgError
+	return errors.As(err, &pe) && pe.Code == "23505" && pe.ConstraintName == oneVerifiedIndex
+}
+
 // planHide writes the ledger row of the compensation of effect e (kind
 // artifact.hide, token "compensation-for-<effect_id>", seed 8) unless it
 // exists, and returns its id and current state.

@@ -182,8 +182,20 @@ func (w *Worker) intake(ctx context.Context, tx pgx.Tx, j *job) (string, error) 
 		return OutcomeFailed, nil
 	}
 	j.artifact = out
-	token := artifact.Token(task.TaskID, task.Attempt)
-	want := effectRow{EffectID: token, TaskID: task.TaskID, Attempt: task.Attempt, Kind: kindArtifactPut, Token: token,
+	// A task re-opened by a dead-letter replay (or re-driven) may have an
+	// artifact effect of an earlier attempt whose outcome is not known
+	// (planned, started, unknown) or that is verified: resume it with its
+	// own attempt and token (seed 7: retry with the same token) instead of
+	// writing a second artifact under a new token, which the reconciler
+	// could verify next to the first.
+	attempt := task.Attempt
+	if prev, found, err := liveEffect(ctx, tx, task.TaskID); err != nil {
+		return "", err
+	} else if found {
+		attempt = prev.Attempt
+	}
+	token := artifact.Token(task.TaskID, attempt)
+	want := effectRow{EffectID: token, TaskID: task.TaskID, Attempt: attempt, Kind: kindArtifactPut, Token: token,
 		TargetIdentity: "artifact://" + token, State: effectStarted, RequestSHA256: canon.SHA256Hex(out), RequestSize: int64(len(out))}
 	eff, planned, err := planEffect(ctx, tx, want)
 	if err != nil {
@@ -234,7 +246,7 @@ func (w *Worker) execute(ctx context.Context, j *job) (string, error) {
 	case errors.Is(err, artifact.ErrInvalidToken):
 		return w.fail(ctx, j, from, effectFailed, nil, CodeArtifactTokenInvalid)
 	case errors.Is(err, artifact.ErrNotFound):
-		_, perr := w.store.Put(eff.Token, j.task.TaskID, j.task.Attempt, j.artifact)
+		_, perr := w.store.Put(eff.Token, j.task.TaskID, eff.Attempt, j.artifact)
 		switch {
 		case perr == nil, errors.Is(perr, artifact.ErrTokenConflict):
 			// a conflict is caught by the read-back below
@@ -265,7 +277,7 @@ func (w *Worker) execute(ctx context.Context, j *job) (string, error) {
 	if err != nil {
 		return "", fmt.Errorf("read back artifact %s: %w", eff.Token, err)
 	}
-	if !Verified(obs, j.task.TaskID, j.task.Attempt, eff.RequestSize, eff.RequestSHA256) {
+	if !Verified(obs, j.task.TaskID, eff.Attempt, eff.RequestSize, eff.RequestSHA256) {
 		w.log.ErrorContext(ctx, "artifact verification failed", slog.String("task_id", j.task.TaskID), slog.String("token", eff.Token),
 			slog.String("expected_sha256", eff.RequestSHA256), slog.String("observed_sha256", obs.SHA256),
 			slog.Int64("expected_size", eff.RequestSize), slog.Int64("observed_size", obs.Size))
@@ -317,6 +329,12 @@ func (w *Worker) complete(ctx context.Context, j *job, from, sha string, size in
 		_, err = insertOutbox(ctx, tx, taskevent.TypeTaskCompleted, t)
 		return err
 	})
+	if OneVerifiedViolation(err) {
+		// Another effect of the task was verified meanwhile (an earlier
+		// attempt's, by the reconciler): retry; the next intake completes
+		// the task with that one, and the reconciler hides this artifact.
+		return "", fmt.Errorf("effect %s: another artifact of task %s is verified: %w", j.effect.EffectID, j.task.TaskID, errConcurrentChange)
+	}
 	if err != nil {
 		return "", err
 	}

@@ -288,6 +288,38 @@ FROM effect_ledger WHERE effect_kind = $1 AND idempotency_token = $2`, e.Kind, e
 	return r, tag.RowsAffected() == 1, nil
 }
 
+// OneVerifiedIndex is the partial unique index that allows at most one
+// verified artifact.put effect per task (migration 00003).
+const OneVerifiedIndex = "effect_ledger_one_verified_put_idx"
+
+// OneVerifiedViolation reports whether err is the violation of
+// OneVerifiedIndex: another artifact.put effect of the task is verified.
+func OneVerifiedViolation(err error) bool {
+	var pe *pgconn.PgError
+	return errors.As(err, &pe) && pe.Code == "23505" && pe.ConstraintName == OneVerifiedIndex
+}
+
+// liveEffect returns the task's artifact.put effect that a new attempt
+// must resume rather than replace: a verified one, else the one of the
+// highest attempt in planned, started, unknown or completed (its outcome
+// is not known). found is false when there is none (no effect yet, or only
+// failed or compensated ones).
+func liveEffect(ctx context.Context, q querier, taskID string) (effectRow, bool, error) {
+	var r effectRow
+	err := q.QueryRow(ctx, `
+SELECT effect_id, attempt, idempotency_token, state FROM effect_ledger
+WHERE task_id = $1 AND effect_kind = 'artifact.put' AND state IN ('planned', 'started', 'unknown', 'completed', 'verified')
+ORDER BY state = 'verified' DESC, attempt DESC
+LIMIT 1`, taskID).Scan(&r.EffectID, &r.Attempt, &r.Token, &r.State)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return r, false, nil
+	}
+	if err != nil {
+		return r, false, fmt.Errorf("read artifact effects of task %s: %w", taskID, err)
+	}
+	return r, true, nil
+}
+
 // setEffectState moves an effect from state from to state to (a
 // compare-and-set); observed and code are stored when non-nil. It returns
 // false when the effect was no longer in state from.

@@ -358,8 +358,12 @@ func (c *consumer) commit(ctx context.Context, why string) {
 	if len(offs) == 0 {
 		return
 	}
+	// The outcomes are durable: commit them even when ctx was just
+	// cancelled (shutdown), bounded by its own deadline.
+	cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
+	defer cancel()
 	var cerr error
-	c.cl.CommitOffsetsSync(ctx, offs, func(_ *kgo.Client, _ *kmsg.OffsetCommitRequest, resp *kmsg.OffsetCommitResponse, err error) {
+	c.cl.CommitOffsetsSync(cctx, offs, func(_ *kgo.Client, _ *kmsg.OffsetCommitRequest, resp *kmsg.OffsetCommitResponse, err error) {
 		if err != nil {
 			cerr = err
 			return

@@ -69,7 +69,11 @@ func runE2E(ctx context.Context, e *env, res *Results) error {
 	}()
 	defer func() {
 		cancel()
-		<-done
+		select {
+		case <-done:
+		case <-time.After(30 * time.Second):
+			e.progress("e2e     the pipeline did not stop within 30s after cancellation; going on")
+		}
 		dropSlots(e, "bench_e2e")
 	}()
 	select {

@@ -175,7 +175,12 @@ func fillOutbox(ctx context.Context, pool *pgxpool.Pool, fx *fixtures, n int, pr
 			return 0, fmt.Errorf("fill outbox: %w", err)
 		}
 	}
-	// The last row, in a transaction that reports the LSN before it commits.
+	// The last row, in a transaction that reports the LSN before it commits,
+	// committed synchronously: that flushes the WAL of every row before it
+	// (a WAL sender sends only flushed WAL).
+	if _, err := conn.Exec(ctx, "SET synchronous_commit = on"); err != nil {
+		return 0, err
+	}
 	tx, err := conn.Begin(ctx)
 	if err != nil {
 		return 0, err
@@ -191,9 +196,6 @@ func fillOutbox(ctx context.Context, pool *pgxpool.Pool, fx *fixtures, n int, pr
 		return 0, err
 	}
 	if err := tx.Commit(ctx); err != nil {
-		return 0, err
-	}
-	if _, err := conn.Exec(ctx, "SET synchronous_commit = on"); err != nil {
 		return 0, err
 	}
 	return pglogrepl.ParseLSN(lsn)

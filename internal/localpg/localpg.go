@@ -13,6 +13,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"net"
 	"os"
 	"os/exec"
 	"os/user"
@@ -124,6 +125,9 @@ func Start(ctx context.Context, cfg Config) (*Cluster, error) {
 		return nil, err
 	}
 	waitForOldPostmaster(dataDir, cfg.Logger)
+	if err := portFree(cfg.Port); err != nil {
+		return nil, err
+	}
 	logPath := filepath.Join(dataDir, "server.log")
 	logf, err := os.OpenFile(logPath, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644)
 	if err != nil {
@@ -174,7 +178,15 @@ func Start(ctx context.Context, cfg Config) (*Cluster, error) {
 	for {
 		conn, err := pgx.Connect(ctx, c.URL("postgres"))
 		if err == nil {
+			// Make sure we reached our own server, not another one that
+			// took the port after portFree looked.
+			var dir string
+			qerr := conn.QueryRow(ctx, "SHOW data_directory").Scan(&dir)
 			conn.Close(ctx)
+			if qerr == nil && filepath.Clean(dir) != dataDir {
+				c.Stop()
+				return nil, fmt.Errorf("port %d is served by another PostgreSQL (data directory %s)", cfg.Port, dir)
+			}
 			break
 		}
 		select {
@@ -294,4 +306,15 @@ func checkTraversable(dir string, cred *syscall.Credential) error {
 			return nil
 		}
 	}
+}
+
+// portFree reports an error when something already listens on
+// 127.0.0.1:port: PostgreSQL would fail to bind and the start-up check
+// would reach the other server.
+func portFree(port int) error {
+	l, err := net.Listen("tcp", "127.0.0.1:"+strconv.Itoa(port))
+	if err != nil {
+		return fmt.Errorf("port %d on 127.0.0.1 is already in use (choose another with CONVERGE_DEV_PG_PORT): %w", port, err)
+	}
+	return l.Close()
 }

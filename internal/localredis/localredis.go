@@ -7,10 +7,12 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"strconv"
+	"strings"
 	"syscall"
 	"time"
 
@@ -56,6 +58,11 @@ func Start(ctx context.Context, cfg Config) (*Server, error) {
 	if !cfg.Persist {
 		args = append(args, "--save", "")
 	}
+	if l, err := net.Listen("tcp", "127.0.0.1:"+strconv.Itoa(cfg.Port)); err != nil {
+		return nil, fmt.Errorf("port %d on 127.0.0.1 is already in use (choose another with CONVERGE_DEV_REDIS_PORT): %w", cfg.Port, err)
+	} else {
+		l.Close()
+	}
 	cmd := exec.Command(bin, args...)
 	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGTERM, Setpgid: true}
 	if err := cmd.Start(); err != nil {
@@ -68,6 +75,12 @@ func Start(ctx context.Context, cfg Config) (*Server, error) {
 	deadline := time.Now().Add(20 * time.Second)
 	for {
 		if err := cl.Ping(ctx).Err(); err == nil {
+			// Our own server, not another one that took the port meanwhile.
+			info, _ := cl.Info(ctx, "server").Result()
+			if !strings.Contains(info, "process_id:"+strconv.Itoa(cmd.Process.Pid)+"\r") {
+				s.Stop()
+				return nil, fmt.Errorf("port %d is served by another Redis", cfg.Port)
+			}
 			return s, nil
 		}
 		select {

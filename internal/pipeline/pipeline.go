@@ -11,7 +11,6 @@ import (
 	"fmt"
 	"log/slog"
 	"net"
-	"net/http"
 	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -231,7 +230,6 @@ func Run(ctx context.Context, cfg Config) error {
 			return fmt.Errorf("listen %s: %w", cfg.HTTPAddr, err)
 		}
 	}
-	httpSrv := &http.Server{Handler: srv.Handler(), ReadHeaderTimeout: 10 * time.Second}
 
 	g, gctx := errgroup.WithContext(ctx)
 	run := func(name string, fn func(context.Context) error) {
@@ -258,16 +256,7 @@ func Run(ctx context.Context, cfg Config) error {
 		if cfg.Ready != nil {
 			cfg.Ready(ln.Addr().String())
 		}
-		if err := httpSrv.Serve(ln); err != nil && !errors.Is(err, http.ErrServerClosed) {
-			return fmt.Errorf("api: %w", err)
-		}
-		return nil
-	})
-	g.Go(func() error {
-		<-gctx.Done()
-		sctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-		defer cancel()
-		return httpSrv.Shutdown(sctx)
+		return srv.Serve(gctx, ln)
 	})
 	err = g.Wait()
 	if err != nil {

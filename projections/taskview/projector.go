@@ -289,12 +289,16 @@ func (p *Projector) commit(ctx context.Context, cl *kgo.Client, only []int32) {
 	if len(offsets) == 0 {
 		return
 	}
+	// The projections are written: commit them even when ctx was just
+	// cancelled (shutdown), bounded by its own deadline.
+	cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
+	defer cancel()
 	var cerr error
-	cl.CommitOffsetsSync(ctx, map[string]map[int32]kgo.EpochOffset{p.cfg.Topic: offsets},
+	cl.CommitOffsetsSync(cctx, map[string]map[int32]kgo.EpochOffset{p.cfg.Topic: offsets},
 		func(_ *kgo.Client, _ *kmsg.OffsetCommitRequest, resp *kmsg.OffsetCommitResponse, err error) {
 			cerr = commitError(resp, err)
 		})
-	if cerr != nil && ctx.Err() == nil {
+	if cerr != nil {
 		p.log.WarnContext(ctx, "projector offset commit failed (records will be projected again)", slog.Any("error", cerr))
 	}
 }

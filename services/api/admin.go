@@ -1,6 +1,7 @@
 package api
 
 import (
+	"bytes"
 	"encoding/json"
 	"errors"
 	"io"
@@ -17,6 +18,7 @@ const (
 	CodeDeadLettersUnavailable  = "DEAD_LETTERS_UNAVAILABLE"
 	CodeReplayReasonRequired    = "REPLAY_REASON_REQUIRED"
 	CodeInvalidAdminRequest     = "INVALID_ADMIN_REQUEST"
+	CodeReplayPublishFailed     = "REPLAY_PUBLISH_FAILED"
 	maxAdminBodyBytes           = 64 << 10
 	defaultDeadLetterListLimit  = 100
 	maximumDeadLetterListLimit  = 1000
@@ -28,6 +30,7 @@ func init() {
 	kinds[CodeDeadLettersUnavailable] = problemKind{http.StatusServiceUnavailable, "Dead-letter administration not configured"}
 	kinds[CodeReplayReasonRequired] = problemKind{http.StatusUnprocessableEntity, "A replay needs a reason"}
 	kinds[CodeInvalidAdminRequest] = problemKind{http.StatusBadRequest, "Invalid admin request"}
+	kinds[CodeReplayPublishFailed] = problemKind{http.StatusServiceUnavailable, "Replay could not be published"}
 }
 
 func (s *Server) registerAdmin() {
@@ -43,13 +46,19 @@ func deadLetterErr(err error) error {
 		return &Error{Code: CodeDeadLetterNotFound, Detail: "no dead letter with this id", Err: err}
 	case errors.Is(err, deadletter.ErrReasonRequired):
 		return &Error{Code: CodeReplayReasonRequired, Detail: `the JSON body needs a non-empty "reason"`, Err: err}
+	case errors.Is(err, deadletter.ErrNoProducer):
+		return &Error{Code: CodeDeadLettersUnavailable,
+			Detail: "this API instance has no Kafka brokers configured (CONVERGE_KAFKA_BROKERS), so it cannot re-publish; listing and showing work", Err: err}
+	case errors.Is(err, deadletter.ErrPublish):
+		return &Error{Code: CodeReplayPublishFailed,
+			Detail: "the broker did not acknowledge the re-published record; nothing was changed, ask again", Err: err}
 	}
 	return err
 }
 
 func (s *Server) deadLetters(w http.ResponseWriter, r *http.Request) *deadletter.Service {
 	if s.cfg.DeadLetters == nil {
-		s.writeError(w, r, newError(CodeDeadLettersUnavailable, "this API instance has no dead-letter service"))
+		s.writeError(w, r, newError(CodeDeadLettersUnavailable, "this API instance has no dead-letter service configured"))
 	}
 	return s.cfg.DeadLetters
 }
@@ -65,6 +74,14 @@ func (s *Server) handleListDeadLetters(w http.ResponseWriter, r *http.Request) {
 	f := deadletter.Filter{Code: q.Get("code"), TaskID: q.Get("task_id"), Limit: defaultDeadLetterListLimit}
 	if st := q.Get("state"); st != "" {
 		f.States = strings.Split(st, ",")
+		for _, v := range f.States {
+			switch v {
+			case deadletter.StateParked, deadletter.StateReplayed, deadletter.StateResolved, deadletter.StateRefused:
+			default:
+				s.writeError(w, r, newError(CodeInvalidAdminRequest, "state %q is not one of parked, replayed, resolved, refused", clip(v, 40)))
+				return
+			}
+		}
 	}
 	if l := q.Get("limit"); l != "" {
 		n, err := strconv.Atoi(l)
@@ -121,14 +138,23 @@ func (s *Server) handleReplayDeadLetter(w http.ResponseWriter, r *http.Request) 
 	if !ok {
 		return
 	}
+	if err := checkContentType(r.Header); err != nil {
+		s.writeError(w, r, err)
+		return
+	}
 	body, err := io.ReadAll(http.MaxBytesReader(w, r.Body, maxAdminBodyBytes))
+	var me *http.MaxBytesError
+	if errors.As(err, &me) {
+		s.writeError(w, r, err)
+		return
+	}
 	if err != nil {
 		s.writeError(w, r, newError(CodeInvalidAdminRequest, "body could not be read"))
 		return
 	}
-	var req deadletter.Request
-	if err := json.Unmarshal(body, &req); err != nil {
-		s.writeError(w, r, newError(CodeInvalidAdminRequest, `body must be JSON {"reason": "...", "by": "..."}`))
+	req, err := decodeReplayRequest(body)
+	if err != nil {
+		s.writeError(w, r, newError(CodeInvalidAdminRequest, `body must be one JSON object {"reason": "...", "by": "..."} (strings, no other members): %s`, clip(err.Error(), 120)))
 		return
 	}
 	res, err := svc.Replay(r.Context(), id, req)
@@ -137,6 +163,24 @@ func (s *Server) handleReplayDeadLetter(w http.ResponseWriter, r *http.Request) 
 		return
 	}
 	s.writeAdminJSON(w, r, http.StatusOK, res)
+}
+
+// decodeReplayRequest decodes a replay body strictly: one JSON object with
+// string members reason and by only, nothing after it.
+func decodeReplayRequest(body []byte) (deadletter.Request, error) {
+	var req deadletter.Request
+	dec := json.NewDecoder(bytes.NewReader(body))
+	dec.DisallowUnknownFields()
+	if err := dec.Decode(&req); err != nil {
+		return req, err
+	}
+	if dec.More() {
+		return req, errors.New("data after the JSON object")
+	}
+	if _, err := dec.Token(); err != io.EOF {
+		return req, errors.New("data after the JSON object")
+	}
+	return req, nil
 }
 
 func (s *Server) writeAdminJSON(w http.ResponseWriter, r *http.Request, status int, v any) {

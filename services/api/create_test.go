@@ -467,3 +467,23 @@ VALUES ($1, 'pk-decides-1', $2, 'in_progress', now(), now() + interval '1 day')`
 		t.Fatalf("%d tasks", n)
 	}
 }
+
+// TestCreateRejectsContentCodingAndRepeatedContentType: a gzip body or two
+// Content-Type headers get 415, never a misleading syntax error.
+func TestCreateRejectsContentCodingAndRepeatedContentType(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	for name, h := range map[string]http.Header{
+		"gzip":              {"Content-Type": {"application/json"}, "Content-Encoding": {"gzip"}, "Idempotency-Key": {"key-coding-1"}},
+		"two content types": {"Content-Type": {"application/json", "text/plain"}, "Idempotency-Key": {"key-coding-2"}},
+	} {
+		r := b.do(t, http.MethodPost, "/v1/tasks", h, wrap(`{"a":1}`))
+		if r.status != http.StatusUnsupportedMediaType {
+			t.Errorf("%s: status %d, want 415", name, r.status)
+		}
+		wantProblem(t, r, http.StatusUnsupportedMediaType, CodeUnsupportedMediaType)
+	}
+	if n := b.count(t, "task"); n != 0 {
+		t.Errorf("%d tasks created", n)
+	}
+}

@@ -24,7 +24,16 @@ var idempotencyKeyRE = regexp.MustCompile(`^[A-Za-z0-9_.:-]{6,255}$`)
 
 // checkContentType accepts application/json with optional parameters; a
 // charset parameter, when present, must be utf-8 (RFC 8259 section 8.1).
+//
+// The body must not be content-coded (RFC 9110 section 8.4: an unsupported
+// coding is answered 415) and Content-Type must appear once.
 func checkContentType(h http.Header) error {
+	if ce := strings.TrimSpace(strings.Join(h.Values("Content-Encoding"), ",")); ce != "" && !strings.EqualFold(ce, "identity") {
+		return newError(CodeUnsupportedMediaType, "Content-Encoding %q is not supported; send the JSON body uncompressed", clip(ce, 40))
+	}
+	if len(h.Values("Content-Type")) > 1 {
+		return newError(CodeUnsupportedMediaType, "Content-Type appears more than once")
+	}
 	ct := h.Get("Content-Type")
 	if ct == "" {
 		return newError(CodeUnsupportedMediaType, "Content-Type header missing; send application/json")

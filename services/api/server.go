@@ -48,6 +48,10 @@ type Config struct {
 	IdempotencyLease time.Duration
 	// ReadyTimeout bounds the dependency pings of GET /readyz. Defaults to 1s.
 	ReadyTimeout time.Duration
+	// ReadTimeout bounds reading a whole request, body included, so a client
+	// that stops sending cannot hold a connection (or a shutdown). Defaults
+	// to 60s.
+	ReadTimeout time.Duration
 	// ShutdownTimeout bounds the graceful shutdown of Run/Serve. Defaults
 	// to 10s.
 	ShutdownTimeout time.Duration
@@ -84,6 +88,9 @@ func (c *Config) setDefaults() {
 	}
 	if c.ReadyTimeout == 0 {
 		c.ReadyTimeout = time.Second
+	}
+	if c.ReadTimeout == 0 {
+		c.ReadTimeout = time.Minute
 	}
 	if c.ShutdownTimeout == 0 {
 		c.ShutdownTimeout = 10 * time.Second
@@ -181,13 +188,14 @@ func (s *Server) Run(ctx context.Context, addr string) error {
 }
 
 // Serve serves on ln until ctx is cancelled, then stops accepting, waits
-// up to ShutdownTimeout for in-flight requests (http.Server.Shutdown) and
-// returns nil; it returns an error when serving fails or the shutdown
-// times out. Serve closes ln.
+// up to ShutdownTimeout for in-flight requests (http.Server.Shutdown),
+// closes the connections still open after that (logged as a warning) and
+// returns nil; it returns an error when serving fails. Serve closes ln.
 func (s *Server) Serve(ctx context.Context, ln net.Listener) error {
 	srv := &http.Server{
 		Handler:           s,
 		ReadHeaderTimeout: 10 * time.Second,
+		ReadTimeout:       s.cfg.ReadTimeout,
 		IdleTimeout:       2 * time.Minute,
 		ErrorLog:          slog.NewLogLogger(s.log.Handler(), slog.LevelWarn),
 	}
@@ -202,8 +210,8 @@ func (s *Server) Serve(ctx context.Context, ln net.Listener) error {
 	sctx, cancel := context.WithTimeout(context.Background(), s.cfg.ShutdownTimeout)
 	defer cancel()
 	if err := srv.Shutdown(sctx); err != nil {
+		s.log.Warn("api shutdown: closing connections still open", slog.Duration("after", s.cfg.ShutdownTimeout), slog.Any("err", err))
 		srv.Close()
-		return fmt.Errorf("api shutdown: %w", err)
 	}
 	if err := <-errc; err != nil && !errors.Is(err, http.ErrServerClosed) {
 		return fmt.Errorf("api serve: %w", err)

@@ -1,0 +1,125 @@
+package bench
+
+import (
+	"context"
+	"errors"
+	"io"
+	"log/slog"
+	"os"
+	"os/signal"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/converge-run/converge/cdc"
+	"github.com/converge-run/converge/internal/localpg"
+	"github.com/converge-run/converge/internal/testenv"
+)
+
+// relayProcessEnv makes the test binary act as `converge relay` (see
+// TestRelayProcess).
+const relayProcessEnv = "CONVERGE_BENCH_RELAY_PROCESS"
+
+// TestRunTiny runs every stage once at the tiny size: it proves the driver
+// still works. It asserts nothing about speed.
+func TestRunTiny(t *testing.T) {
+	if testing.Short() {
+		t.Skip("starts its own PostgreSQL cluster; skipped with -short")
+	}
+	if _, err := localpg.BinDir(); err != nil {
+		unavailable(t, err)
+	}
+	if pgbenchPath() == "pgbench" {
+		unavailable(t, errors.New("pgbench not found"))
+	}
+	cfg := Tiny()
+	cfg.NoFsync = true
+	cfg.RelayCommand = []string{os.Args[0], "-test.run=^TestRelayProcess$"}
+	cfg.Logger = slog.New(slog.NewTextHandler(io.Discard, nil))
+	var progress strings.Builder
+	cfg.Progress = &progress
+	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
+	defer cancel()
+	t.Setenv(relayProcessEnv, "1")
+	res, err := Run(ctx, cfg)
+	if err != nil {
+		t.Fatalf("Run: %v\n%s", err, progress.String())
+	}
+	if len(res.Errors) > 0 {
+		t.Fatalf("stages failed: %v\n%s", res.Errors, progress.String())
+	}
+	switch {
+	case len(res.Create) != len(cfg.CreateClients):
+		t.Errorf("create points: %d, want %d", len(res.Create), len(cfg.CreateClients))
+	case res.Relay == nil || len(res.Relay.RelayRate) != cfg.Runs:
+		t.Errorf("relay result missing: %+v", res.Relay)
+	case res.RSS == nil || !res.RSS.Completed || res.RSS.PeakRSSMB <= 0:
+		t.Errorf("rss result incomplete: %+v", res.RSS)
+	case res.Worker == nil || len(res.Worker.WorkerRate) != cfg.Runs:
+		t.Errorf("worker result missing: %+v", res.Worker)
+	case res.E2E == nil || len(res.E2E.Steps) != len(cfg.E2ERates):
+		t.Errorf("end-to-end result missing: %+v", res.E2E)
+	}
+	for _, p := range res.Create {
+		if p.APIMedian <= 0 || p.PgbenchMedian <= 0 || p.APIErrors != nil {
+			t.Errorf("create at %d clients: %+v", p.Clients, p)
+		}
+	}
+	var md strings.Builder
+	res.Markdown(&md)
+	if !strings.Contains(md.String(), "| create, 1 clients |") {
+		t.Errorf("markdown lacks the create row:\n%s", md.String())
+	}
+	t.Log("\n" + progress.String())
+}
+
+// TestRelayProcess is not a test: run by TestRunTiny as the relay
+// subprocess of the RSS stage, it runs a relay configured by the CONVERGE_*
+// variables that `converge relay` reads, until SIGTERM.
+func TestRelayProcess(t *testing.T) {
+	if os.Getenv(relayProcessEnv) == "" {
+		return
+	}
+	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, os.Interrupt)
+	defer stop()
+	r, err := cdc.New(cdc.Config{
+		DatabaseURL:     os.Getenv("CONVERGE_DATABASE_URL"),
+		Brokers:         strings.Split(os.Getenv("CONVERGE_KAFKA_BROKERS"), ","),
+		Topic:           os.Getenv("CONVERGE_TOPIC"),
+		SlotName:        os.Getenv("CONVERGE_SLOT_NAME"),
+		PublicationName: os.Getenv("CONVERGE_PUBLICATION_NAME"),
+		Logger:          slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn})),
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := r.Run(ctx); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func unavailable(t *testing.T, err error) {
+	t.Helper()
+	if testenv.InCI() {
+		t.Fatalf("PostgreSQL tools unavailable under CI=true: %v", err)
+	}
+	t.Skipf("PostgreSQL tools unavailable: %v", err)
+}
+
+func TestMedian(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		in   []float64
+		want float64
+	}{
+		{nil, 0},
+		{[]float64{3}, 3},
+		{[]float64{5, 1, 3}, 3},
+		{[]float64{4, 1, 3, 2}, 2.5},
+	} {
+		if got := median(tc.in); got != tc.want {
+			t.Errorf("median(%v) = %v, want %v", tc.in, got, tc.want)
+		}
+	}
+}

@@ -1,0 +1,137 @@
+package loadgen
+
+import (
+	"context"
+	"encoding/json"
+	"io"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+)
+
+func TestHistogramQuantiles(t *testing.T) {
+	t.Parallel()
+	var h Histogram
+	for i := 100; i >= 1; i-- {
+		h.Record(time.Duration(i) * time.Millisecond)
+	}
+	for _, tc := range []struct {
+		q    float64
+		want time.Duration
+	}{
+		{0.5, 50 * time.Millisecond},
+		{0.9, 90 * time.Millisecond},
+		{0.99, 99 * time.Millisecond},
+		{1, 100 * time.Millisecond},
+		{0, time.Millisecond},
+	} {
+		if got := h.Quantile(tc.q); got != tc.want {
+			t.Errorf("Quantile(%v) = %v, want %v", tc.q, got, tc.want)
+		}
+	}
+	s := h.Summary()
+	if s.Count != 100 || s.P99 != 99 || s.Max != 100 || s.Mean != 50.5 {
+		t.Errorf("Summary = %+v", s)
+	}
+	var empty Histogram
+	if empty.Quantile(0.99) != 0 || empty.Summary() != (Summary{}) {
+		t.Error("empty histogram is not zero")
+	}
+}
+
+func TestGenerateDocumentSize(t *testing.T) {
+	t.Parallel()
+	for _, size := range []int{64, 1024, 100_000} {
+		d := GenerateDocument(7, size)
+		if !json.Valid(d) {
+			t.Fatalf("size %d: invalid JSON %s", size, d)
+		}
+		if len(d) < size-2 || len(d) > size+200 {
+			t.Errorf("size %d: got %d bytes", size, len(d))
+		}
+	}
+}
+
+// fakeAPI accepts creates (every tenth one is refused with a problem code),
+// answers GET with a completed task, and can be slowed down.
+type fakeAPI struct {
+	mu      sync.Mutex
+	keys    map[string]bool
+	n       atomic.Int64
+	delay   time.Duration
+	created time.Time
+}
+
+func (f *fakeAPI) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	if r.Method == http.MethodGet {
+		c := f.created.Add(30 * time.Millisecond)
+		json.NewEncoder(w).Encode(map[string]any{"status": "completed", "created_at": f.created, "completed_at": c})
+		return
+	}
+	body, _ := io.ReadAll(r.Body)
+	time.Sleep(f.delay)
+	key := r.Header.Get("Idempotency-Key")
+	f.mu.Lock()
+	dup := f.keys[key]
+	f.keys[key] = true
+	f.mu.Unlock()
+	n := f.n.Add(1)
+	if dup || !strings.HasPrefix(string(body), `{"output_format":"jcs","document":{`) {
+		w.WriteHeader(http.StatusBadRequest)
+		io.WriteString(w, `{"code":"UNEXPECTED"}`)
+		return
+	}
+	if n%10 == 0 {
+		w.WriteHeader(http.StatusServiceUnavailable)
+		io.WriteString(w, `{"code":"DATABASE_UNAVAILABLE"}`)
+		return
+	}
+	w.WriteHeader(http.StatusAccepted)
+	json.NewEncoder(w).Encode(map[string]string{"task_id": "t-" + key})
+}
+
+func TestRunClosedCount(t *testing.T) {
+	t.Parallel()
+	api := &fakeAPI{keys: map[string]bool{}, created: time.Now()}
+	ts := httptest.NewServer(api)
+	defer ts.Close()
+	res, err := Run(context.Background(), Config{BaseURL: ts.URL, Clients: 4, Count: 50, Wait: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if res.Requests != 50 || res.Accepted != 45 || res.Errors["DATABASE_UNAVAILABLE"] != 5 || len(res.Errors) != 1 {
+		t.Fatalf("requests %d accepted %d errors %v", res.Requests, res.Accepted, res.Errors)
+	}
+	if res.Completed != 45 || res.Pending != 0 || res.EndToEnd.P99 != 30 {
+		t.Errorf("completed %d pending %d e2e %+v", res.Completed, res.Pending, res.EndToEnd)
+	}
+}
+
+// TestRunOpenChargesQueueing: at a rate the server cannot keep up with, the
+// latency from the intended send time grows beyond the service time
+// (coordinated omission accounted for).
+func TestRunOpenChargesQueueing(t *testing.T) {
+	t.Parallel()
+	api := &fakeAPI{keys: map[string]bool{}, created: time.Now(), delay: 20 * time.Millisecond}
+	ts := httptest.NewServer(api)
+	defer ts.Close()
+	// 1 in flight at 20 ms each serves 50/s; 200/s for 40 requests queues.
+	res, err := Run(context.Background(), Config{BaseURL: ts.URL, Rate: 200, Clients: 1, Count: 40})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if res.Model != "open" || res.Requests != 40 {
+		t.Fatalf("model %s requests %d", res.Model, res.Requests)
+	}
+	// The last request is due at 195 ms and answered after about 800 ms.
+	if res.CreateLatency.Max < 400 {
+		t.Errorf("max latency %.1f ms: queueing not charged", res.CreateLatency.Max)
+	}
+	if res.RequestsPerSec > 100 {
+		t.Errorf("achieved %.1f requests/s, more than the server can do", res.RequestsPerSec)
+	}
+}
