@@ -43,6 +43,29 @@ func startDev(t *testing.T, bin string, env []string, log io.Writer) *devProcess
 	return p
 }
 
+// stop sends SIGINT (Ctrl-C) and expects a clean exit within 30 s; else it
+// asks for a goroutine dump (SIGQUIT, into the log) and fails the test.
+func (p *devProcess) stop(t *testing.T) {
+	t.Helper()
+	_ = p.cmd.Process.Signal(syscall.SIGINT)
+	select {
+	case <-p.done:
+		if code := p.cmd.ProcessState.ExitCode(); code != 0 {
+			t.Errorf("converge dev exited with status %d after SIGINT", code)
+		}
+		return
+	case <-time.After(30 * time.Second):
+	}
+	t.Error("converge dev did not exit within 30s of SIGINT; goroutine dump in the log")
+	_ = p.cmd.Process.Signal(syscall.SIGQUIT)
+	select {
+	case <-p.done:
+	case <-time.After(5 * time.Second):
+		_ = p.cmd.Process.Kill()
+		<-p.done
+	}
+}
+
 func requireServices(t *testing.T) {
 	t.Helper()
 	_, pgErr := localpg.BinDir()
@@ -151,7 +174,7 @@ func TestDevKilledMidBatch(t *testing.T) {
 	<-p.done
 
 	p2 := startDev(t, bin, env, logf)
-	defer func() { _ = p2.cmd.Process.Signal(syscall.SIGINT); <-p2.done }()
+	defer p2.stop(t)
 	waitHTTP(t, apiURL+"/healthz", p2)
 
 	// The same intents again: replayed, no new task.

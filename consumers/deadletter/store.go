@@ -98,7 +98,7 @@ func (s *Store) List(ctx context.Context, f Filter) ([]DeadLetter, error) {
 	}
 	rows, err := s.pool.Query(ctx, `
 SELECT `+columns+` FROM dead_letter
-WHERE ($1 = '' OR error_code = $1) AND (cardinality($2::text[]) = 0 OR state = ANY($2)) AND ($3 = '' OR task_id = $3)
+WHERE ($1 = '' OR error_code = $1) AND (COALESCE(cardinality($2::text[]), 0) = 0 OR state = ANY($2)) AND ($3 = '' OR task_id = $3)
 ORDER BY dead_letter_id
 LIMIT $4`, f.Code, f.States, f.TaskID, f.Limit)
 	if err != nil {

@@ -265,3 +265,59 @@ func TestNewValidates(t *testing.T) {
 		t.Error("New without a store: want an error")
 	}
 }
+
+// At most one artifact.put effect of a task is verified (the unique index
+// of migration 00003): an effect of another attempt found matching in the
+// store after one is verified — the old attempt of a replayed task,
+// resolved late — is superseded and its object hidden in the same pass.
+func TestPassSupersedesSecondVerifiedArtifact(t *testing.T) {
+	t.Parallel()
+	b := setup(t, Config{EffectDeadline: time.Minute})
+	ctx := context.Background()
+	data := []byte(`{"one":"artifact"}`)
+	first := b.effectFor(t, stateVerified, data, time.Hour)
+	b.put(t, first, 1, data)
+	taskID := first[:len(first)-len(".attempt-1")]
+	second := artifact.Token(taskID, 2)
+	if _, err := b.db.Pool.Exec(ctx, `
+INSERT INTO effect_ledger (effect_id, task_id, attempt, effect_kind, idempotency_token, target_identity, state,
+  request_sha256, request_size, updated_at)
+VALUES ($1, $2, 2, 'artifact.put', $1, 'artifact://' || $1, 'unknown', $3, $4, now() - interval '1 hour')`,
+		second, taskID, sum(data), len(data)); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := b.store.Put(second, taskID, 2, data); err != nil {
+		t.Fatal(err)
+	}
+	// The constraint, not a prior SELECT, decides.
+	_, err := b.db.Pool.Exec(ctx, `UPDATE effect_ledger SET state = 'verified' WHERE effect_id = $1`, second)
+	if !oneVerifiedViolation(err) {
+		t.Fatalf("second verified effect: %v, want a violation of %s", err, oneVerifiedIndex)
+	}
+
+	res, err := b.r.Pass(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if want := (Result{Examined: 1, Superseded: 1, Compensated: 1}); res != want {
+		t.Errorf("Pass = %+v, want %+v", res, want)
+	}
+	if e := b.effect(t, kindArtifactPut, second); e.state != stateCompensated || e.code == nil || *e.code != CodeArtifactSuperseded {
+		t.Errorf("second effect %+v, want compensated with %s", e, CodeArtifactSuperseded)
+	}
+	if h := b.effect(t, "artifact.hide", "compensation-for-"+second); h.state != stateVerified {
+		t.Errorf("hide of the second artifact: %s, want verified", h.state)
+	}
+	if _, err := b.store.Head(second); !errors.Is(err, artifact.ErrNotFound) {
+		t.Errorf("second artifact readable: %v", err)
+	}
+	if e := b.effect(t, kindArtifactPut, first); e.state != stateVerified {
+		t.Errorf("first effect %s, want verified", e.state)
+	}
+	if _, err := b.store.Head(first); err != nil {
+		t.Errorf("first artifact hidden: %v", err)
+	}
+	if n := b.actions(ActionSuperseded); n != 1 {
+		t.Errorf("actions{kind=superseded} = %v, want 1", n)
+	}
+}

@@ -31,7 +31,14 @@
 //     document is canonicalized and the effect's ledger row (kind
 //     artifact.put, token artifact.Token(task, attempt), request SHA-256 and
 //     size of the canonical bytes, state started) is written before the
-//     store is called.
+//     store is called. When the task already has an artifact.put effect
+//     that is verified, or whose outcome is not known (planned, started,
+//     unknown, completed) — a task re-opened by a dead-letter replay after
+//     its effect started — that effect is resumed with its own attempt and
+//     token instead (seed 7: retry with the same token), so a replay never
+//     writes a second artifact. A partial unique index (migration 00003)
+//     allows one verified artifact.put per task; a completion that meets it
+//     is retried and finds the verified effect.
 //  4. Effect: a verified ledger row skips to completion. Otherwise the store
 //     is observed by token first (Head): a present object is never written
 //     again; an absent one is Put with the same token. A Put timeout sets the

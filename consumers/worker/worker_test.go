@@ -809,3 +809,45 @@ func TestRebalanceBetweenTwoWorkers(t *testing.T) {
 		t.Errorf("%d objects, want %d", len(m), n)
 	}
 }
+
+// A re-opened task (a dead-letter replay: failed -> queued at a higher
+// version) whose attempt-1 artifact was verified after the task failed is
+// completed with that artifact: the new attempt resumes the task's effect
+// instead of writing a second artifact under a new token.
+func TestReopenedTaskCompletesWithVerifiedEffect(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	doc := []byte(`{"reopened":[1,2]}`)
+	c := createTask(t, b.db.Pool, doc)
+	ctx := context.Background()
+	token := artifact.Token(c.taskID, 1)
+	out, err := canon.Transform(doc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := b.store.Put(token, c.taskID, 1, out); err != nil {
+		t.Fatal(err)
+	}
+	_, err = b.db.Pool.Exec(ctx, `UPDATE task SET status = 'queued', version = 3, attempt = 1 WHERE task_id = $1`, c.taskID)
+	if err == nil {
+		_, err = b.db.Pool.Exec(ctx, `
+INSERT INTO effect_ledger (effect_id, task_id, attempt, effect_kind, idempotency_token, target_identity, state, request_sha256, request_size, observed_result_sha256)
+VALUES ($1, $2, 1, 'artifact.put', $1, 'artifact://' || $1, 'verified', $3, $4, $3)`, token, c.taskID, canon.SHA256Hex(out), len(out))
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	b.produce(t, c.record())
+	b.start(t, nil)
+	testenv.Eventually(t, waitFor, "task completed", func() bool { return b.status(c.taskID) == taskevent.StatusCompleted })
+	task := b.task(t, c.taskID)
+	if task.Version != 5 || task.Attempt != 2 || task.ArtifactSHA256 == nil || *task.ArtifactSHA256 != canon.SHA256Hex(out) {
+		t.Errorf("task %+v, want completed v5 attempt 2 with the verified artifact", task)
+	}
+	if n := b.scalar(t, `SELECT count(*) FROM effect_ledger WHERE task_id = $1`, c.taskID); n != int64(1) {
+		t.Errorf("%v effects, want the one verified", n)
+	}
+	if n := b.objects(t, c.taskID); n != 1 {
+		t.Errorf("%d objects, want 1", n)
+	}
+}

@@ -7,6 +7,7 @@ import (
 	"net"
 	"net/http"
 	"path/filepath"
+	"slices"
 	"strings"
 	"time"
 
@@ -38,6 +39,14 @@ type CreatePoint struct {
 	PgbenchLatMS  float64   `json:"pgbench_latency_avg_ms"`
 	// Ratio is APIMedian / PgbenchMedian.
 	Ratio float64 `json:"ratio"`
+	// WidePoolRate is requests/s of the same API with a pool of as many
+	// connections as clients (measured above 4 clients only: the default
+	// pool has max(4, cores) connections), WidePoolMedian their median and
+	// WidePoolRatio its ratio to pgbench. It shows how much of the gap the
+	// pool size explains.
+	WidePoolRate   []float64 `json:"api_wide_pool_requests_per_sec,omitempty"`
+	WidePoolMedian float64   `json:"api_wide_pool_median,omitempty"`
+	WidePoolRatio  float64   `json:"api_wide_pool_ratio,omitempty"`
 	// CPU of the last API run and of the last pgbench run, in cores.
 	APICPU     CPU `json:"api_cpu"`
 	PgbenchCPU CPU `json:"pgbench_cpu"`
@@ -56,6 +65,17 @@ func runCreate(ctx context.Context, e *env, res *Results) error {
 		return err
 	}
 	defer apiPool.Close()
+	maxClients := int32(slices.Max(e.cfg.CreateClients))
+	wideCfg, err := pgxpool.ParseConfig(dbURL)
+	if err != nil {
+		return err
+	}
+	wideCfg.MaxConns = max(maxClients, wideCfg.MaxConns)
+	widePool, err := pgxpool.NewWithConfig(ctx, wideCfg)
+	if err != nil {
+		return err
+	}
+	defer widePool.Close()
 	ropt, err := redis.ParseURL(e.redisURL)
 	if err != nil {
 		return err
@@ -66,19 +86,30 @@ func runCreate(ctx context.Context, e *env, res *Results) error {
 	if err != nil {
 		return err
 	}
-	reg := prometheus.NewRegistry()
-	srv, err := api.New(api.Config{Pool: apiPool, Redis: rdb, ArtifactStore: store, Logger: e.log.With("component", "api"), Registerer: reg})
+	serve := func(pool *pgxpool.Pool) (string, *http.Server, error) {
+		srv, err := api.New(api.Config{Pool: pool, Redis: rdb, ArtifactStore: store, Logger: e.log.With("component", "api"),
+			Registerer: prometheus.NewRegistry()})
+		if err != nil {
+			return "", nil, err
+		}
+		ln, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			return "", nil, err
+		}
+		hs := &http.Server{Handler: srv.Handler(), ReadHeaderTimeout: 10 * time.Second}
+		go hs.Serve(ln)
+		return "http://" + ln.Addr().String(), hs, nil
+	}
+	baseURL, hs, err := serve(apiPool)
 	if err != nil {
 		return err
 	}
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		return err
-	}
-	hs := &http.Server{Handler: srv.Handler(), ReadHeaderTimeout: 10 * time.Second}
-	go hs.Serve(ln)
 	defer hs.Close()
-	baseURL := "http://" + ln.Addr().String()
+	wideURL, wideHS, err := serve(widePool)
+	if err != nil {
+		return err
+	}
+	defer wideHS.Close()
 
 	fx := newFixtures(e.cfg.DocSize)
 	script := createScript(fx)
@@ -120,8 +151,24 @@ func runCreate(ctx context.Context, e *env, res *Results) error {
 			}
 			p.PgbenchTPS = append(p.PgbenchTPS, round2(pr.TPS))
 			p.PgbenchLatMS = pr.LatencyMS
-			e.progress("create  clients=%-3d run %d: api %.0f req/s (p99 %.1f ms, %d errors), pgbench %.0f tps; cpu api %+v pgbench %+v",
-				c, run+1, lr.RequestsPerSec, lr.CreateLatency.P99, lr.Requests-lr.Accepted, pr.TPS, p.APICPU, p.PgbenchCPU)
+			wide := ""
+			if c > 4 {
+				wr, err := loadgen.Run(ctx, loadgen.Config{BaseURL: wideURL, Clients: c, Duration: e.cfg.CreateDuration, DocSize: e.cfg.DocSize})
+				if err != nil {
+					return err
+				}
+				for k, v := range wr.Errors {
+					p.APIErrors[k] += v
+				}
+				p.WidePoolRate = append(p.WidePoolRate, round2(wr.RequestsPerSec))
+				wide = fmt.Sprintf(", api with %d-connection pool %.0f req/s", wideCfg.MaxConns, wr.RequestsPerSec)
+			}
+			e.progress("create  clients=%-3d run %d: api %.0f req/s (p99 %.1f ms, %d errors), pgbench %.0f tps%s; cpu api %+v pgbench %+v",
+				c, run+1, lr.RequestsPerSec, lr.CreateLatency.P99, lr.Requests-lr.Accepted, pr.TPS, wide, p.APICPU, p.PgbenchCPU)
+		}
+		if len(p.WidePoolRate) > 0 {
+			p.WidePoolMedian = round2(median(p.WidePoolRate))
+			p.WidePoolRatio = round2(ratio(p.WidePoolMedian, median(p.PgbenchTPS)))
 		}
 		p.APIMedian, p.PgbenchMedian = round2(median(p.APIRate)), round2(median(p.PgbenchTPS))
 		p.Ratio = round2(ratio(p.APIMedian, p.PgbenchMedian))

@@ -21,9 +21,19 @@ func (r *Results) Markdown(w io.Writer) {
 			p.Clients, p.APIMedian, p.APIP50, p.APIP99, p.PgbenchMedian, p.PgbenchLatMS, p.Ratio, target(p.Clients == 16, "≥ 0.90", p.Ratio >= 0.9),
 			cpuCell(p.APICPU), cpuCell(p.PgbenchCPU))
 	}
+	for _, p := range r.Create {
+		if p.WidePoolMedian > 0 {
+			fmt.Fprintf(w, "| create, %d clients, API pool as large as the client count (not the default) | %.0f req/s | pgbench %.0f tps | %.2f | — | — |\n",
+				p.Clients, p.WidePoolMedian, p.PgbenchMedian, p.WidePoolRatio)
+		}
+	}
 	if rr := r.Relay; rr != nil {
 		fmt.Fprintf(w, "| relay, %d rows (1 per txn) | %.0f events/s | decode-only loop %.0f rows/s | %.2f | %s | %s · %s |\n",
 			rr.Rows, rr.RelayMedian, rr.DecodeMedian, rr.Ratio, target(true, "≥ 0.80", rr.Ratio >= 0.8), cpuCell(rr.RelayCPU), cpuCell(rr.DecodeCPU))
+	}
+	if rr := r.Relay; rr != nil {
+		fmt.Fprintf(w, "| relay's serial loop, parts alone | published_at UPDATE (1000 rows, sync commit) %.0f rows/s; payload canonicalization %.0f rows/s | — | — | — | — |\n",
+			rr.MarkPublishedRowsPerSec, rr.CanonicalRowsPerSec)
 	}
 	if s := r.RSS; s != nil {
 		fmt.Fprintf(w, "| relay peak RSS, one txn of %d rows | %.0f MB (%.0f events/s, completed %v) | — | — | %s | — |\n",
@@ -32,6 +42,10 @@ func (r *Results) Markdown(w io.Writer) {
 	if wr := r.Worker; wr != nil {
 		fmt.Fprintf(w, "| worker, %d tasks | %.0f tasks/s | pgbench %.0f tasks/s (%d clients); artifact store alone %.0f/s | %.2f | — | %s · %s |\n",
 			wr.Tasks, wr.WorkerMedian, wr.PgbenchMedian, wr.PgbenchClients, wr.ArtifactMed, wr.Ratio, cpuCell(wr.WorkerCPU), cpuCell(wr.PgbenchCPU))
+	}
+	if wr := r.Worker; wr != nil {
+		fmt.Fprintf(w, "| disk | fdatasync of a 4 KiB write: %.0f/s (%.2f ms each), one thread | — | — | — | — |\n",
+			wr.FdatasyncPerSec, 1000/max(wr.FdatasyncPerSec, 1))
 	}
 	if e := r.E2E; e != nil {
 		fmt.Fprintf(w, "| end to end, sustained (p99 < 1 s) | %.0f tasks/s | — | — | %s | — |\n",

@@ -20,6 +20,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/converge-run/converge/cdc"
+	"github.com/converge-run/converge/internal/taskevent"
 )
 
 // RelayResult compares the relay with a decode-only replication loop.
@@ -43,6 +44,12 @@ type RelayResult struct {
 	// FillRowsPerSec is how fast the outbox was filled (not a result:
 	// synchronous_commit was off for the filling session).
 	FillRowsPerSec float64 `json:"fill_rows_per_sec"`
+	// Parts of the relay's serial loop measured alone, as rows/s: the
+	// published_at UPDATE of 1000 rows (its flush batch) committed
+	// synchronously, and canonicalizing + hashing the payload of one row
+	// (taskevent.Canonical) on one core.
+	MarkPublishedRowsPerSec float64 `json:"mark_published_rows_per_sec"`
+	CanonicalRowsPerSec     float64 `json:"canonical_rows_per_sec"`
 }
 
 // RSSResult is the relay subprocess relaying one big transaction.
@@ -125,6 +132,12 @@ func runRelay(ctx context.Context, e *env, res *Results) error {
 		e.progress("relay   run %d: relay %.0f events/s, decode-only %.0f rows/s; cpu relay %+v decode %+v",
 			i+1, rate, decodeRate, rr.RelayCPU, rr.DecodeCPU)
 	}
+	if rr.MarkPublishedRowsPerSec, err = markPublishedRate(ctx, pool, e.cfg.RelayRows); err != nil {
+		return err
+	}
+	rr.CanonicalRowsPerSec = canonicalRate(fx)
+	e.progress("relay   alone: published_at UPDATE %.0f rows/s, payload canonicalization %.0f rows/s",
+		rr.MarkPublishedRowsPerSec, rr.CanonicalRowsPerSec)
 	rr.RelayMedian, rr.DecodeMedian = round2(median(rr.RelayRate)), round2(median(rr.DecodeRate))
 	rr.Ratio = round2(ratio(rr.RelayMedian, rr.DecodeMedian))
 	res.Relay = rr
@@ -491,4 +504,49 @@ func vmHWM(pid string) float64 {
 		}
 	}
 	return 0
+}
+
+// markPublishedRate runs the relay's published_at UPDATE (cdc store.go
+// markPublished) alone on batches of 1000 rows of the filled outbox, each
+// committed synchronously as the relay's is, and returns rows/s.
+func markPublishedRate(ctx context.Context, pool *pgxpool.Pool, rows int) (float64, error) {
+	if _, err := pool.Exec(ctx, "UPDATE outbox_event SET published_at = NULL, publish_attempts = 0"); err != nil {
+		return 0, err
+	}
+	const batch = 1000
+	n := min(rows, 50*batch)
+	start := time.Now()
+	for from := 0; from < n; from += batch {
+		ids := make([]string, 0, batch)
+		for i := from; i < min(from+batch, n); i++ {
+			ids = append(ids, fmt.Sprintf("r-evt-%010d", i))
+		}
+		if _, err := pool.Exec(ctx, `
+UPDATE outbox_event
+SET published_at = now(), publish_attempts = publish_attempts + 1
+WHERE outbox_id = ANY($1) AND published_at IS NULL`, ids); err != nil {
+			return 0, fmt.Errorf("mark published: %w", err)
+		}
+	}
+	return round2(float64(n) / time.Since(start).Seconds()), nil
+}
+
+// canonicalRate canonicalizes and hashes the jsonb text rendering of a
+// TaskCreated payload (what the relay receives) for about half a second on
+// one goroutine and returns rows/s.
+func canonicalRate(fx *fixtures) float64 {
+	payload, _ := fx.event("r-task-0000000001", "r-evt-0000000001")
+	// jsonb renders objects with ", " and ": " separators.
+	text := strings.NewReplacer(`":`, `": `, `,"`, `, "`).Replace(string(payload))
+	start := time.Now()
+	n := 0
+	for time.Since(start) < 500*time.Millisecond {
+		for range 100 {
+			if _, _, err := taskevent.Canonical([]byte(text)); err != nil {
+				return 0
+			}
+		}
+		n += 100
+	}
+	return round2(float64(n) / time.Since(start).Seconds())
 }

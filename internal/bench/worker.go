@@ -3,10 +3,12 @@ package bench
 import (
 	"context"
 	"fmt"
+	"os"
 	"path/filepath"
 	"strings"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -41,9 +43,13 @@ type WorkerResult struct {
 	// pgbench does not do.
 	ArtifactRate []float64 `json:"artifact_put_observe_per_sec"`
 	ArtifactMed  float64   `json:"artifact_median"`
-	WorkerCPU    CPU       `json:"worker_cpu"`
-	PgbenchCPU   CPU       `json:"pgbench_cpu"`
-	ArtifactCPU  CPU       `json:"artifact_cpu"`
+	// FdatasyncPerSec is one goroutine writing 4 KiB and calling
+	// fdatasync in a loop in the bench directory (the filesystem of the
+	// cluster and the artifacts): the latency floor of every durable step.
+	FdatasyncPerSec float64 `json:"fdatasync_per_sec"`
+	WorkerCPU       CPU     `json:"worker_cpu"`
+	PgbenchCPU      CPU     `json:"pgbench_cpu"`
+	ArtifactCPU     CPU     `json:"artifact_cpu"`
 }
 
 const workerConcurrency = 4 // worker.Config.Concurrency's default
@@ -107,6 +113,10 @@ func runWorker(ctx context.Context, e *env, res *Results) error {
 		e.progress("worker  run %d: worker %.0f tasks/s (join %.1fs), pgbench %.0f tasks/s, artifact store alone %.0f put+observe/s; cpu worker %+v pgbench %+v",
 			i+1, rate, join, pr.TPS, ar, wr.WorkerCPU, wr.PgbenchCPU)
 	}
+	if wr.FdatasyncPerSec, err = fdatasyncRate(filepath.Join(e.dir, "fsync-probe")); err != nil {
+		return err
+	}
+	e.progress("worker  alone: fdatasync of a 4 KiB write %.0f/s (%.2f ms each)", wr.FdatasyncPerSec, 1000/wr.FdatasyncPerSec)
 	wr.WorkerMedian, wr.PgbenchMedian, wr.ArtifactMed = round2(median(wr.WorkerRate)), round2(median(wr.PgbenchTPS)), round2(median(wr.ArtifactRate))
 	wr.Ratio = round2(ratio(wr.WorkerMedian, wr.PgbenchMedian))
 	res.Worker = wr
@@ -361,4 +371,29 @@ func artifactRate(dir string, fx *fixtures, clients, n int) (float64, error) {
 		return 0, err
 	}
 	return float64(n) / time.Since(start).Seconds(), nil
+}
+
+// fdatasyncRate writes 4 KiB at the start of a file and fdatasyncs it in a
+// loop for about a second, and returns syncs/s.
+func fdatasyncRate(path string) (float64, error) {
+	f, err := os.Create(path)
+	if err != nil {
+		return 0, err
+	}
+	defer os.Remove(path)
+	defer f.Close()
+	buf := make([]byte, 4096)
+	start := time.Now()
+	n := 0
+	for time.Since(start) < time.Second {
+		buf[0] = byte(n)
+		if _, err := f.WriteAt(buf, 0); err != nil {
+			return 0, err
+		}
+		if err := syscall.Fdatasync(int(f.Fd())); err != nil {
+			return 0, err
+		}
+		n++
+	}
+	return round2(float64(n) / time.Since(start).Seconds()), nil
 }

@@ -1,0 +1,113 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"io"
+	"log/slog"
+	"net/http"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/google/uuid"
+
+	"github.com/converge-run/converge/consumers/deadletter"
+	"github.com/converge-run/converge/internal/testenv"
+)
+
+// runAPI runs `converge api` in process on a free port until the test ends
+// and returns its base URL.
+func runAPI(t *testing.T, c APICmd) string {
+	t.Helper()
+	c.HTTPAddr = "127.0.0.1:" + strconv.Itoa(testenv.FreePort(t))
+	c.ArtifactDir = t.TempDir()
+	c.MaxBodyBytes = 1 << 20
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- c.Run(&runEnv{ctx: ctx, log: slog.New(slog.NewTextHandler(io.Discard, nil))}) }()
+	t.Cleanup(func() {
+		cancel()
+		select {
+		case <-done:
+		case <-time.After(20 * time.Second):
+			t.Error("converge api did not stop")
+		}
+	})
+	base := "http://" + c.HTTPAddr
+	testenv.Eventually(t, 20*time.Second, "converge api serves", func() bool {
+		resp, err := http.Get(base + "/healthz")
+		if err != nil {
+			return false
+		}
+		resp.Body.Close()
+		return resp.StatusCode == http.StatusOK
+	})
+	return base
+}
+
+func parkDeadLetter(t *testing.T, db *testenv.DB) int64 {
+	t.Helper()
+	ctx := context.Background()
+	msg, now := uuid.NewString(), time.Now().UTC()
+	d := deadletter.DeadLetter{OriginTopic: "converge.task-events.v1", ConsumerGroup: "converge-worker", Key: []byte("k"), Value: []byte(`{}`),
+		Headers: []deadletter.Header{}, MessageID: &msg, ErrorClass: "deterministic", ErrorCode: "X", Attempts: 1, ProcessorVersion: "t",
+		FirstFailureAt: now, LastFailureAt: now}
+	if _, err := deadletter.NewStore(db.Pool).Insert(ctx, d); err != nil {
+		t.Fatal(err)
+	}
+	var id int64
+	if err := db.Pool.QueryRow(ctx, `SELECT dead_letter_id FROM dead_letter`).Scan(&id); err != nil {
+		t.Fatal(err)
+	}
+	return id
+}
+
+func replay(t *testing.T, base string, id int64) (int, map[string]any) {
+	t.Helper()
+	resp, err := http.Post(base+"/v1/admin/dead-letters/"+strconv.FormatInt(id, 10)+"/replay", "application/json", strings.NewReader(`{"reason":"fixed","by":"ops"}`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	var m map[string]any
+	if err := json.NewDecoder(resp.Body).Decode(&m); err != nil {
+		t.Fatal(err)
+	}
+	return resp.StatusCode, m
+}
+
+// `converge api` run alone serves the dead-letter admin endpoints: with
+// Kafka brokers a replay re-publishes; without them listing works and a
+// replay answers 503 saying what is missing.
+func TestAPICommandServesDeadLetters(t *testing.T) {
+	t.Parallel()
+	t.Run("with brokers", func(t *testing.T) {
+		t.Parallel()
+		db, kafka := testenv.NewDB(t), testenv.NewKafka(t)
+		id := parkDeadLetter(t, db)
+		base := runAPI(t, APICmd{Services: Services{DatabaseURL: db.URL, KafkaBrokers: kafka.Brokers}, MaxReplays: 3})
+		if st, m := replay(t, base, id); st != http.StatusOK || m["outcome"] != deadletter.OutcomeReplayed {
+			t.Fatalf("replay: %d %v", st, m)
+		}
+	})
+	t.Run("without brokers", func(t *testing.T) {
+		t.Parallel()
+		db := testenv.NewDB(t)
+		id := parkDeadLetter(t, db)
+		base := runAPI(t, APICmd{Services: Services{DatabaseURL: db.URL}, MaxReplays: 3})
+		resp, err := http.Get(base + "/v1/admin/dead-letters")
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close()
+		if resp.StatusCode != http.StatusOK {
+			t.Fatalf("list: %d", resp.StatusCode)
+		}
+		st, m := replay(t, base, id)
+		if st != http.StatusServiceUnavailable || m["code"] != "DEAD_LETTERS_UNAVAILABLE" || !strings.Contains(m["detail"].(string), "CONVERGE_KAFKA_BROKERS") {
+			t.Fatalf("replay without brokers: %d %v", st, m)
+		}
+	})
+}
