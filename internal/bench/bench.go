@@ -78,9 +78,9 @@ type Config struct {
 	// settings are passed as CONVERGE_* environment variables. Defaults to
 	// this executable with the argument "relay" (converge relay).
 	RelayCommand []string
-	// ProfileDir, when set, receives a CPU profile of this process per
-	// stage (create at 16 clients, relay, worker, end to end at the last
-	// rate).
+	// ProfileDir, when set, receives CPU profiles of this process: create
+	// at 16 clients, the first relay and worker runs, the first run of
+	// every end-to-end rate.
 	ProfileDir string
 	// NoFsync turns fsync off in PostgreSQL and kfake. Only for the test
 	// that proves the driver works; results are meaningless with it.

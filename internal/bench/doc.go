@@ -34,7 +34,9 @@
 // Around each measurement the CPU time of this process, of the PostgreSQL
 // server processes and of pgbench is sampled from /proc, so the results say
 // which process used the two cores. With Config.ProfileDir, CPU profiles of
-// this process (API, relay, worker in process) are written per stage.
+// this process (API, relay, worker in process) are written per stage (the
+// create stage at 16 clients, the first relay and worker runs, the first run
+// of every end-to-end rate).
 //
 // Nothing here is a test assertion: `make test` runs the driver once at a
 // tiny size (bench_test.go) to prove it still works.

@@ -93,15 +93,14 @@ func runE2E(ctx context.Context, e *env, res *Results) error {
 	er := &E2EResult{}
 	rates := e.cfg.E2ERates
 	failedAt := 0.0
-	for idx, rate := range rates {
+	for _, rate := range rates {
 		if failedAt > 0 && rate > failedAt && rate != 500 {
 			continue
 		}
 		st := E2EStep{Rate: rate}
-		last := idx == len(rates)-1 || (failedAt > 0)
 		for run := range e.cfg.Runs {
 			stop := func() {}
-			if run == 0 && last {
+			if run == 0 {
 				stop = e.profile(fmt.Sprintf("e2e-%.0f", rate))
 			}
 			m := e.cpuStart()
