@@ -568,8 +568,34 @@ func (s *session) shutdown(ctx context.Context) error {
 	if err := s.sendStatus(); err != nil {
 		return fmt.Errorf("final status update: %w", err)
 	}
+	s.persistSlot(ctx)
 	s.log.InfoContext(ctx, "stopped", slog.String("confirmed_lsn", s.tr.confirmable().String()))
 	return nil
+}
+
+// persistSlot makes the final confirmed position survive a restart of
+// PostgreSQL. PostgreSQL 15 writes a logical slot's confirmed_flush_lsn to
+// disk only when the slot is dirty, which a standby status update alone does
+// not make it (restart_lsn must move too; fixed in PostgreSQL 17), so after a
+// restart the slot would resume from an older position and republish more
+// than needed. The relay therefore ends its replication connection and
+// advances the now inactive slot to the position it already confirmed with
+// pg_replication_slot_advance, which marks the slot dirty; the next
+// checkpoint (a clean shutdown makes one) persists it. Failure only costs
+// duplicates, so it is logged, not returned.
+func (s *session) persistSlot(ctx context.Context) {
+	lsn := s.tr.confirmable()
+	if lsn == 0 || s.repl == nil {
+		return
+	}
+	cctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	_ = s.repl.Close(cctx)
+	cancel()
+	s.repl = nil
+	if err := s.store.advanceInactiveSlot(ctx, s.cfg.SlotName, lsn); err != nil {
+		s.log.WarnContext(ctx, "could not mark the slot position for persistence; a restart may republish already acknowledged events",
+			slog.String("lsn", lsn.String()), slog.String("error", err.Error()))
+	}
 }
 
 // kgoLogger forwards franz-go's logs to slog.

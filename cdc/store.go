@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"time"
 
 	"github.com/jackc/pglogrepl"
 	"github.com/jackc/pgx/v5"
@@ -234,4 +235,38 @@ func (s *store) emitHeartbeat(ctx context.Context, content []byte) (pglogrepl.LS
 		return 0, fmt.Errorf("emit heartbeat: %w", err)
 	}
 	return pglogrepl.ParseLSN(lsn)
+}
+
+// advanceInactiveSlot waits (up to ctx) until no walsender holds slot, then
+// calls pg_replication_slot_advance(slot, lsn) — a no-op move when lsn is the
+// slot's confirmed position, which still marks the slot dirty so the next
+// checkpoint writes it to disk (see session.persistSlot). A position below the
+// slot's current one is left alone.
+func (s *store) advanceInactiveSlot(ctx context.Context, slot string, lsn pglogrepl.LSN) error {
+	for {
+		var active bool
+		var confirmed *string
+		err := s.pool.QueryRow(ctx, `SELECT active, confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = $1`, slot).Scan(&active, &confirmed)
+		if err != nil {
+			return fmt.Errorf("read slot %s: %w", slot, err)
+		}
+		if !active {
+			if confirmed != nil {
+				cur, err := pglogrepl.ParseLSN(*confirmed)
+				if err == nil && cur > lsn {
+					return nil
+				}
+			}
+			break
+		}
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("slot %s still active: %w", slot, ctx.Err())
+		case <-time.After(20 * time.Millisecond):
+		}
+	}
+	if _, err := s.pool.Exec(ctx, `SELECT pg_replication_slot_advance($1, $2::pg_lsn)`, slot, lsn.String()); err != nil {
+		return fmt.Errorf("advance slot %s to %s: %w", slot, lsn, err)
+	}
+	return nil
 }

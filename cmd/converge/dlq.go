@@ -17,7 +17,8 @@ import (
 type DLQCmd struct {
 	List   DLQListCmd   `cmd:"" help:"List dead letters, oldest first."`
 	Show   DLQShowCmd   `cmd:"" help:"Show one dead letter as JSON."`
-	Replay DLQReplayCmd `cmd:"" help:"Re-publish the original record of dead letters after a fix (recorded: who, when, why)."`
+	Replay  DLQReplayCmd  `cmd:"" help:"Re-publish the original record of dead letters after a fix (the row keeps who, when, why of the last request)."`
+	Resolve DLQResolveCmd `cmd:"" help:"Mark a dead letter resolved without publishing anything (the row keeps who, when, why)."`
 }
 
 // DLQListCmd is `converge dlq list`.
@@ -88,11 +89,13 @@ type DLQReplayCmd struct {
 	Code         string   `help:"With --all: only dead letters with this error code."`
 	Reason       string   `required:"" help:"Why (recorded with the replay)."`
 	By           string   `help:"Who asks (recorded). Defaults to the OS user."`
-	MaxReplays   int      `env:"CONVERGE_DLQ_MAX_REPLAYS" default:"3" help:"Replays allowed per dead letter; the next request marks it refused."`
+	MaxReplays   int      `env:"CONVERGE_DLQ_MAX_REPLAYS" default:"3" help:"Replays allowed per task, summed over all its dead letters; the next request marks the dead letter refused."`
 }
 
-// Run replays and prints one line per dead letter; it exits 1 when a
-// replay was refused or failed.
+// Run replays and prints one line per dead letter (id, outcome, message);
+// it exits 1 when a replay was refused or failed. The outcomes are printed
+// and logged, not exported: this short-lived process serves no metrics, so
+// converge_deadletter_replays_total counts only the API's replays.
 func (c *DLQReplayCmd) Run(env *runEnv) error {
 	if (c.ID == 0) == !c.All {
 		return errors.New("give a dead letter ID or --all")
@@ -114,13 +117,7 @@ func (c *DLQReplayCmd) Run(env *runEnv) error {
 	if err != nil {
 		return err
 	}
-	by := c.By
-	if by == "" {
-		if u, err := user.Current(); err == nil {
-			by = u.Username
-		}
-	}
-	req := deadletter.Request{Reason: c.Reason, By: by}
+	req := deadletter.Request{Reason: c.Reason, By: osUserOr(c.By)}
 	var results []deadletter.Result
 	if c.All {
 		results, err = svc.ReplayAll(env.ctx, c.Code, 0, req)
@@ -147,6 +144,47 @@ func (c *DLQReplayCmd) Run(env *runEnv) error {
 		return exitCode(1)
 	}
 	return nil
+}
+
+// DLQResolveCmd is `converge dlq resolve ID --reason TEXT [--by WHO]`.
+type DLQResolveCmd struct {
+	DatabaseURL string `name:"database-url" env:"CONVERGE_DATABASE_URL" help:"PostgreSQL URL."`
+	ID          int64  `arg:"" help:"Dead letter id."`
+	Reason      string `required:"" help:"Why no replay is needed (recorded)."`
+	By          string `help:"Who decides (recorded). Defaults to the OS user."`
+}
+
+// Run resolves the dead letter and prints one line (id, outcome, message).
+// It needs no Kafka brokers: nothing is published.
+func (c *DLQResolveCmd) Run(env *runEnv) error {
+	if c.ID < 1 {
+		return errors.New("give a dead letter ID (a positive integer)")
+	}
+	pool, err := openPool(env.ctx, c.DatabaseURL)
+	if err != nil {
+		return err
+	}
+	defer pool.Close()
+	svc, err := deadletter.New(deadletter.Config{Pool: pool, Logger: env.log})
+	if err != nil {
+		return err
+	}
+	r, err := svc.Resolve(env.ctx, c.ID, deadletter.Request{Reason: c.Reason, By: osUserOr(c.By)})
+	if err != nil {
+		return err
+	}
+	fmt.Printf("%d\t%s\t%s\n", r.ID, r.Outcome, r.Message)
+	return nil
+}
+
+// osUserOr returns by, or the OS user's name when by is empty.
+func osUserOr(by string) string {
+	if by == "" {
+		if u, err := user.Current(); err == nil {
+			return u.Username
+		}
+	}
+	return by
 }
 
 func firstOr(s []string) string {

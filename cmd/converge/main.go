@@ -80,6 +80,9 @@ func main() {
 		fmt.Fprintln(os.Stderr, "converge:", err)
 		os.Exit(2)
 	}
+	if armed := faults.String(); armed != "" {
+		log.Warn("FAULT POINTS ARMED: this process will fail on purpose (CONVERGE_FAULTS)", "faults", armed)
+	}
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
 	err = kctx.Run(&runEnv{ctx: ctx, log: log, faults: faults})

@@ -42,6 +42,11 @@ const (
 	OutcomeError = "error"
 )
 
+// OutcomeResolved is the outcome of Resolve: a person marked the dead
+// letter resolved without publishing. It is not a replay outcome (not
+// counted in converge_deadletter_replays_total).
+const OutcomeResolved = "resolved"
+
 // DefaultMaxReplays is the default Config.MaxReplays.
 const DefaultMaxReplays = 3
 
@@ -157,8 +162,11 @@ type Config struct {
 	// Producer publishes replayed records. Required for Replay (which
 	// returns ErrNoProducer without it); List and Get work without it.
 	Producer *kgo.Client
-	// MaxReplays is how many times one dead letter may be replayed; the
-	// next request marks it refused. Defaults to DefaultMaxReplays (3).
+	// MaxReplays is how many times one TASK may be replayed, summed over
+	// all its dead letters (a replay that fails again makes new ones: the
+	// original record's and the TaskRedriveRequested event's); the next
+	// request marks the dead letter refused. Dead letters without a task id
+	// are counted per message id. Defaults to DefaultMaxReplays (3).
 	MaxReplays int
 	// DefaultGroup is the worker's consumer group (inbox consumer_name)
 	// used for dead letters that do not name one. Defaults to
@@ -171,7 +179,9 @@ type Config struct {
 	// Logger defaults to slog.Default().
 	Logger *slog.Logger
 	// Registerer receives converge_deadletter_replays_total (reused when
-	// already registered there). Defaults to a new registry.
+	// already registered there). Defaults to a new registry, whose counts
+	// nobody scrapes: `converge dlq replay` runs that way (it prints each
+	// outcome instead); the API's service registers on the API's registry.
 	Registerer prometheus.Registerer
 	// ProduceTimeout bounds the broker's acknowledgement of a replayed
 	// record. Defaults to 30s.
@@ -316,7 +326,7 @@ func (s *Service) replay(ctx context.Context, id int64, req Request) (Result, st
 	var reopened string
 	err := pgx.BeginFunc(ctx, s.cfg.Pool, func(tx pgx.Tx) error {
 		res, reopened = Result{ID: id}, ""
-		replays, err := lockMessage(ctx, tx, id)
+		replays, err := lockTaskDeadLetters(ctx, tx, id)
 		if err != nil {
 			return err
 		}
@@ -325,12 +335,8 @@ func (s *Service) replay(ctx context.Context, id int64, req Request) (Result, st
 			return err
 		}
 		res.State, res.ReplayCount = d.State, d.ReplayCount
-		switch d.State {
-		case StateResolved:
-			res.Outcome, res.Message = OutcomeNoop, "dead letter already resolved; nothing replayed"
-			return nil
-		case StateRefused:
-			res.Outcome, res.Message = OutcomeRefused, fmt.Sprintf("dead letter refused earlier (message replayed %d times, limit %d); a person must decide", replays, s.cfg.MaxReplays)
+		if d.State == StateResolved {
+			res.Outcome, res.Message = OutcomeNoop, "dead letter already resolved; nothing to replay"
 			return nil
 		}
 		group := d.ConsumerGroup
@@ -352,15 +358,22 @@ func (s *Service) replay(ctx context.Context, id int64, req Request) (Result, st
 				task = &t
 			}
 		}
+		// The task decides first, whatever the dead letter's state: a task
+		// completed (by another route) or failed for another reason leaves
+		// nothing to replay, and the dead letter is resolved — a refused one
+		// too, so that it stops waiting for a person.
 		failedHere := task != nil && task.Status == taskevent.StatusFailed && task.Code != nil && *task.Code == d.ErrorCode
 		if task != nil && taskevent.Terminal(task.Status) && !failedHere {
-			code := ""
-			if task.Code != nil {
-				code = " (" + *task.Code + ")"
-			}
 			res.Outcome, res.State = OutcomeNoop, StateResolved
-			res.Message = fmt.Sprintf("task %s is already %s%s, not because of this dead letter; nothing replayed", *d.TaskID, task.Status, code)
+			res.Message = terminalMessage(*d.TaskID, *task)
 			return recordReplay(ctx, tx, id, StateResolved, 0, req.By, req.Reason, res.Message)
+		}
+		subject := limitSubject(d)
+		if d.State == StateRefused {
+			res.Outcome = OutcomeRefused
+			res.Message = fmt.Sprintf("dead letter refused earlier (%s replayed %d times over all its dead letters, limit %d); nothing published: a person must decide (fix and complete the task, or `converge dlq resolve`)",
+				subject, replays, s.cfg.MaxReplays)
+			return nil
 		}
 		if d.State == StateReplayed {
 			// Replayed before (a concurrent request may just have done it):
@@ -372,7 +385,7 @@ func (s *Service) replay(ctx context.Context, id int64, req Request) (Result, st
 		}
 		if replays >= s.cfg.MaxReplays {
 			res.Outcome, res.State = OutcomeRefused, StateRefused
-			res.Message = fmt.Sprintf("message replayed %d times already (limit %d): refused, nothing published", replays, s.cfg.MaxReplays)
+			res.Message = fmt.Sprintf("%s replayed %d times already over all its dead letters (limit %d): refused, nothing published", subject, replays, s.cfg.MaxReplays)
 			return recordReplay(ctx, tx, id, StateRefused, 0, req.By, req.Reason, res.Message)
 		}
 		if failedHere {
@@ -404,7 +417,7 @@ func (s *Service) replay(ctx context.Context, id int64, req Request) (Result, st
 			return fmt.Errorf("%w: dead letter %d to %s: %w", ErrPublish, id, d.OriginTopic, err)
 		}
 		res.Outcome, res.State, res.ReplayCount = OutcomeReplayed, StateReplayed, d.ReplayCount+1
-		res.Message = fmt.Sprintf("original record re-published to %s (replay %d of %d)", d.OriginTopic, replays+1, s.cfg.MaxReplays)
+		res.Message = fmt.Sprintf("original record re-published to %s (replay %d of %d of %s)", d.OriginTopic, replays+1, s.cfg.MaxReplays, limitSubject(d))
 		if res.TaskReopened {
 			res.Message += fmt.Sprintf("; task %s re-opened (failed -> queued, TaskRedriveRequested written)", *d.TaskID)
 		}
@@ -414,6 +427,68 @@ func (s *Service) replay(ctx context.Context, id int64, req Request) (Result, st
 		return Result{ID: id, Outcome: OutcomeError}, "", err
 	}
 	return res, reopened, nil
+}
+
+// limitSubject names what MaxReplays counts for d: its task, or its
+// message when the record named no task.
+func limitSubject(d DeadLetter) string {
+	switch {
+	case d.TaskID != nil:
+		return "task " + *d.TaskID
+	case d.MessageID != nil:
+		return "message " + *d.MessageID
+	}
+	return fmt.Sprintf("dead letter %d", d.ID)
+}
+
+// terminalMessage explains why a dead letter of a task that is terminal for
+// another reason than the dead letter has nothing to replay.
+func terminalMessage(taskID string, t taskState) string {
+	if t.Status == taskevent.StatusCompleted {
+		return fmt.Sprintf("task %s is already completed; nothing to replay", taskID)
+	}
+	if t.Code != nil {
+		return fmt.Sprintf("task %s %s with %s, not because of this dead letter; nothing to replay", taskID, t.Status, *t.Code)
+	}
+	return fmt.Sprintf("task %s is already %s, not because of this dead letter; nothing to replay", taskID, t.Status)
+}
+
+// Resolve marks dead letter id resolved without publishing anything: a
+// person decided that it needs no replay (the task was fixed another way,
+// the record is obsolete, a refused dead letter was dealt with). The
+// request's who/why and the time are recorded in the row (last_replay_*,
+// which hold the last request, replay or resolve) and logged. It returns
+// ErrReasonRequired, ErrNotFound or a database error; resolving a resolved
+// dead letter is a no-op Result. It needs no Kafka producer. The dead
+// letter's replay_count is kept: it still counts towards MaxReplays.
+func (s *Service) Resolve(ctx context.Context, id int64, req Request) (Result, error) {
+	if strings.TrimSpace(req.Reason) == "" {
+		return Result{ID: id}, ErrReasonRequired
+	}
+	if req.By == "" {
+		req.By = "unknown"
+	}
+	var res Result
+	err := pgx.BeginFunc(ctx, s.cfg.Pool, func(tx pgx.Tx) error {
+		d, err := get(ctx, tx, id, "FOR UPDATE")
+		if err != nil {
+			return err
+		}
+		res = Result{ID: id, State: d.State, ReplayCount: d.ReplayCount}
+		if d.State == StateResolved {
+			res.Outcome, res.Message = OutcomeNoop, "dead letter already resolved; nothing changed"
+			return nil
+		}
+		res.Outcome, res.State = OutcomeResolved, StateResolved
+		res.Message = fmt.Sprintf("dead letter resolved by hand (was %s); nothing published", d.State)
+		return recordReplay(ctx, tx, id, StateResolved, 0, req.By, req.Reason, res.Message)
+	})
+	if err != nil {
+		return Result{ID: id, Outcome: OutcomeError}, err
+	}
+	s.cfg.Logger.InfoContext(ctx, "dead letter resolve", slog.Int64("id", id), slog.String("outcome", res.Outcome),
+		slog.String("by", req.By), slog.String("reason", req.Reason), slog.String("message", res.Message))
+	return res, nil
 }
 
 // ReplayAll replays every parked dead letter (of code, when

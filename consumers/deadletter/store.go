@@ -214,24 +214,74 @@ func lockInbox(ctx context.Context, q querier, consumer, messageID string) error
 	return nil
 }
 
-// lockMessage locks every dead letter of the message of dead letter id
-// (in id order, so concurrent replays never deadlock) and returns how many
-// times the message was replayed in all: a record that failed again after
-// a replay is dead-lettered anew under a new origin offset, and MaxReplays
-// bounds the message, not one of its dead letters.
-func lockMessage(ctx context.Context, q querier, id int64) (int, error) {
+// lockTaskDeadLetters locks every dead letter of the task of dead letter
+// id — of its message when it names no task — in id order, so concurrent
+// replays never deadlock, and returns how many times they were replayed in
+// all. A replay that fails again is dead-lettered anew under new origin
+// offsets, twice: the re-published original record and the
+// TaskRedriveRequested event the replay wrote (another message id), so
+// MaxReplays bounds the task, not one of its dead letters or messages.
+func lockTaskDeadLetters(ctx context.Context, q querier, id int64) (int, error) {
 	var n int
 	err := q.QueryRow(ctx, `
-WITH m AS (SELECT message_id FROM dead_letter WHERE dead_letter_id = $1),
+WITH m AS (SELECT task_id, message_id FROM dead_letter WHERE dead_letter_id = $1),
 locked AS (
   SELECT d.dead_letter_id, d.replay_count FROM dead_letter d, m
-  WHERE d.dead_letter_id = $1 OR (m.message_id IS NOT NULL AND d.message_id = m.message_id)
+  WHERE d.dead_letter_id = $1
+     OR (m.task_id IS NOT NULL AND d.task_id = m.task_id)
+     OR (m.task_id IS NULL AND m.message_id IS NOT NULL AND d.message_id = m.message_id)
   ORDER BY d.dead_letter_id FOR UPDATE OF d)
 SELECT COALESCE(sum(replay_count), 0)::int FROM locked`, id).Scan(&n)
 	if err != nil {
-		return 0, fmt.Errorf("lock dead letters of the message of %d: %w", id, err)
+		return 0, fmt.Errorf("lock dead letters of the task of %d: %w", id, err)
 	}
 	return n, nil
+}
+
+// Resolved is a dead letter ResolveCompleted resolved.
+type Resolved struct {
+	ID     int64
+	TaskID string
+	// From is the state it left (parked or refused).
+	From string
+}
+
+// ResolvedBy is recorded as last_replay_by of the dead letters
+// ResolveCompleted resolves.
+const ResolvedBy = "reconciler"
+
+// ResolveCompleted resolves at most limit dead letters, oldest first, that
+// wait for a person (parked or refused) although their task has completed
+// since (by another route: a later delivery, a replay of another dead
+// letter of the task): nothing is left to replay. A completed task is
+// never re-opened, so the decision cannot go stale; rows locked by a
+// concurrent replay are skipped (the replay resolves them itself, or a
+// later call does). who/when/why are recorded as for a replay request.
+func (s *Store) ResolveCompleted(ctx context.Context, limit int) ([]Resolved, error) {
+	rows, err := s.pool.Query(ctx, `
+WITH c AS (
+  SELECT d.dead_letter_id, d.state FROM dead_letter d JOIN task t ON t.task_id = d.task_id
+  WHERE d.state IN ('parked', 'refused') AND t.status = 'completed'
+  ORDER BY d.dead_letter_id LIMIT $1
+  FOR UPDATE OF d SKIP LOCKED)
+UPDATE dead_letter d SET state = 'resolved', last_replay_at = now(), last_replay_by = $2,
+  last_replay_reason = 'task completed',
+  last_replay_outcome = 'task ' || d.task_id || ' is already completed; nothing to replay (resolved by the reconciler)',
+  updated_at = now()
+FROM c WHERE d.dead_letter_id = c.dead_letter_id
+RETURNING d.dead_letter_id, d.task_id, c.state`, limit, ResolvedBy)
+	if err != nil {
+		return nil, fmt.Errorf("resolve dead letters of completed tasks: %w", err)
+	}
+	out, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (Resolved, error) {
+		var v Resolved
+		err := r.Scan(&v.ID, &v.TaskID, &v.From)
+		return v, err
+	})
+	if err != nil {
+		return nil, fmt.Errorf("resolve dead letters of completed tasks: %w", err)
+	}
+	return out, nil
 }
 
 // resetInbox makes a failed inbox row processing again so that the
@@ -246,8 +296,9 @@ WHERE consumer_name = $1 AND message_id = $2 AND state = 'failed'`, consumer, me
 	return tag.RowsAffected() == 1, nil
 }
 
-// recordReplay writes the outcome of a replay request on a locked dead
-// letter: new state, replay_count + inc, who/when/why.
+// recordReplay writes the outcome of a replay (or resolve) request on a
+// locked dead letter: new state, replay_count + inc, who/when/why. The row
+// keeps the last request only; every request is also logged.
 func recordReplay(ctx context.Context, q querier, id int64, state string, inc int, by, reason, outcome string) error {
 	_, err := q.Exec(ctx, `
 UPDATE dead_letter SET state = $2, replay_count = replay_count + $3, last_replay_at = now(), last_replay_by = $4,

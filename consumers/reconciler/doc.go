@@ -59,7 +59,10 @@
 //     database's is replaced by the database snapshot (taskview.Cache.Put,
 //     whose Lua compare-and-set never regresses a view). Absent views stay
 //     absent.
-//   - Dead letters: converge_deadletter_unresolved is refreshed.
+//   - Dead letters: parked or refused dead letters whose task has
+//     completed since (by another route) are resolved — nothing is left to
+//     replay (deadletter.Store.ResolveCompleted, "dead_letter_resolved") —
+//     and converge_deadletter_unresolved is refreshed.
 //
 // # Dead-letter intake
 //
@@ -86,7 +89,7 @@
 //
 // # Metrics
 //
-//	converge_reconciler_actions_total{kind}          counter   actions, by kind: verified, planned, compensation_required, superseded, compensated, compensation_observed, skipped (lost compare-and-set), error, inbox_released, task_redriven, idempotency_resolved, cache_repaired, dead_letter_recorded
+//	converge_reconciler_actions_total{kind}          counter   actions, by kind: verified, planned, compensation_required, superseded, compensated, compensation_observed, skipped (lost compare-and-set), error, inbox_released, task_redriven, idempotency_resolved, cache_repaired, dead_letter_recorded, dead_letter_resolved
 //	converge_reconciler_passes_total{result}         counter   passes, by result: ok, error (a scan failed)
 //	converge_reconciler_pass_seconds                 histogram duration of one pass
 //	converge_deadletter_unresolved                   gauge     dead letters in state parked or refused (they need a person)

@@ -63,6 +63,10 @@ const (
 	// ActionDeadLetterRecorded: a record of the dead-letter topic was
 	// recorded in dead_letter.
 	ActionDeadLetterRecorded = "dead_letter_recorded"
+	// ActionDeadLetterResolved: a dead letter parked or refused whose task
+	// has completed since (by another route) was resolved: nothing is left
+	// to replay, and it no longer counts in converge_deadletter_unresolved.
+	ActionDeadLetterResolved = "dead_letter_resolved"
 	// ActionSuperseded: an effect started/unknown past the deadline was
 	// found matching in the store while another artifact.put effect of its
 	// task is already verified (at most one may be: the unique index of
@@ -292,6 +296,9 @@ type Result struct {
 	// InboxReleased, TasksRedriven, IdempotencyResolved and CacheRepaired
 	// count the repairs of the other scans.
 	InboxReleased, TasksRedriven, IdempotencyResolved, CacheRepaired int
+	// DeadLettersResolved counts dead letters resolved because their task
+	// completed since.
+	DeadLettersResolved int
 	// OutboxUnpublished is the number of outbox rows unpublished for longer
 	// than OutboxThreshold.
 	OutboxUnpublished int
@@ -300,7 +307,7 @@ type Result struct {
 // Repairs is the number of repairs written by the pass.
 func (res Result) Repairs() int {
 	return res.Verified + res.Planned + res.CompensationRequired + res.Superseded + res.Compensated + res.CompensationsObserved +
-		res.InboxReleased + res.TasksRedriven + res.IdempotencyResolved + res.CacheRepaired
+		res.InboxReleased + res.TasksRedriven + res.IdempotencyResolved + res.CacheRepaired + res.DeadLettersResolved
 }
 
 // Pass runs one bounded reconciliation pass:
@@ -521,7 +528,7 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 	m := &metrics{
 		actions: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "converge_reconciler_actions_total",
-			Help: "Reconciler actions, by kind: effects (verified, planned, compensation_required, superseded, compensated, compensation_observed, skipped, error), inbox_released, task_redriven, idempotency_resolved, cache_repaired, dead_letter_recorded.",
+			Help: "Reconciler actions, by kind: effects (verified, planned, compensation_required, superseded, compensated, compensation_observed, skipped, error), inbox_released, task_redriven, idempotency_resolved, cache_repaired, dead_letter_recorded, dead_letter_resolved.",
 		}, []string{"kind"}),
 		passes: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "converge_reconciler_passes_total",
@@ -546,7 +553,7 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 		}),
 	}
 	for _, k := range []string{ActionVerified, ActionPlanned, ActionCompensationRequired, ActionCompensated, ActionSkipped, ActionError,
-		ActionCompensationObserved, ActionInboxReleased, ActionTaskRedriven, ActionIdempotencyResolved, ActionCacheRepaired, ActionDeadLetterRecorded, ActionSuperseded} {
+		ActionCompensationObserved, ActionInboxReleased, ActionTaskRedriven, ActionIdempotencyResolved, ActionCacheRepaired, ActionDeadLetterRecorded, ActionDeadLetterResolved, ActionSuperseded} {
 		m.actions.WithLabelValues(k)
 	}
 	for _, c := range []prometheus.Collector{m.actions, m.passes, m.passSeconds, m.unresolved, m.outboxRows, m.outboxAge} {

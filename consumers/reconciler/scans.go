@@ -149,9 +149,21 @@ func (r *Reconciler) scanOutbox(ctx context.Context, res *Result) error {
 	return nil
 }
 
-// scanDeadLetters refreshes converge_deadletter_unresolved.
-func (r *Reconciler) scanDeadLetters(ctx context.Context, _ *Result) error {
-	n, err := deadletter.NewStore(r.pool).Unresolved(ctx)
+// scanDeadLetters resolves up to BatchSize dead letters parked or refused
+// whose task has completed since (deadletter.Store.ResolveCompleted), then
+// refreshes converge_deadletter_unresolved.
+func (r *Reconciler) scanDeadLetters(ctx context.Context, res *Result) error {
+	store := deadletter.NewStore(r.pool)
+	resolved, err := store.ResolveCompleted(ctx, r.cfg.BatchSize)
+	if err != nil {
+		return err
+	}
+	for _, d := range resolved {
+		r.log.InfoContext(ctx, "dead letter resolved: its task completed since", slog.Int64("dead_letter_id", d.ID),
+			slog.String("task_id", d.TaskID), slog.String("from", d.From))
+		r.act(res, ActionDeadLetterResolved, &res.DeadLettersResolved)
+	}
+	n, err := store.Unresolved(ctx)
 	if err != nil {
 		return err
 	}

@@ -2,12 +2,10 @@ package bench
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"io"
 	"log/slog"
 	"net"
-	"net/url"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -351,15 +349,6 @@ func (e *env) newDB(ctx context.Context, name string) (string, *pgxpool.Pool, er
 	return u, pool, nil
 }
 
-// dbName returns the database name of a URL.
-func dbName(u string) string {
-	p, err := url.Parse(u)
-	if err != nil {
-		return ""
-	}
-	return strings.TrimPrefix(p.Path, "/")
-}
-
 // profile starts a CPU profile named name when ProfileDir is set; the
 // returned function stops it.
 func (e *env) profile(name string) func() {
@@ -413,6 +402,3 @@ func ratio(a, b float64) float64 {
 	}
 	return a / b
 }
-
-// errStage marks a stage that cannot run here.
-var errStage = errors.New("stage cannot run")

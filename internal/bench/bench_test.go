@@ -68,7 +68,7 @@ func TestRunTiny(t *testing.T) {
 	}
 	var md strings.Builder
 	res.Markdown(&md)
-	if !strings.Contains(md.String(), "| create, 1 clients |") {
+	if !strings.Contains(md.String(), "| create, 1 client |") {
 		t.Errorf("markdown lacks the create row:\n%s", md.String())
 	}
 	t.Log("\n" + progress.String())

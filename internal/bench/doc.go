@@ -17,14 +17,19 @@
 //     the API writes them) until Kafka acknowledged every row and the slot
 //     advanced past the last one, against a minimal pglogrepl loop that only
 //     decodes the same rows from its own slot (both slots are created before
-//     the rows) → ratio. Then the peak RSS (VmHWM) of a `converge relay`
-//     subprocess relaying ONE transaction of RSSRows rows.
+//     the rows) → ratio; plus the relay's serial parts alone (its
+//     published_at UPDATE, payload canonicalization). Then the peak RSS
+//     (VmHWM) of a `converge relay` subprocess relaying ONE transaction of
+//     RSSRows rows.
 //  3. worker: tasks/s from a pre-filled topic of TaskCreated events to
 //     completed tasks, against pgbench running the worker's statements
 //     (inbox insert, task running CAS, document read, effect insert and
 //     read; completion transaction) for the same number of tasks with as
 //     many clients as the worker processes partitions → ratio; plus the
-//     artifact store's Put+Observe rate alone, the part pgbench cannot do.
+//     artifact store's Put+Observe rate alone (the part pgbench cannot do),
+//     the disk's fdatasync rate, the worker's mean time per record and
+//     effective concurrency (Little's law), and how many partitions one
+//     poll of the topic spans.
 //  4. end to end: the whole pipeline (internal/pipeline) under loadgen in the
 //     open model at increasing fixed rates; the sustained rate is the highest
 //     rate whose p99 end-to-end latency (task completed_at − created_at) stays

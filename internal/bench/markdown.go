@@ -17,8 +17,8 @@ func (r *Results) Markdown(w io.Writer) {
 	fmt.Fprintln(w, "| stage | converge | limit, same run | ratio | target | CPU (cores) converge / postgres / other |")
 	fmt.Fprintln(w, "|---|---|---|---|---|---|")
 	for _, p := range r.Create {
-		fmt.Fprintf(w, "| create, %d clients | %.0f req/s (p50 %.1f ms, p99 %.1f ms) | pgbench %.0f tps (%.1f ms avg) | %.2f | %s | %s · %s |\n",
-			p.Clients, p.APIMedian, p.APIP50, p.APIP99, p.PgbenchMedian, p.PgbenchLatMS, p.Ratio, target(p.Clients == 16, "≥ 0.90", p.Ratio >= 0.9),
+		fmt.Fprintf(w, "| create, %s | %.0f req/s (p50 %.1f ms, p99 %.1f ms) | pgbench %.0f tps (%.1f ms avg) | %.2f | %s | %s · %s |\n",
+			clients(p.Clients), p.APIMedian, p.APIP50, p.APIP99, p.PgbenchMedian, p.PgbenchLatMS, p.Ratio, target(p.Clients == 16, "≥ 0.90", p.Ratio >= 0.9),
 			cpuCell(p.APICPU), cpuCell(p.PgbenchCPU))
 	}
 	for _, p := range r.Create {
@@ -42,6 +42,10 @@ func (r *Results) Markdown(w io.Writer) {
 	if wr := r.Worker; wr != nil {
 		fmt.Fprintf(w, "| worker, %d tasks | %.0f tasks/s | pgbench %.0f tasks/s (%d clients); artifact store alone %.0f/s | %.2f | — | %s · %s |\n",
 			wr.Tasks, wr.WorkerMedian, wr.PgbenchMedian, wr.PgbenchClients, wr.ArtifactMed, wr.Ratio, cpuCell(wr.WorkerCPU), cpuCell(wr.PgbenchCPU))
+	}
+	if wr := r.Worker; wr != nil && len(wr.RecordMS) > 0 {
+		fmt.Fprintf(w, "| worker, one record | %.2f ms from first attempt to durable outcome; %.2f records in process on average (of 4 allowed); a poll spans %.2f partitions | — | — | — | — |\n",
+			median(wr.RecordMS), median(wr.Concurrency), wr.PartitionsPerPoll)
 	}
 	if wr := r.Worker; wr != nil {
 		fmt.Fprintf(w, "| disk | fdatasync of a 4 KiB write: %.0f/s (%.2f ms each), one thread | — | — | — | — |\n",
@@ -72,6 +76,13 @@ func (r *Results) Markdown(w io.Writer) {
 			fmt.Fprintf(w, "Stage %s failed: %s\n\n", k, strings.ReplaceAll(r.Errors[k], "\n", " "))
 		}
 	}
+}
+
+func clients(n int) string {
+	if n == 1 {
+		return "1 client"
+	}
+	return fmt.Sprintf("%d clients", n)
 }
 
 func target(applies bool, t string, ok bool) string {

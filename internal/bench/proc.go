@@ -157,6 +157,10 @@ type cpuMeter struct {
 }
 
 func (e *env) cpuStart() *cpuMeter {
+	// Backends of a pool closed just before exit asynchronously; one that
+	// exits between the reads of its own stat and of the postmaster's would
+	// be counted in full at the stop sample. Let them go first.
+	time.Sleep(100 * time.Millisecond)
 	m := &cpuMeter{pm: postmasterPID(e.pgData), start: time.Now()}
 	m.self, _, _ = procCPU("self")
 	m.pg = postgresCPU(m.pm)

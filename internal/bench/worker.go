@@ -33,6 +33,17 @@ type WorkerResult struct {
 	// JoinSeconds is the time from the worker's start to its first
 	// completed task, per run.
 	JoinSeconds []float64 `json:"join_seconds"`
+	// RecordMS is the mean time one record took from its first attempt to
+	// its durable outcome (converge_worker_processing_seconds), per run.
+	// Concurrency is rate × RecordMS: how many records were in process at
+	// once on average (Little's law), against the 4 the worker allows.
+	RecordMS    []float64 `json:"record_ms"`
+	Concurrency []float64 `json:"effective_concurrency"`
+	// PartitionsPerPoll is how many partitions one PollRecords(500) of the
+	// pre-filled topic returns on average (a plain consumer with the
+	// worker's client defaults): the worker processes the partitions of
+	// one poll concurrently, so this bounds its concurrency.
+	PartitionsPerPoll float64 `json:"partitions_per_poll"`
 	// PgbenchClients is the worker's partition concurrency.
 	PgbenchClients int       `json:"pgbench_clients"`
 	PgbenchTPS     []float64 `json:"pgbench_tasks_per_sec"`
@@ -81,12 +92,18 @@ func runWorker(ctx context.Context, e *env, res *Results) error {
 		if err := fillPgbenchTasks(ctx, pool, fx, i, perClient*workerConcurrency); err != nil {
 			return err
 		}
+		if i == 0 {
+			if wr.PartitionsPerPoll, err = partitionsPerPoll(ctx, e.brokers, topic, n); err != nil {
+				return err
+			}
+			e.progress("worker  a poll of 500 records of the pre-filled topic spans %.2f partitions on average", wr.PartitionsPerPoll)
+		}
 		stop := func() {}
 		if i == 0 {
 			stop = e.profile("worker")
 		}
 		m := e.cpuStart()
-		rate, join, err := workerOnce(ctx, e, dbURL, topic, fmt.Sprintf("bench-worker-%d", i), i, n)
+		rate, join, recSecs, err := workerOnce(ctx, e, dbURL, topic, fmt.Sprintf("bench-worker-%d", i), i, n)
 		wr.WorkerCPU = m.stop(0)
 		stop()
 		if err != nil {
@@ -94,6 +111,8 @@ func runWorker(ctx context.Context, e *env, res *Results) error {
 		}
 		wr.WorkerRate = append(wr.WorkerRate, round2(rate))
 		wr.JoinSeconds = append(wr.JoinSeconds, round2(join))
+		wr.RecordMS = append(wr.RecordMS, round2(recSecs*1000))
+		wr.Concurrency = append(wr.Concurrency, round2(rate*recSecs))
 
 		m = e.cpuStart()
 		pr, err := e.pgbench(ctx, "bench_worker", workerScript(fx, i), workerConcurrency, 0, perClient)
@@ -110,8 +129,8 @@ func runWorker(ctx context.Context, e *env, res *Results) error {
 			return err
 		}
 		wr.ArtifactRate = append(wr.ArtifactRate, round2(ar))
-		e.progress("worker  run %d: worker %.0f tasks/s (join %.1fs), pgbench %.0f tasks/s, artifact store alone %.0f put+observe/s; cpu worker %+v pgbench %+v",
-			i+1, rate, join, pr.TPS, ar, wr.WorkerCPU, wr.PgbenchCPU)
+		e.progress("worker  run %d: worker %.0f tasks/s (join %.1fs, %.2f ms per record, %.2f records in process on average), pgbench %.0f tasks/s, artifact store alone %.0f put+observe/s; cpu worker %+v pgbench %+v",
+			i+1, rate, join, recSecs*1000, rate*recSecs, pr.TPS, ar, wr.WorkerCPU, wr.PgbenchCPU)
 	}
 	if wr.FdatasyncPerSec, err = fdatasyncRate(filepath.Join(e.dir, "fsync-probe")); err != nil {
 		return err
@@ -248,23 +267,24 @@ END;
 
 // workerOnce runs a worker in process over topic until n tasks are
 // processed. It returns the steady rate (tasks/s from the first processed
-// task to the last) and the seconds until the first.
-func workerOnce(ctx context.Context, e *env, dbURL, topic, group string, run, n int) (float64, float64, error) {
+// task to the last), the seconds until the first and the mean seconds one
+// record took (converge_worker_processing_seconds).
+func workerOnce(ctx context.Context, e *env, dbURL, topic, group string, run, n int) (rate, join, record float64, err error) {
 	// The worker's pool as `converge worker` opens it (pgxpool defaults).
 	pool, err := pgxpool.New(ctx, dbURL)
 	if err != nil {
-		return 0, 0, err
+		return 0, 0, 0, err
 	}
 	defer pool.Close()
 	store, err := artifact.Open(filepath.Join(e.dir, fmt.Sprintf("artifacts-worker-%d", run)), nil)
 	if err != nil {
-		return 0, 0, err
+		return 0, 0, 0, err
 	}
 	reg := prometheus.NewRegistry()
 	w, err := worker.New(worker.Config{Pool: pool, Brokers: e.brokers, Topic: topic, Group: group, ArtifactStore: store,
 		Logger: e.log.With("component", "worker"), Registerer: reg})
 	if err != nil {
-		return 0, 0, err
+		return 0, 0, 0, err
 	}
 	wctx, cancel := context.WithCancel(ctx)
 	defer cancel()
@@ -284,27 +304,30 @@ func workerOnce(ctx context.Context, e *env, dbURL, topic, group string, run, n 
 			break
 		}
 		if failed := counter(reg, "converge_worker_messages_total", "outcome", worker.OutcomeFailed); failed > 0 {
-			return 0, 0, fmt.Errorf("worker: %v records failed (see the components log)", failed)
+			return 0, 0, 0, fmt.Errorf("worker: %v records failed (see the components log)", failed)
 		}
 		select {
 		case err := <-done:
-			return 0, 0, fmt.Errorf("worker stopped after %v of %d tasks: %v", got, n, err)
+			return 0, 0, 0, fmt.Errorf("worker stopped after %v of %d tasks: %v", got, n, err)
 		case <-ctx.Done():
-			return 0, 0, ctx.Err()
+			return 0, 0, 0, ctx.Err()
 		case <-t.C:
 		}
 		if time.Now().After(limit) {
-			return 0, 0, fmt.Errorf("worker: %v of %d tasks after 30 minutes", got, n)
+			return 0, 0, 0, fmt.Errorf("worker: %v of %d tasks after 30 minutes", got, n)
 		}
 	}
 	end := time.Now()
 	cancel()
 	<-done
-	join := first.Sub(start).Seconds()
-	if n <= 1 || !end.After(first) {
-		return float64(n) / end.Sub(start).Seconds(), join, nil
+	join = first.Sub(start).Seconds()
+	if sum, count := histogram(reg, "converge_worker_processing_seconds"); count > 0 {
+		record = sum / float64(count)
 	}
-	return float64(n-1) / end.Sub(first).Seconds(), join, nil
+	if n <= 1 || !end.After(first) {
+		return float64(n) / end.Sub(start).Seconds(), join, record, nil
+	}
+	return float64(n-1) / end.Sub(first).Seconds(), join, record, nil
 }
 
 // counter reads the value of a counter (with one label pair) from reg.
@@ -326,6 +349,51 @@ func counter(reg *prometheus.Registry, name, label, value string) float64 {
 		}
 	}
 	return 0
+}
+
+// partitionsPerPoll reads the n records of topic from the start with
+// PollRecords(500), as the worker polls, and returns the mean number of
+// partitions per poll.
+func partitionsPerPoll(ctx context.Context, brokers []string, topic string, n int) (float64, error) {
+	cl, err := kgo.NewClient(kgo.SeedBrokers(brokers...), kgo.ConsumeTopics(topic), kgo.ConsumeResetOffset(kgo.NewOffset().AtStart()))
+	if err != nil {
+		return 0, err
+	}
+	defer cl.Close()
+	ctx, cancel := context.WithTimeout(ctx, time.Minute)
+	defer cancel()
+	polls, parts, got := 0, 0, 0
+	for got < n && ctx.Err() == nil {
+		fs := cl.PollRecords(ctx, 500)
+		seen := map[int32]bool{}
+		fs.EachRecord(func(r *kgo.Record) {
+			seen[r.Partition] = true
+			got++
+		})
+		if len(seen) > 0 {
+			polls++
+			parts += len(seen)
+		}
+	}
+	if polls == 0 {
+		return 0, fmt.Errorf("no records polled from %s", topic)
+	}
+	return round2(float64(parts) / float64(polls)), nil
+}
+
+// histogram reads the sum and count of a histogram without labels from reg.
+func histogram(reg *prometheus.Registry, name string) (float64, uint64) {
+	mfs, err := reg.Gather()
+	if err != nil {
+		return 0, 0
+	}
+	for _, mf := range mfs {
+		if mf.GetName() == name && len(mf.GetMetric()) == 1 {
+			h := mf.GetMetric()[0].GetHistogram()
+			return h.GetSampleSum(), h.GetSampleCount()
+		}
+	}
+	return 0, 0
 }
 
 // artifactRate measures the artifact store alone as the worker uses it for

@@ -146,7 +146,7 @@ type rule struct {
 // nil are valid and have no point armed. A Set is safe for concurrent use.
 type Set struct {
 	mu    sync.Mutex
-	rules map[string]*rule
+	rules map[string][]*rule // per point; one rule per key
 	fired map[string]int
 	// Exit ends the process for ActionCrash; tests replace it. Defaults to
 	// os.Exit.
@@ -214,13 +214,45 @@ func (s *Set) ArmKey(name string, action Action, nth int, key string) error {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if s.rules == nil {
-		s.rules = map[string]*rule{}
+		s.rules = map[string][]*rule{}
 	}
-	s.rules[name] = &rule{action: action, nth: nth, key: key}
+	nr := &rule{action: action, nth: nth, key: key}
+	for i, r := range s.rules[name] {
+		if r.key == key { // re-arming the same point and key replaces the rule
+			s.rules[name][i] = nr
+			return nil
+		}
+	}
+	s.rules[name] = append(s.rules[name], nr)
 	return nil
 }
 
-// Disarm removes the rule of point name.
+// String describes the armed rules in the spec grammar, sorted ("" when none
+// is armed), for the start-up log: an armed fault must never go unnoticed.
+func (s *Set) String() string {
+	if s == nil {
+		return ""
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	var out []string
+	for name, rs := range s.rules {
+		for _, r := range rs {
+			x := name + "=" + r.action.String()
+			if r.nth != 0 {
+				x += "@" + strconv.Itoa(r.nth)
+			}
+			if r.key != "" {
+				x += "#" + r.key
+			}
+			out = append(out, x)
+		}
+	}
+	sort.Strings(out)
+	return strings.Join(out, ",")
+}
+
+// Disarm removes every rule of point name.
 func (s *Set) Disarm(name string) {
 	if s == nil {
 		return
@@ -251,13 +283,17 @@ func (s *Set) HitKey(name string, keys ...string) Action {
 
 func (s *Set) hit(name string, keys []string) Action {
 	s.mu.Lock()
-	r := s.rules[name]
-	if r == nil || (r.key != "" && !slices.Contains(keys, r.key)) {
-		s.mu.Unlock()
-		return ActionNone
+	var r *rule
+	for _, c := range s.rules[name] {
+		if c.key != "" && !slices.Contains(keys, c.key) {
+			continue
+		}
+		c.hits++
+		if r == nil && (c.nth == 0 || c.hits == c.nth) {
+			r = c
+		}
 	}
-	r.hits++
-	if r.nth != 0 && r.hits != r.nth {
+	if r == nil {
 		s.mu.Unlock()
 		return ActionNone
 	}

@@ -505,3 +505,33 @@ func TestKeyFilter(t *testing.T) {
 		t.Error("empty key: want an error")
 	}
 }
+
+// TestSeveralKeysOnOnePoint: two #key rules on one point both stay armed
+// (poisoning two tasks); re-arming the same key replaces its rule; String
+// describes what is armed.
+func TestSeveralKeysOnOnePoint(t *testing.T) {
+	t.Parallel()
+	s, err := fault.Parse("worker.process-error=error#A,worker.process-error=error#B,worker.process-error=error@2#B")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := s.HitKey(fault.WorkerProcessError, "A"); got != fault.ActionError {
+		t.Errorf("key A: %v, want error", got)
+	}
+	if got := s.HitKey(fault.WorkerProcessError, "B"); got != fault.ActionNone {
+		t.Errorf("key B first hit: %v, want none (its rule was replaced by @2)", got)
+	}
+	if got := s.HitKey(fault.WorkerProcessError, "B"); got != fault.ActionError {
+		t.Errorf("key B second hit: %v, want error", got)
+	}
+	if got := s.HitKey(fault.WorkerProcessError, "C"); got != fault.ActionNone {
+		t.Errorf("key C: %v, want none", got)
+	}
+	if want := "worker.process-error=error#A,worker.process-error=error@2#B"; s.String() != want {
+		t.Errorf("String() = %q, want %q", s.String(), want)
+	}
+	var none *fault.Set
+	if none.String() != "" {
+		t.Error("nil set describes rules")
+	}
+}

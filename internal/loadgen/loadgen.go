@@ -511,7 +511,7 @@ func wait(ctx context.Context, cfg Config, ids []string) map[string]TaskState {
 	states := make(map[string]TaskState, len(ids))
 	pending := slices.Clone(ids)
 	for len(pending) > 0 {
-		window := pending[:min(len(pending), waitWindow)]
+		window := slices.Clone(pending[:min(len(pending), waitWindow)])
 		got, _ := cfg.Tasks.Tasks(ctx, window)
 		for id, st := range got {
 			states[id] = st

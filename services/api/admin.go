@@ -2,6 +2,7 @@ package api
 
 import (
 	"bytes"
+	"context"
 	"encoding/json"
 	"errors"
 	"io"
@@ -37,6 +38,7 @@ func (s *Server) registerAdmin() {
 	s.mux.HandleFunc("GET "+deadLetterCollectionPattern, s.handleListDeadLetters)
 	s.mux.HandleFunc("GET "+deadLetterCollectionPattern+"/{id}", s.handleGetDeadLetter)
 	s.mux.HandleFunc("POST "+deadLetterCollectionPattern+"/{id}/replay", s.handleReplayDeadLetter)
+	s.mux.HandleFunc("POST "+deadLetterCollectionPattern+"/{id}/resolve", s.handleResolveDeadLetter)
 }
 
 // deadLetterErr maps the deadletter package's errors to problems.
@@ -45,7 +47,7 @@ func deadLetterErr(err error) error {
 	case errors.Is(err, deadletter.ErrNotFound):
 		return &Error{Code: CodeDeadLetterNotFound, Detail: "no dead letter with this id", Err: err}
 	case errors.Is(err, deadletter.ErrReasonRequired):
-		return &Error{Code: CodeReplayReasonRequired, Detail: `the JSON body needs a non-empty "reason"`, Err: err}
+		return &Error{Code: CodeReplayReasonRequired, Detail: `the JSON body needs a non-empty "reason" (recorded with the request)`, Err: err}
 	case errors.Is(err, deadletter.ErrNoProducer):
 		return &Error{Code: CodeDeadLettersUnavailable,
 			Detail: "this API instance has no Kafka brokers configured (CONVERGE_KAFKA_BROKERS), so it cannot re-publish; listing and showing work", Err: err}
@@ -130,6 +132,22 @@ func (s *Server) handleGetDeadLetter(w http.ResponseWriter, r *http.Request) {
 // {"reason": "...", "by": "..."}: 200 with the deadletter.Result (outcome
 // replayed, noop or refused).
 func (s *Server) handleReplayDeadLetter(w http.ResponseWriter, r *http.Request) {
+	s.handleDeadLetterRequest(w, r, (*deadletter.Service).Replay)
+}
+
+// handleResolveDeadLetter is POST /v1/admin/dead-letters/{id}/resolve with
+// {"reason": "...", "by": "..."}: the dead letter is marked resolved
+// without publishing anything (who, when and why recorded); 200 with the
+// deadletter.Result (outcome resolved, or noop when it already was). It
+// needs no Kafka brokers.
+func (s *Server) handleResolveDeadLetter(w http.ResponseWriter, r *http.Request) {
+	s.handleDeadLetterRequest(w, r, (*deadletter.Service).Resolve)
+}
+
+// handleDeadLetterRequest reads and checks the id and the body of a replay
+// or resolve request, then calls do.
+func (s *Server) handleDeadLetterRequest(w http.ResponseWriter, r *http.Request,
+	do func(*deadletter.Service, context.Context, int64, deadletter.Request) (deadletter.Result, error)) {
 	svc := s.deadLetters(w, r)
 	if svc == nil {
 		return
@@ -157,7 +175,7 @@ func (s *Server) handleReplayDeadLetter(w http.ResponseWriter, r *http.Request) 
 		s.writeError(w, r, newError(CodeInvalidAdminRequest, `body must be one JSON object {"reason": "...", "by": "..."} (strings, no other members): %s`, clip(err.Error(), 120)))
 		return
 	}
-	res, err := svc.Replay(r.Context(), id, req)
+	res, err := do(svc, r.Context(), id, req)
 	if err != nil {
 		s.writeError(w, r, deadLetterErr(err))
 		return
@@ -165,7 +183,7 @@ func (s *Server) handleReplayDeadLetter(w http.ResponseWriter, r *http.Request) 
 	s.writeAdminJSON(w, r, http.StatusOK, res)
 }
 
-// decodeReplayRequest decodes a replay body strictly: one JSON object with
+// decodeReplayRequest decodes a replay or resolve body strictly: one JSON object with
 // string members reason and by only, nothing after it.
 func decodeReplayRequest(body []byte) (deadletter.Request, error) {
 	var req deadletter.Request

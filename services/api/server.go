@@ -65,8 +65,9 @@ type Config struct {
 	// otherwise.
 	Gatherer prometheus.Gatherer
 	// DeadLetters serves the admin endpoints GET /v1/admin/dead-letters,
-	// GET /v1/admin/dead-letters/{id} and POST
-	// /v1/admin/dead-letters/{id}/replay. Optional: without it they answer
+	// GET /v1/admin/dead-letters/{id}, POST
+	// /v1/admin/dead-letters/{id}/replay and POST
+	// /v1/admin/dead-letters/{id}/resolve. Optional: without it they answer
 	// 503 DEAD_LETTERS_UNAVAILABLE. The endpoints have no authentication of
 	// their own: expose them only to operators.
 	DeadLetters *deadletter.Service
