@@ -15,8 +15,8 @@ import (
 
 // DLQCmd inspects and replays dead letters (package deadletter).
 type DLQCmd struct {
-	List   DLQListCmd   `cmd:"" help:"List dead letters, oldest first."`
-	Show   DLQShowCmd   `cmd:"" help:"Show one dead letter as JSON."`
+	List    DLQListCmd    `cmd:"" help:"List dead letters, oldest first."`
+	Show    DLQShowCmd    `cmd:"" help:"Show one dead letter as JSON."`
 	Replay  DLQReplayCmd  `cmd:"" help:"Re-publish the original record of dead letters after a fix (the row keeps who, when, why of the last request)."`
 	Resolve DLQResolveCmd `cmd:"" help:"Mark a dead letter resolved without publishing anything (the row keeps who, when, why)."`
 }

@@ -214,8 +214,8 @@ func (c *Config) Validate() error {
 	return nil
 }
 
-// Service lists, shows and replays dead letters; `converge dlq` and the
-// admin API both use it.
+// Service lists, shows, replays and resolves dead letters; `converge dlq`
+// and the admin API both use it.
 type Service struct {
 	cfg     Config
 	store   *Store
@@ -256,14 +256,14 @@ func (s *Service) List(ctx context.Context, f Filter) ([]DeadLetter, error) {
 // Get returns one dead letter or ErrNotFound.
 func (s *Service) Get(ctx context.Context, id int64) (DeadLetter, error) { return s.store.Get(ctx, id) }
 
-// Request is who asks for a replay and why; both are recorded.
+// Request is who asks for a replay or resolve and why; both are recorded.
 type Request struct {
 	Reason string `json:"reason"`
 	By     string `json:"by"`
 }
 
-// ErrReasonRequired: a replay request without a reason.
-var ErrReasonRequired = errors.New("a replay needs a reason")
+// ErrReasonRequired: a replay or resolve request without a reason.
+var ErrReasonRequired = errors.New("a replay or resolve needs a reason")
 
 // Result is the answer to one replay request.
 type Result struct {

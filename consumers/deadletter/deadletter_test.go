@@ -497,7 +497,8 @@ func TestReplayOfTerminalTaskIsNoop(t *testing.T) {
 	for _, tc := range []struct {
 		id   int64
 		want string
-	}{{doneID, "already completed"}, {otherID, "already failed (" + worker.CodeArtifactVerificationFailed + ")"}} {
+	}{{doneID, "is already completed; nothing to replay"},
+		{otherID, "failed with " + worker.CodeArtifactVerificationFailed + ", not because of this dead letter; nothing to replay"}} {
 		res, err := b.svc.Replay(ctx, tc.id, Request{Reason: "check", By: "dave"})
 		if err != nil {
 			t.Fatal(err)

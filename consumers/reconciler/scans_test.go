@@ -6,6 +6,10 @@ import (
 	"testing"
 	"time"
 
+	"github.com/google/uuid"
+	dto "github.com/prometheus/client_model/go"
+
+	"github.com/converge-run/converge/consumers/deadletter"
 	"github.com/converge-run/converge/internal/artifact"
 	"github.com/converge-run/converge/internal/fault"
 )
@@ -103,6 +107,60 @@ VALUES ('s', 'k-expired', $1, 'in_progress', now() - interval '1 minute', now() 
 	// A second pass re-drives nothing more: one re-drive per task version.
 	res, err = b.r.Pass(ctx)
 	if err != nil || res.TasksRedriven != 0 || res.InboxReleased != 0 || res.IdempotencyResolved != 0 {
+		t.Errorf("second pass = %+v %v", res, err)
+	}
+}
+
+// A dead letter parked or refused whose task has completed since (by
+// another route) is resolved by a pass — counted as dead_letter_resolved —
+// and no longer counts in converge_deadletter_unresolved; one of a task
+// still failed is left to a person.
+func TestScanResolvesDeadLettersOfCompletedTasks(t *testing.T) {
+	t.Parallel()
+	b := setup(t, Config{})
+	ctx := context.Background()
+	done := b.effectFor(t, stateVerified, []byte(`1`), 0)
+	doneTask := done[:len(done)-len(".attempt-1")]
+	failed := b.effectFor(t, stateVerified, []byte(`2`), 0)
+	failedTask := failed[:len(failed)-len(".attempt-1")]
+	if _, err := b.db.Pool.Exec(ctx, `UPDATE task SET status = 'failed', terminal_error_code = 'X' WHERE task_id = $1`, failedTask); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := b.db.Pool.Exec(ctx, `
+UPDATE task SET status = 'completed', version = 2, artifact_sha256 = $2, artifact_size = 1, completed_at = now() WHERE task_id = $1`,
+		doneTask, sum([]byte("1"))); err != nil {
+		t.Fatal(err)
+	}
+	store := deadletter.NewStore(b.db.Pool)
+	now := time.Now().UTC()
+	for i, task := range []string{doneTask, doneTask, failedTask} {
+		msg := uuid.NewString()
+		d := deadletter.DeadLetter{OriginTopic: "converge.task-events.v1", OriginOffset: int64(i), ConsumerGroup: "converge-worker",
+			Key: []byte(task), Value: []byte(`{}`), Headers: []deadletter.Header{}, MessageID: &msg, TaskID: &task,
+			ErrorClass: "deterministic", ErrorCode: "X", Attempts: 1, ProcessorVersion: "t", FirstFailureAt: now, LastFailureAt: now}
+		if ok, err := store.Insert(ctx, d); err != nil || !ok {
+			t.Fatalf("insert dead letter: %v %v", ok, err)
+		}
+	}
+	if _, err := b.db.Pool.Exec(ctx, `UPDATE dead_letter SET state = 'refused', last_replay_at = now() WHERE origin_offset = 1`); err != nil {
+		t.Fatal(err)
+	}
+	res, err := b.r.Pass(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if res.DeadLettersResolved != 2 || b.actions(ActionDeadLetterResolved) != 2 {
+		t.Errorf("pass = %+v, actions{kind=dead_letter_resolved} = %v, want 2", res, b.actions(ActionDeadLetterResolved))
+	}
+	var m dto.Metric
+	if err := b.r.m.unresolved.Write(&m); err != nil || m.GetGauge().GetValue() != 1 {
+		t.Errorf("converge_deadletter_unresolved = %v (%v), want 1 (the failed task's)", m.GetGauge().GetValue(), err)
+	}
+	var states string
+	if err := b.db.Pool.QueryRow(ctx, `SELECT string_agg(state, ',' ORDER BY origin_offset) FROM dead_letter`).Scan(&states); err != nil || states != "resolved,resolved,parked" {
+		t.Errorf("states %q %v", states, err)
+	}
+	if res, err := b.r.Pass(ctx); err != nil || res.DeadLettersResolved != 0 {
 		t.Errorf("second pass = %+v %v", res, err)
 	}
 }

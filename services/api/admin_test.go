@@ -108,6 +108,25 @@ func TestAdminDeadLetters(t *testing.T) {
 	if m := r.json(t); m["last_replay_by"] != "unknown" || m["last_replay_reason"] != "again" || m["replay_count"] != float64(1) {
 		t.Fatalf("after replays: %s", r.body)
 	}
+
+	// Resolve: marked resolved without publishing, who/why recorded.
+	resolve := "/v1/admin/dead-letters/" + strconv.FormatInt(otherID, 10) + "/resolve"
+	r = b.do(t, http.MethodPost, resolve, jsonHeader, []byte(`{"reason":"input is broken, client told","by":"bob"}`))
+	if m := r.json(t); r.status != http.StatusOK || m["outcome"] != "resolved" || m["state"] != "resolved" || m["task_reopened"] != false {
+		t.Fatalf("resolve: %d %s", r.status, r.body)
+	}
+	r = b.do(t, http.MethodGet, "/v1/admin/dead-letters/"+strconv.FormatInt(otherID, 10), nil, nil)
+	if m := r.json(t); m["state"] != "resolved" || m["last_replay_by"] != "bob" || m["last_replay_reason"] != "input is broken, client told" || m["last_replay_at"] == nil {
+		t.Fatalf("after resolve: %s", r.body)
+	}
+	r = b.do(t, http.MethodPost, resolve, jsonHeader, []byte(`{"reason":"again"}`))
+	if m := r.json(t); r.status != http.StatusOK || m["outcome"] != "noop" || m["state"] != "resolved" {
+		t.Fatalf("second resolve: %d %s", r.status, r.body)
+	}
+	r = b.do(t, http.MethodPost, "/v1/admin/dead-letters/"+strconv.FormatInt(otherID, 10)+"/replay", jsonHeader, []byte(`{"reason":"replay"}`))
+	if m := r.json(t); r.status != http.StatusOK || m["outcome"] != "noop" {
+		t.Fatalf("replay of a resolved dead letter: %d %s", r.status, r.body)
+	}
 }
 
 // Bad input gets a problem+json 4xx with a stable code, never a 5xx.
@@ -116,6 +135,7 @@ func TestAdminDeadLettersBadInput(t *testing.T) {
 	b := adminSetup(t, true)
 	id, _ := b.parkFailedTask(t, "CODE_A", 1)
 	replay := "/v1/admin/dead-letters/" + strconv.FormatInt(id, 10) + "/replay"
+	resolve := "/v1/admin/dead-letters/" + strconv.FormatInt(id, 10) + "/resolve"
 	for _, tc := range []struct {
 		name, method, path string
 		header             http.Header
@@ -147,6 +167,22 @@ func TestAdminDeadLettersBadInput(t *testing.T) {
 		{"no content type", http.MethodPost, replay, nil, `{"reason":"x"}`, 415, CodeUnsupportedMediaType},
 		{"body too large", http.MethodPost, replay, jsonHeader, `{"reason":"` + strings.Repeat("x", 70<<10) + `"}`, 413, CodeBodyTooLarge},
 		{"method not allowed", http.MethodDelete, "/v1/admin/dead-letters/1", nil, "", 405, CodeMethodNotAllowed},
+		{"resolve unknown id", http.MethodPost, "/v1/admin/dead-letters/999999/resolve", jsonHeader, `{"reason":"x"}`, 404, CodeDeadLetterNotFound},
+		{"resolve bad id", http.MethodPost, "/v1/admin/dead-letters/1x/resolve", jsonHeader, `{"reason":"x"}`, 404, CodeDeadLetterNotFound},
+		{"resolve id overflows", http.MethodPost, "/v1/admin/dead-letters/99999999999999999999/resolve", jsonHeader, `{"reason":"x"}`, 404, CodeDeadLetterNotFound},
+		{"resolve malformed JSON", http.MethodPost, resolve, jsonHeader, `{"reason"`, 400, CodeInvalidAdminRequest},
+		{"resolve not an object", http.MethodPost, resolve, jsonHeader, `"x"`, 400, CodeInvalidAdminRequest},
+		{"resolve by not a string", http.MethodPost, resolve, jsonHeader, `{"reason":"x","by":1}`, 400, CodeInvalidAdminRequest},
+		{"resolve unknown member", http.MethodPost, resolve, jsonHeader, `{"reason":"x","state":"parked"}`, 400, CodeInvalidAdminRequest},
+		{"resolve trailing data", http.MethodPost, resolve, jsonHeader, `{"reason":"x"}x`, 400, CodeInvalidAdminRequest},
+		{"resolve empty body", http.MethodPost, resolve, jsonHeader, ``, 400, CodeInvalidAdminRequest},
+		{"resolve missing reason", http.MethodPost, resolve, jsonHeader, `{"by":"alice"}`, 422, CodeReplayReasonRequired},
+		{"resolve blank reason", http.MethodPost, resolve, jsonHeader, `{"reason":"\t "}`, 422, CodeReplayReasonRequired},
+		{"resolve null body", http.MethodPost, resolve, jsonHeader, `null`, 422, CodeReplayReasonRequired},
+		{"resolve wrong content type", http.MethodPost, resolve, http.Header{"Content-Type": {"text/plain"}}, `{"reason":"x"}`, 415, CodeUnsupportedMediaType},
+		{"resolve no content type", http.MethodPost, resolve, nil, `{"reason":"x"}`, 415, CodeUnsupportedMediaType},
+		{"resolve body too large", http.MethodPost, resolve, jsonHeader, `{"reason":"` + strings.Repeat("x", 70<<10) + `"}`, 413, CodeBodyTooLarge},
+		{"resolve with GET", http.MethodGet, resolve, nil, "", 405, CodeMethodNotAllowed},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			var body []byte
@@ -173,6 +209,7 @@ func TestAdminDeadLettersUnavailable(t *testing.T) {
 		{http.MethodGet, "/v1/admin/dead-letters"},
 		{http.MethodGet, "/v1/admin/dead-letters/1"},
 		{http.MethodPost, "/v1/admin/dead-letters/1/replay"},
+		{http.MethodPost, "/v1/admin/dead-letters/1/resolve"},
 	} {
 		wantProblem(t, none.do(t, req[0], req[1], jsonHeader, []byte(`{"reason":"x"}`)), 503, CodeDeadLettersUnavailable)
 	}
@@ -193,5 +230,10 @@ func TestAdminDeadLettersUnavailable(t *testing.T) {
 	var status string
 	if err := b.db.Pool.QueryRow(context.Background(), `SELECT status FROM task WHERE task_id = $1`, taskID).Scan(&status); err != nil || status != "failed" {
 		t.Errorf("task %s %v, want failed (untouched)", status, err)
+	}
+	// A resolve publishes nothing: it works without Kafka.
+	r = b.do(t, http.MethodPost, "/v1/admin/dead-letters/"+strconv.FormatInt(id, 10)+"/resolve", jsonHeader, []byte(`{"reason":"obsolete"}`))
+	if m := r.json(t); r.status != http.StatusOK || m["outcome"] != "resolved" {
+		t.Fatalf("resolve without Kafka: %d %s", r.status, r.body)
 	}
 }

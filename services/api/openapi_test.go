@@ -27,7 +27,9 @@ func TestOpenAPIListsEveryCode(t *testing.T) {
 			t.Errorf("openapi.yaml Problem.code enum lacks %s", code)
 		}
 	}
-	for _, route := range []string{"  /v1/tasks:\n    post:", "  /v1/tasks/{id}:\n    get:", "  /v1/tasks/{id}/artifact:\n    get:", "  /healthz:\n    get:", "  /readyz:\n    get:", "  /metrics:\n    get:"} {
+	for _, route := range []string{"  /v1/tasks:\n    post:", "  /v1/tasks/{id}:\n    get:", "  /v1/tasks/{id}/artifact:\n    get:", "  /healthz:\n    get:", "  /readyz:\n    get:", "  /metrics:\n    get:",
+		"  /v1/admin/dead-letters:\n    get:", "  /v1/admin/dead-letters/{id}:\n    get:", "  /v1/admin/dead-letters/{id}/replay:\n    post:",
+		"  /v1/admin/dead-letters/{id}/resolve:\n    post:"} {
 		if !strings.Contains(spec, route) {
 			t.Errorf("openapi.yaml lacks %q", route)
 		}
