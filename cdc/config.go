@@ -79,10 +79,11 @@ type Config struct {
 	// acknowledged; it is also the largest outbox_id array of one UPDATE.
 	// Defaults to 1000.
 	FlushMaxRecords int
-	// MaxBufferedRecords bounds the records produced and not yet
-	// acknowledged by Kafka (kgo.MaxBufferedRecords): decoding blocks when
-	// it is reached, so memory stays bounded whatever the size of a
-	// transaction. Defaults to 10000.
+	// MaxBufferedRecords bounds the records produced and not yet both
+	// acknowledged by Kafka and marked published (also passed as
+	// kgo.MaxBufferedRecords): decoding blocks when it is reached, so
+	// memory stays bounded whatever the size of a transaction and the
+	// speed of the published_at UPDATE. Defaults to 10000.
 	MaxBufferedRecords int
 	// DeliveryTimeout is how long a record may stay unacknowledged
 	// (retries included) before its produce fails and Run returns an error

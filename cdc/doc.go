@@ -24,15 +24,22 @@
 // # Invariants
 //
 //   - Produce: rows are produced as they are decoded, never buffered per
-//     transaction; at most MaxBufferedRecords records are in flight (decoding
-//     waits for room, sending status updates meanwhile), so memory is bounded
-//     whatever the transaction size. The producer is franz-go's idempotent
+//     transaction; at most MaxBufferedRecords records are in flight, from
+//     decoding until acknowledged AND marked published (decoding waits for
+//     room, sending status updates meanwhile), so memory is bounded whatever
+//     the transaction size. The producer is franz-go's idempotent
 //     producer with acks=all and the default key partitioner (Kafka's murmur2
 //     for keyed records): all events of a task go to one partition in commit
 //     order.
 //   - A row is done when Kafka acknowledged it AND the UPDATE setting its
 //     published_at (one statement per batch of at most FlushMaxRecords rows,
-//     every FlushInterval) committed.
+//     every FlushInterval or as soon as FlushMaxRecords rows are
+//     acknowledged) committed. The UPDATE runs on a goroutine of its own
+//     (the marker), which counts the rows done in the tracker only after it
+//     committed; the receive loop never waits for it and reads the tracker's
+//     confirmable LSN when it sends a status update. A failure of the
+//     marker (an UPDATE error, an injected fault) stops Run with no further
+//     status update.
 //   - The slot advances only to the end LSN of the last transaction of the
 //     longest WAL-ordered prefix of transactions whose Commit was seen and
 //     whose rows are all done. franz-go completes partitions independently,

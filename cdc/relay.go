@@ -14,7 +14,6 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/twmb/franz-go/pkg/kgo"
 
-	"github.com/converge-run/converge/internal/fault"
 	"github.com/converge-run/converge/internal/kafkatopic"
 )
 
@@ -134,7 +133,9 @@ type session struct {
 	txnSeq       uint64
 	serverWALEnd pglogrepl.LSN
 	nextStatus   time.Time
-	nextFlush    time.Time
+
+	// The marker goroutine (marker.go).
+	markGuard
 }
 
 // open connects to PostgreSQL and Kafka, sets up publication, slot and
@@ -274,24 +275,28 @@ func (s *session) close() {
 var errStopping = errors.New("stopping")
 
 // stream is the replication loop. It owns the replication connection: every
-// receive has its own deadline, so flushes and status updates happen while
-// the stream is idle (the PeerDB pattern).
+// receive has its own deadline, so status updates happen while the stream is
+// idle (the PeerDB pattern). The published_at UPDATE runs in the marker
+// goroutine (marker.go).
 func (s *session) stream(ctx context.Context) error {
 	s.produceCtx = context.WithoutCancel(ctx)
-	now := time.Now()
-	s.nextStatus = now.Add(s.cfg.StatusInterval)
-	s.nextFlush = now.Add(s.cfg.FlushInterval)
+	markCtx, cancelMark := context.WithCancel(context.WithoutCancel(ctx))
+	s.startMarker(markCtx)
+	defer func() {
+		// Error paths: stop the marker without a further UPDATE. A no-op
+		// after a clean shutdown.
+		cancelMark()
+		s.stopMarker()
+	}()
+	s.nextStatus = time.Now().Add(s.cfg.StatusInterval)
 	for {
 		if ctx.Err() != nil {
 			return s.shutdown(ctx)
 		}
-		if err := s.housekeeping(ctx); err != nil {
+		if err := s.housekeeping(); err != nil {
 			return err
 		}
 		deadline := time.Now().Add(s.cfg.ReceiveTimeout)
-		if s.nextFlush.Before(deadline) {
-			deadline = s.nextFlush
-		}
 		if s.nextStatus.Before(deadline) {
 			deadline = s.nextStatus
 		}
@@ -313,64 +318,34 @@ func (s *session) stream(ctx context.Context) error {
 	}
 }
 
-// housekeeping fails on a produce failure, flushes acknowledged rows when due
-// and sends a status update when due.
-func (s *session) housekeeping(ctx context.Context) error {
+// housekeeping fails on a produce or marker failure and sends a status
+// update when due.
+func (s *session) housekeeping() error {
 	if err := s.tr.failure(); err != nil {
 		return err
 	}
-	now := time.Now()
-	if !now.Before(s.nextFlush) || s.tr.pending() >= s.cfg.FlushMaxRecords {
-		if err := s.flush(ctx); err != nil {
-			return err
-		}
-		s.nextFlush = now.Add(s.cfg.FlushInterval)
+	if err := s.markFailure(); err != nil {
+		return err
 	}
-	if !now.Before(s.nextStatus) {
+	if !time.Now().Before(s.nextStatus) {
 		return s.sendStatus()
 	}
-	return nil
-}
-
-// flush marks the acknowledged rows published (one UPDATE per
-// FlushMaxRecords rows) and only then counts them as done in the tracker.
-// The fault points fire around the UPDATE when there is something to mark.
-func (s *session) flush(ctx context.Context) error {
-	rows := s.tr.takeAcked()
-	if len(rows) == 0 {
-		return nil
-	}
-	if err := s.cfg.Faults.Err(fault.RelayBeforeMarkPublished); err != nil {
-		return fmt.Errorf("mark %d outbox rows published: %w", len(rows), err)
-	}
-	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), updateTimeout)
-	defer cancel()
-	ids := make([]string, 0, min(len(rows), s.cfg.FlushMaxRecords))
-	for start := 0; start < len(rows); start += s.cfg.FlushMaxRecords {
-		batch := rows[start:min(start+s.cfg.FlushMaxRecords, len(rows))]
-		ids = ids[:0]
-		for _, row := range batch {
-			ids = append(ids, row.outboxID)
-		}
-		n, err := s.store.markPublished(ctx, ids)
-		if err != nil {
-			return err
-		}
-		s.m.publishedMarked.Add(float64(n))
-		s.tr.markDone(batch)
-	}
-	if err := s.cfg.Faults.Err(fault.RelayAfterAckBeforeConfirm); err != nil {
-		return fmt.Errorf("confirm lsn %s: %w", s.tr.confirmable(), err)
-	}
-	s.updateGauges()
 	return nil
 }
 
 // sendStatus reports the confirmable LSN as written, flushed AND applied:
 // pglogrepl copies the write position into zero flush/apply positions, which
 // would advance the slot past unacknowledged events.
+// It fails, sending nothing, once the marker failed (an injected fault
+// after the UPDATE must not let the slot pass its rows).
 func (s *session) sendStatus() error {
+	s.markMu.Lock()
+	markErr := s.markErr
 	lsn := s.tr.confirmable()
+	s.markMu.Unlock()
+	if markErr != nil {
+		return markErr
+	}
 	err := pglogrepl.SendStandbyStatusUpdate(context.Background(), s.repl, pglogrepl.StandbyStatusUpdate{
 		WALWritePosition: lsn,
 		WALFlushPosition: lsn,
@@ -473,8 +448,9 @@ func (s *session) handleWAL(ctx context.Context, data []byte) error {
 }
 
 // produce hands one inserted outbox row to the producer. It waits for room
-// when MaxBufferedRecords records are in flight, sending status updates
-// meanwhile; it returns errStopping when ctx is cancelled while waiting.
+// when MaxBufferedRecords rows are in flight (produced and not yet marked
+// published), sending status updates meanwhile; it returns errStopping when
+// ctx is cancelled while waiting.
 func (s *session) produce(ctx context.Context, m *pglogrepl.InsertMessage) error {
 	rel := s.relations[m.RelationID]
 	if rel == nil {
@@ -499,36 +475,13 @@ func (s *session) produce(ctx context.Context, m *pglogrepl.InsertMessage) error
 	if err := s.acquire(ctx); err != nil {
 		return err
 	}
-	seq := s.txnSeq
-	s.tr.add(seq)
-	outboxID, eventType := row.outboxID, row.eventType
-	s.kcl.Produce(s.produceCtx, rec, func(_ *kgo.Record, err error) {
-		defer func() { <-s.sem }()
-		if err == nil {
-			// Kafka acknowledged; an injected error here is a lost confirm.
-			err = s.cfg.Faults.Err(fault.RelayPublishConfirmLost)
-		}
-		if err != nil {
-			if s.closing.Load() {
-				s.tr.fail(seq, nil) // abandoned: produced again after a restart
-				return
-			}
-			s.m.produceErrors.Inc()
-			s.log.Error("produce outbox event failed; the relay stops and resumes from the slot",
-				slog.String("outbox_id", outboxID), slog.String("error", err.Error()))
-			s.tr.fail(seq, fmt.Errorf("produce outbox row %s: %w", outboxID, err))
-			return
-		}
-		s.m.published.WithLabelValues(eventType).Inc()
-		if a := s.tr.ack(seq, outboxID); a.ok {
-			s.m.commitToAck.Observe(time.Since(a.commitTime).Seconds())
-		}
-	})
+	s.tr.add(s.txnSeq)
+	s.produceRecord(s.txnSeq, row.outboxID, row.eventType, rec)
 	return nil
 }
 
-// acquire takes a token of s.sem, running housekeeping (flush, status
-// updates, produce failures) while it waits.
+// acquire takes a token of s.sem, running housekeeping (status updates,
+// produce and marker failures) while it waits.
 func (s *session) acquire(ctx context.Context) error {
 	select {
 	case s.sem <- struct{}{}:
@@ -536,7 +489,7 @@ func (s *session) acquire(ctx context.Context) error {
 	default:
 	}
 	for {
-		wait := min(time.Until(s.nextStatus), time.Until(s.nextFlush))
+		wait := min(time.Until(s.nextStatus), 10*time.Millisecond)
 		t := time.NewTimer(max(wait, time.Millisecond))
 		select {
 		case s.sem <- struct{}{}:
@@ -546,7 +499,7 @@ func (s *session) acquire(ctx context.Context) error {
 			t.Stop()
 			return errStopping
 		case <-t.C:
-			if err := s.housekeeping(ctx); err != nil {
+			if err := s.housekeeping(); err != nil {
 				return err
 			}
 		}
@@ -562,7 +515,8 @@ func (s *session) shutdown(ctx context.Context) error {
 		s.log.WarnContext(ctx, "in-flight records not acknowledged before the shutdown timeout; they will be produced again after a restart",
 			slog.String("error", err.Error()))
 	}
-	if err := s.flush(ctx); err != nil {
+	s.stopMarker() // a last UPDATE of the acknowledged rows
+	if err := s.markFailure(); err != nil {
 		return err
 	}
 	if err := s.sendStatus(); err != nil {

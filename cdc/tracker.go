@@ -19,9 +19,10 @@ import (
 // Several rows of a transaction share its commit, so a restart resumes at
 // transaction granularity.
 //
-// The replication loop calls begin, add, commit, takeAcked and markDone;
-// produce promises call ack and fail from franz-go's goroutines. All methods
-// are safe for concurrent use.
+// The replication loop calls begin, add and commit; the producer stage calls
+// fail for rows it cannot produce; produce promises call ack and fail from
+// franz-go's goroutines; the marker goroutine calls takeAcked and markDone.
+// All methods are safe for concurrent use.
 type tracker struct {
 	mu        sync.Mutex
 	confirmed pglogrepl.LSN
@@ -55,6 +56,9 @@ type ackedRow struct {
 type txnAcked struct {
 	commitTime time.Time
 	ok         bool
+	// pending is the number of acknowledged rows waiting to be marked
+	// published after this acknowledgement (set by ack only).
+	pending int
 }
 
 // newTracker returns a tracker whose confirmable LSN starts at confirmed (the
@@ -97,7 +101,9 @@ func (t *tracker) ack(seq uint64, outboxID string) txnAcked {
 	x := t.txn(seq)
 	x.acked++
 	t.acked = append(t.acked, ackedRow{seq: seq, outboxID: outboxID})
-	return x.ackedResult()
+	a := x.ackedResult()
+	a.pending = len(t.acked)
+	return a
 }
 
 // fail records that a row of transaction seq will never be acknowledged, so

@@ -1,0 +1,181 @@
+package cdc
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"sync"
+	"time"
+
+	"github.com/twmb/franz-go/pkg/kgo"
+
+	"github.com/converge-run/converge/internal/fault"
+)
+
+// The marker: one goroutine takes the rows Kafka acknowledged, runs the
+// published_at UPDATE and only then counts them done in the tracker; the
+// receive loop only reads the tracker's confirmable LSN when it sends a
+// status update (BENCHMARKS.md, relay).
+//
+// A row holds its s.sem token from decoding until it is marked published
+// (or its produce fails), so the rows decoded and not yet done stay bounded
+// by MaxBufferedRecords whatever the speed of the UPDATE.
+
+// produceRecord hands one record of transaction seq to franz-go. The promise
+// releases the row's s.sem token on failure; on success the marker releases
+// it once the row is marked published.
+func (s *session) produceRecord(seq uint64, outboxID, eventType string, rec *kgo.Record) {
+	s.kcl.Produce(s.produceCtx, rec, func(_ *kgo.Record, err error) {
+		if err == nil {
+			// Kafka acknowledged; an injected error here is a lost confirm.
+			err = s.cfg.Faults.Err(fault.RelayPublishConfirmLost)
+		}
+		if err != nil {
+			defer func() { <-s.sem }()
+			if s.closing.Load() {
+				s.tr.fail(seq, nil) // abandoned: produced again after a restart
+				return
+			}
+			s.m.produceErrors.Inc()
+			s.log.Error("produce outbox event failed; the relay stops and resumes from the slot",
+				slog.String("outbox_id", outboxID), slog.String("error", err.Error()))
+			s.tr.fail(seq, fmt.Errorf("produce outbox row %s: %w", outboxID, err))
+			return
+		}
+		s.m.published.WithLabelValues(eventType).Inc()
+		a := s.tr.ack(seq, outboxID)
+		if a.ok {
+			s.m.commitToAck.Observe(time.Since(a.commitTime).Seconds())
+		}
+		if a.pending >= s.cfg.FlushMaxRecords {
+			select {
+			case s.markKick <- struct{}{}:
+			default:
+			}
+		}
+	})
+}
+
+// startMarker starts the marker goroutine. ctx cancelled ends it at once
+// (error paths); stopMarker ends it after a final flush (shutdown).
+func (s *session) startMarker(ctx context.Context) {
+	s.markKick = make(chan struct{}, 1)
+	s.markStop = make(chan struct{})
+	s.markExited = make(chan struct{})
+	go s.marker(ctx)
+}
+
+// marker flushes every FlushInterval, and at once when FlushMaxRecords rows
+// are pending. A failure is kept for the loop (markFailure) and ends it.
+func (s *session) marker(ctx context.Context) {
+	defer close(s.markExited)
+	t := time.NewTimer(s.cfg.FlushInterval)
+	defer t.Stop()
+	for {
+		t.Reset(s.cfg.FlushInterval)
+		stopping := false
+		select {
+		case <-s.markStop:
+			stopping = true
+		case <-s.markKick:
+		case <-t.C:
+		case <-ctx.Done():
+			return
+		}
+		t.Stop()
+		for {
+			if err := s.flush(ctx); err != nil {
+				s.setMarkErr(err)
+				return
+			}
+			if stopping {
+				return
+			}
+			if s.tr.pending() < s.cfg.FlushMaxRecords {
+				break
+			}
+		}
+	}
+}
+
+// stopMarker makes the marker flush once more and waits for it to end.
+// Idempotent.
+func (s *session) stopMarker() {
+	if s.markStop == nil {
+		return
+	}
+	s.stopMarkerOnce.Do(func() { close(s.markStop) })
+	<-s.markExited
+}
+
+func (s *session) setMarkErr(err error) {
+	s.markMu.Lock()
+	defer s.markMu.Unlock()
+	if s.markErr == nil {
+		s.markErr = err
+	}
+}
+
+// markFailure returns the marker's failure, or nil.
+func (s *session) markFailure() error {
+	s.markMu.Lock()
+	defer s.markMu.Unlock()
+	return s.markErr
+}
+
+// flush marks the acknowledged rows published (one UPDATE per
+// FlushMaxRecords rows) and only then counts them as done in the tracker,
+// releasing their s.sem tokens. The fault points fire around the UPDATEs
+// when there is something to mark. markDone and the fault point after the
+// UPDATEs happen under markMu, which sendStatus also takes to read the
+// confirmable LSN: a status update never confirms rows whose
+// RelayAfterAckBeforeConfirm fired.
+func (s *session) flush(ctx context.Context) error {
+	rows := s.tr.takeAcked()
+	if len(rows) == 0 {
+		return nil
+	}
+	if err := s.cfg.Faults.Err(fault.RelayBeforeMarkPublished); err != nil {
+		return fmt.Errorf("mark %d outbox rows published: %w", len(rows), err)
+	}
+	uctx, cancel := context.WithTimeout(ctx, updateTimeout)
+	defer cancel()
+	ids := make([]string, 0, min(len(rows), s.cfg.FlushMaxRecords))
+	for start := 0; start < len(rows); start += s.cfg.FlushMaxRecords {
+		batch := rows[start:min(start+s.cfg.FlushMaxRecords, len(rows))]
+		ids = ids[:0]
+		for _, row := range batch {
+			ids = append(ids, row.outboxID)
+		}
+		n, err := s.store.markPublished(uctx, ids)
+		if err != nil {
+			return err
+		}
+		s.m.publishedMarked.Add(float64(n))
+	}
+	s.markMu.Lock()
+	defer s.markMu.Unlock()
+	s.tr.markDone(rows)
+	if err := s.cfg.Faults.Err(fault.RelayAfterAckBeforeConfirm); err != nil {
+		err = fmt.Errorf("confirm lsn %s: %w", s.tr.confirmable(), err)
+		if s.markErr == nil {
+			s.markErr = err
+		}
+		return err
+	}
+	for range rows {
+		<-s.sem
+	}
+	s.updateGauges()
+	return nil
+}
+
+// markGuard is the state shared by the marker and the loop.
+type markGuard struct {
+	markMu         sync.Mutex
+	markErr        error // first failure of the marker; guarded by markMu
+	markKick       chan struct{}
+	markStop       chan struct{}
+	markExited     chan struct{}
+	stopMarkerOnce sync.Once
+}
