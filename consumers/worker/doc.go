@@ -60,12 +60,31 @@
 //
 // # Offsets and order
 //
-// Records of one partition are processed in order; partitions of one poll
-// run concurrently (Concurrency). The offset of a record is committed only
-// after the transaction recording its outcome committed, synchronously
-// after each poll, in OnPartitionsRevoked, and at shutdown; rebalances are
-// blocked while a poll is processed (BlockRebalanceOnPoll), so a commit never
-// covers a partition the member no longer owns.
+// Records of one partition are processed in order, by one goroutine per
+// assigned partition (started on the partition's first records); the poll
+// loop hands each partition's records of a poll to its goroutine and polls
+// again, so a slow partition does not hold up the others. At most
+// Concurrency records of all partitions are in process at once. The poll
+// loop never waits for a partition: when a partition's queue reaches 2 ×
+// MaxPollRecords records, fetching it is paused (the client drops what it
+// buffered for it and fetches it again from the same offset) until the
+// queue is below MaxPollRecords. After each batch a partition's goroutine marks the offset after
+// its last record whose outcome is durable (the transaction recording it
+// committed), and one committer commits the marked offsets synchronously,
+// one commit at a time; they are also committed in OnPartitionsRevoked and
+// at shutdown. Rebalances are blocked only while a poll is handed out
+// (BlockRebalanceOnPoll); OnPartitionsRevoked (and OnPartitionsLost) first
+// stops the goroutines of the partitions that go — each finishes the
+// attempt in process (within AttemptTimeout) — and waits for them, then
+// commits (on revoke) and forgets their offsets, so a commit never covers a
+// partition the member no longer owns and no record of it is processed
+// after it is given up. Records still queued for it are dropped; the next
+// owner fetches them again from the committed offset.
+//
+// Round trips: the intake transaction starts the task, reads the document
+// and the live effect in one batch, and writes and reads the effect's
+// ledger row in another; the completion transaction moves inbox, task and
+// effect in one batch before the outbox insert.
 //
 // # Errors
 //
@@ -105,9 +124,11 @@
 // fault.WorkerAfterArtifactWrite fires after the write and read-back, before
 // the completion transaction: the attempt fails and is retried (or the
 // record is redelivered after a restart), and finds the object by token.
-// fault.WorkerBeforeOffsetCommit fires after the outcomes of a poll are
-// durable, before the offset commit: the offsets are forgotten (a lost ack)
-// and the records come again after a restart or rebalance, as duplicates.
+// fault.WorkerBeforeOffsetCommit fires after the outcomes of a partition's
+// batch of a poll are durable, before its offset is marked for commit: the
+// offset is forgotten (a lost ack) and the records come again after a
+// restart or rebalance, as duplicates (unless a later batch of the
+// partition is committed first).
 //
 // # Metrics
 //

@@ -2,6 +2,7 @@ package worker
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -135,7 +136,9 @@ func (w *Worker) intake(ctx context.Context, tx pgx.Tx, j *job) (string, error) 
 		// processing: an earlier delivery stopped mid-way; resume it (the
 		// ledger makes the effect safe to resume, seed 13.3).
 	}
-	task, ok, err := startTask(ctx, tx, ev.TaskID, ev.TaskVersion)
+	// The common case, a queued task, reads the document and the live
+	// effect in the round trip that starts the task.
+	task, ok, in, err := startTaskWithInputs(ctx, tx, ev.TaskID, ev.TaskVersion)
 	if err != nil {
 		return "", err
 	}
@@ -161,10 +164,16 @@ func (w *Worker) intake(ctx context.Context, tx pgx.Tx, j *job) (string, error) 
 		}
 	}
 	j.task = task
-	doc, found, err := getDocument(ctx, tx, task.TaskID)
-	if err != nil {
-		return "", err
+	if !ok {
+		// resumed: read what the batch read for a task that started
+		if in.doc, in.docFound, err = getDocument(ctx, tx, task.TaskID); err != nil {
+			return "", err
+		}
+		if in.live, in.liveFound, err = liveEffect(ctx, tx, task.TaskID); err != nil {
+			return "", err
+		}
 	}
+	doc, found := in.doc, in.docFound
 	if !found {
 		return "", &DeterministicError{Code: CodeTaskInputNotFound, Err: fmt.Errorf("task %s", task.TaskID)}
 	}
@@ -189,10 +198,8 @@ func (w *Worker) intake(ctx context.Context, tx pgx.Tx, j *job) (string, error) 
 	// writing a second artifact under a new token, which the reconciler
 	// could verify next to the first.
 	attempt := task.Attempt
-	if prev, found, err := liveEffect(ctx, tx, task.TaskID); err != nil {
-		return "", err
-	} else if found {
-		attempt = prev.Attempt
+	if in.liveFound {
+		attempt = in.live.Attempt
 	}
 	token := artifact.Token(task.TaskID, attempt)
 	want := effectRow{EffectID: token, TaskID: task.TaskID, Attempt: attempt, Kind: kindArtifactPut, Token: token,
@@ -308,23 +315,9 @@ func Verified(obs artifact.Observation, taskID string, attempt int, size int64, 
 func (w *Worker) complete(ctx context.Context, j *job, from, sha string, size int64) (string, error) {
 	var t taskevent.Task
 	err := pgx.BeginFunc(ctx, w.pool, func(tx pgx.Tx) error {
-		if err := w.finishInbox(ctx, tx, j, inboxCompleted,
-			map[string]any{"task_version": j.task.Version + 1, "artifact_sha256": sha}); err != nil {
-			return err
-		}
-		var ok bool
 		var err error
-		t, ok, err = completeTask(ctx, tx, j.task.TaskID, j.task.Version, sha, size)
-		if err != nil {
+		if t, err = w.completeInTx(ctx, tx, j, from, sha, size); err != nil {
 			return err
-		}
-		if !ok {
-			return fmt.Errorf("task %s left running/v%d: %w", j.task.TaskID, j.task.Version, errConcurrentChange)
-		}
-		if from != effectVerified {
-			if err := w.moveEffect(ctx, tx, j, from, effectVerified, &sha, nil); err != nil {
-				return err
-			}
 		}
 		_, err = insertOutbox(ctx, tx, taskevent.TypeTaskCompleted, t)
 		return err
@@ -347,6 +340,52 @@ func (w *Worker) complete(ctx context.Context, j *job, from, sha string, size in
 	w.log.InfoContext(ctx, "task completed", slog.String("task_id", t.TaskID), slog.Int64("version", t.Version),
 		slog.String("artifact_sha256", sha), slog.Int64("artifact_size", size))
 	return OutcomeProcessed, nil
+}
+
+// completeInTx moves, in one round trip (a batch executed in this order),
+// the inbox processing -> completed, the task running -> completed and the
+// effect from -> verified (unless already verified); any of them not
+// applying is errConcurrentChange (and the transaction is rolled back).
+func (w *Worker) completeInTx(ctx context.Context, tx pgx.Tx, j *job, from, sha string, size int64) (taskevent.Task, error) {
+	raw, err := json.Marshal(map[string]any{"task_version": j.task.Version + 1, "artifact_sha256": sha})
+	if err != nil {
+		return taskevent.Task{}, fmt.Errorf("encode inbox result: %w", err)
+	}
+	b := &pgx.Batch{}
+	b.Queue(sqlFinishInbox, w.cfg.Group, j.ev.EventID, inboxCompleted, string(raw))
+	b.Queue(sqlCompleteTask, j.task.TaskID, j.task.Version, sha, size)
+	if from != effectVerified {
+		b.Queue(sqlSetEffectState, j.effect.EffectID, from, effectVerified, &sha, (*string)(nil))
+	}
+	br := tx.SendBatch(ctx, b)
+	defer br.Close()
+	tag, err := br.Exec()
+	if err != nil {
+		return taskevent.Task{}, fmt.Errorf("finish inbox message %s as %s: %w", j.ev.EventID, inboxCompleted, err)
+	}
+	if tag.RowsAffected() != 1 {
+		return taskevent.Task{}, fmt.Errorf("inbox message %s left processing: %w", j.ev.EventID, errConcurrentChange)
+	}
+	t, ok, err := oneTask(br.QueryRow(), "complete task "+j.task.TaskID)
+	if err != nil {
+		return t, err
+	}
+	if !ok {
+		return t, fmt.Errorf("task %s left running/v%d: %w", j.task.TaskID, j.task.Version, errConcurrentChange)
+	}
+	if from != effectVerified {
+		tag, err := br.Exec()
+		if err != nil {
+			return t, fmt.Errorf("effect %s %s -> %s: %w", j.effect.EffectID, from, effectVerified, err)
+		}
+		if tag.RowsAffected() != 1 {
+			return t, fmt.Errorf("effect %s left %s: %w", j.effect.EffectID, from, errConcurrentChange)
+		}
+	}
+	if err := br.Close(); err != nil {
+		return t, fmt.Errorf("complete task %s: %w", j.task.TaskID, err)
+	}
+	return t, nil
 }
 
 // fail is the failure transaction: inbox -> failed, task running -> failed

@@ -23,6 +23,7 @@ type querier interface {
 	Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error)
 	Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error)
 	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
+	SendBatch(ctx context.Context, b *pgx.Batch) pgx.BatchResults
 }
 
 var (
@@ -95,6 +96,10 @@ WHERE consumer_name = $1 AND message_id = $2`, consumer, messageID)
 	return nil
 }
 
+const sqlFinishInbox = `
+UPDATE inbox_message SET state = $3, result_json = $4::jsonb, completed_at = now(), last_seen_at = now()
+WHERE consumer_name = $1 AND message_id = $2 AND state = 'processing'`
+
 // finishInbox moves a message from processing to completed or failed with
 // its result summary. It returns false when the row was not processing.
 func finishInbox(ctx context.Context, q querier, consumer, messageID, state string, result any) (bool, error) {
@@ -102,9 +107,7 @@ func finishInbox(ctx context.Context, q querier, consumer, messageID, state stri
 	if err != nil {
 		return false, fmt.Errorf("encode inbox result: %w", err)
 	}
-	tag, err := q.Exec(ctx, `
-UPDATE inbox_message SET state = $3, result_json = $4::jsonb, completed_at = now(), last_seen_at = now()
-WHERE consumer_name = $1 AND message_id = $2 AND state = 'processing'`, consumer, messageID, state, string(raw))
+	tag, err := q.Exec(ctx, sqlFinishInbox, consumer, messageID, state, string(raw))
 	if err != nil {
 		return false, fmt.Errorf("finish inbox message %s as %s: %w", messageID, state, err)
 	}
@@ -198,17 +201,51 @@ func oneTask(row pgx.Row, action string) (taskevent.Task, bool, error) {
 	return t, true, nil
 }
 
-// startTask moves a task queued -> running when its version is at least
+// sqlStartTask moves a task queued -> running when its version is at least
 // the event's (seed 2.2, 10): version+1, attempt+1. A task queued at a
 // higher version than the event was re-opened by a dead-letter replay (or
 // is re-driven): it starts from its current version. The update is a
 // compare-and-set on status queued, so of two deliveries only one starts the
-// task. ok is false when nothing matched.
-func startTask(ctx context.Context, q querier, taskID string, version int64) (taskevent.Task, bool, error) {
-	return oneTask(q.QueryRow(ctx, `
+// task; no row returned means nothing matched.
+const sqlStartTask = `
 UPDATE task SET status = 'running', version = version + 1, attempt = attempt + 1, updated_at = now()
 WHERE task_id = $1 AND status = 'queued' AND version >= $2
-RETURNING `+taskColumns, taskID, version), "start task "+taskID)
+RETURNING ` + taskColumns
+
+// startInputs is what the intake reads after starting a task, fetched in
+// the round trip of startTaskWithInputs.
+type startInputs struct {
+	doc       []byte
+	docFound  bool
+	live      effectRow
+	liveFound bool
+}
+
+// startTaskWithInputs runs startTask, getDocument and liveEffect of the
+// task in one round trip (a batch, executed in this order in q's
+// transaction). The reads are only used when the task started (ok).
+func startTaskWithInputs(ctx context.Context, q querier, taskID string, version int64) (taskevent.Task, bool, startInputs, error) {
+	var in startInputs
+	b := &pgx.Batch{}
+	b.Queue(sqlStartTask, taskID, version)
+	b.Queue(sqlGetDocument, taskID)
+	b.Queue(sqlLiveEffect, taskID)
+	br := q.SendBatch(ctx, b)
+	defer br.Close()
+	t, ok, err := oneTask(br.QueryRow(), "start task "+taskID)
+	if err != nil {
+		return t, false, in, err
+	}
+	if in.doc, in.docFound, err = scanDocument(br.QueryRow(), taskID); err != nil {
+		return t, false, in, err
+	}
+	if in.live, in.liveFound, err = scanLiveEffect(br.QueryRow(), taskID); err != nil {
+		return t, false, in, err
+	}
+	if err := br.Close(); err != nil {
+		return t, false, in, fmt.Errorf("start task %s: %w", taskID, err)
+	}
+	return t, ok, in, nil
 }
 
 // getTask reads a task; found is false when it does not exist.
@@ -216,15 +253,13 @@ func getTask(ctx context.Context, q querier, taskID string) (taskevent.Task, boo
 	return oneTask(q.QueryRow(ctx, `SELECT `+taskColumns+` FROM task WHERE task_id = $1`, taskID), "read task "+taskID)
 }
 
-// completeTask moves a task running -> completed at version, recording the
-// verified artifact.
-func completeTask(ctx context.Context, q querier, taskID string, version int64, sha string, size int64) (taskevent.Task, bool, error) {
-	return oneTask(q.QueryRow(ctx, `
+// sqlCompleteTask moves a task running -> completed at version, recording
+// the verified artifact.
+const sqlCompleteTask = `
 UPDATE task SET status = 'completed', version = version + 1, artifact_sha256 = $3, artifact_size = $4,
   completed_at = now(), updated_at = now()
 WHERE task_id = $1 AND status = 'running' AND version = $2
-RETURNING `+taskColumns, taskID, version, sha, size), "complete task "+taskID)
-}
+RETURNING ` + taskColumns
 
 // failTask moves a task running -> failed at version with a terminal error
 // code.
@@ -237,8 +272,14 @@ RETURNING `+taskColumns, taskID, version, code), "fail task "+taskID)
 
 // getDocument reads the submitted document of a task.
 func getDocument(ctx context.Context, q querier, taskID string) ([]byte, bool, error) {
+	return scanDocument(q.QueryRow(ctx, sqlGetDocument, taskID), taskID)
+}
+
+const sqlGetDocument = `SELECT document FROM task_input WHERE task_id = $1`
+
+func scanDocument(row pgx.Row, taskID string) ([]byte, bool, error) {
 	var doc []byte
-	err := q.QueryRow(ctx, `SELECT document FROM task_input WHERE task_id = $1`, taskID).Scan(&doc)
+	err := row.Scan(&doc)
 	if errors.Is(err, pgx.ErrNoRows) {
 		return nil, false, nil
 	}
@@ -267,23 +308,33 @@ type effectRow struct {
 // attempted (seed 7) unless its identity (kind, token) is already recorded,
 // and returns the row as stored and whether this call inserted it.
 func planEffect(ctx context.Context, q querier, e effectRow) (effectRow, bool, error) {
-	tag, err := q.Exec(ctx, `
+	// The insert and the read go in one round trip (a batch, executed in
+	// order).
+	b := &pgx.Batch{}
+	b.Queue(`
 INSERT INTO effect_ledger (effect_id, task_id, attempt, effect_kind, idempotency_token, target_identity, state, request_sha256, request_size)
 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)
 ON CONFLICT (effect_kind, idempotency_token) DO NOTHING`,
 		e.EffectID, e.TaskID, e.Attempt, e.Kind, e.Token, e.TargetIdentity, e.State, e.RequestSHA256, e.RequestSize)
+	b.Queue(`
+SELECT effect_id, task_id, attempt, effect_kind, idempotency_token, target_identity, state, request_sha256, request_size,
+  observed_result_sha256, error_code
+FROM effect_ledger WHERE effect_kind = $1 AND idempotency_token = $2`, e.Kind, e.Token)
+	br := q.SendBatch(ctx, b)
+	defer br.Close()
+	tag, err := br.Exec()
 	if err != nil {
 		return e, false, fmt.Errorf("plan effect %s: %w", e.EffectID, err)
 	}
 	var r effectRow
-	err = q.QueryRow(ctx, `
-SELECT effect_id, task_id, attempt, effect_kind, idempotency_token, target_identity, state, request_sha256, request_size,
-  observed_result_sha256, error_code
-FROM effect_ledger WHERE effect_kind = $1 AND idempotency_token = $2`, e.Kind, e.Token).Scan(
+	err = br.QueryRow().Scan(
 		&r.EffectID, &r.TaskID, &r.Attempt, &r.Kind, &r.Token, &r.TargetIdentity, &r.State, &r.RequestSHA256, &r.RequestSize,
 		&r.ObservedSHA256, &r.ErrorCode)
 	if err != nil {
 		return e, false, fmt.Errorf("read effect %s: %w", e.EffectID, err)
+	}
+	if err := br.Close(); err != nil {
+		return e, false, fmt.Errorf("plan effect %s: %w", e.EffectID, err)
 	}
 	return r, tag.RowsAffected() == 1, nil
 }
@@ -305,12 +356,18 @@ func OneVerifiedViolation(err error) bool {
 // is not known). found is false when there is none (no effect yet, or only
 // failed or compensated ones).
 func liveEffect(ctx context.Context, q querier, taskID string) (effectRow, bool, error) {
-	var r effectRow
-	err := q.QueryRow(ctx, `
+	return scanLiveEffect(q.QueryRow(ctx, sqlLiveEffect, taskID), taskID)
+}
+
+const sqlLiveEffect = `
 SELECT effect_id, attempt, idempotency_token, state FROM effect_ledger
 WHERE task_id = $1 AND effect_kind = 'artifact.put' AND state IN ('planned', 'started', 'unknown', 'completed', 'verified')
 ORDER BY state = 'verified' DESC, attempt DESC
-LIMIT 1`, taskID).Scan(&r.EffectID, &r.Attempt, &r.Token, &r.State)
+LIMIT 1`
+
+func scanLiveEffect(row pgx.Row, taskID string) (effectRow, bool, error) {
+	var r effectRow
+	err := row.Scan(&r.EffectID, &r.Attempt, &r.Token, &r.State)
 	if errors.Is(err, pgx.ErrNoRows) {
 		return r, false, nil
 	}
@@ -324,17 +381,19 @@ LIMIT 1`, taskID).Scan(&r.EffectID, &r.Attempt, &r.Token, &r.State)
 // compare-and-set); observed and code are stored when non-nil. It returns
 // false when the effect was no longer in state from.
 func setEffectState(ctx context.Context, q querier, effectID, from, to string, observed, code *string) (bool, error) {
-	tag, err := q.Exec(ctx, `
-UPDATE effect_ledger SET state = $3,
-  observed_result_sha256 = COALESCE($4, observed_result_sha256),
-  error_code = COALESCE($5, error_code),
-  updated_at = now()
-WHERE effect_id = $1 AND state = $2`, effectID, from, to, observed, code)
+	tag, err := q.Exec(ctx, sqlSetEffectState, effectID, from, to, observed, code)
 	if err != nil {
 		return false, fmt.Errorf("effect %s %s -> %s: %w", effectID, from, to, err)
 	}
 	return tag.RowsAffected() == 1, nil
 }
+
+const sqlSetEffectState = `
+UPDATE effect_ledger SET state = $3,
+  observed_result_sha256 = COALESCE($4, observed_result_sha256),
+  error_code = COALESCE($5, error_code),
+  updated_at = now()
+WHERE effect_id = $1 AND state = $2`
 
 // insertOutbox writes the event of a task change in the transaction of the
 // change (seed 4): outbox_id is a new UUIDv7 and becomes the event id.

@@ -14,7 +14,6 @@ import (
 	"github.com/twmb/franz-go/pkg/kerr"
 	"github.com/twmb/franz-go/pkg/kgo"
 	"github.com/twmb/franz-go/pkg/kmsg"
-	"golang.org/x/sync/errgroup"
 
 	"github.com/converge-run/converge/internal/artifact"
 	"github.com/converge-run/converge/internal/fault"
@@ -89,10 +88,12 @@ type Config struct {
 	// and lost callbacks); use them for TLS, SASL or timeouts. Defaults to
 	// none.
 	KafkaOpts []kgo.Opt
-	// Concurrency is how many partitions of one poll are processed at once;
-	// records of one partition are always processed in order. Defaults to 4.
+	// Concurrency is how many records (of different partitions) are
+	// processed at once; records of one partition are always processed in
+	// order, one at a time. Defaults to 4.
 	Concurrency int
-	// MaxPollRecords bounds the records of one poll (one commit batch).
+	// MaxPollRecords bounds the records of one poll; a partition's share of
+	// a poll is one batch of its goroutine (one offset mark).
 	// Defaults to 500.
 	MaxPollRecords int
 	// RetryBackoffMin is the first delay before a record that failed with a
@@ -227,7 +228,7 @@ func (w *Worker) Run(ctx context.Context) error {
 	if w.ownPool {
 		defer w.pool.Close()
 	}
-	c := &consumer{w: w, marked: map[string]map[int32]kgo.EpochOffset{}}
+	c := newConsumer(w)
 	opts := []kgo.Opt{
 		kgo.SeedBrokers(w.cfg.Brokers...),
 		kgo.ConsumerGroup(w.cfg.Group),
@@ -250,6 +251,12 @@ func (w *Worker) Run(ctx context.Context) error {
 	}
 	cancel()
 	w.log.InfoContext(ctx, "worker started", slog.String("topic", w.cfg.Topic), slog.String("group", w.cfg.Group))
+	stopCommitter := make(chan struct{})
+	committerDone := make(chan struct{})
+	go func() {
+		defer close(committerDone)
+		c.committer(ctx, stopCommitter)
+	}()
 	for {
 		fetches := cl.PollRecords(ctx, w.cfg.MaxPollRecords)
 		if ctx.Err() != nil || fetches.IsClientClosed() {
@@ -258,67 +265,182 @@ func (w *Worker) Run(ctx context.Context) error {
 		fetches.EachError(func(topic string, partition int32, err error) {
 			w.log.WarnContext(ctx, "fetch error", slog.String("topic", topic), slog.Int("partition", int(partition)), slog.Any("err", err))
 		})
-		c.processBatch(ctx, fetches)
+		// Each partition's records go to its own goroutine: the next poll
+		// does not wait for the slowest partition of this one.
+		fetches.EachPartition(func(p kgo.FetchTopicPartition) {
+			if len(p.Records) > 0 {
+				c.dispatch(ctx, p.Topic, p.Partition, p.Records)
+			}
+		})
 		cl.AllowRebalance()
 	}
-	// Shutdown: commit what is durable, then leave the group. The revoke
-	// callback of the leave commits again (a no-op once marked is empty).
-	cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
-	c.commit(cctx, "shutdown")
-	cancel()
+	// Shutdown: let the records in process finish, commit what is durable,
+	// then leave the group. The revoke callback of the leave commits again
+	// (a no-op once marked is empty).
+	c.stopPartitions(nil)
+	close(stopCommitter)
+	<-committerDone
+	c.commit(ctx, "shutdown")
 	cl.AllowRebalance()
 	cl.Close()
 	w.log.Info("worker stopped", slog.String("group", w.cfg.Group))
 	return nil
 }
 
-// consumer is the state of one Run: the client and the offsets of records
-// whose outcome is durable but not yet committed.
+// consumer is the state of one Run: the client, a goroutine per assigned
+// partition (created on the partition's first records), and the offsets of
+// records whose outcome is durable but not yet committed.
 type consumer struct {
-	w      *Worker
-	cl     *kgo.Client
-	mu     sync.Mutex
-	marked map[string]map[int32]kgo.EpochOffset
+	w   *Worker
+	cl  *kgo.Client
+	sem chan struct{} // Concurrency: records in process at once
+
+	pmu   sync.Mutex
+	parts map[topicPartition]*partition
+
+	// commitMu orders commits: the snapshot of marked and its commit are
+	// one step, so a commit never rewinds one that was taken later.
+	commitMu sync.Mutex
+	mu       sync.Mutex
+	marked   map[string]map[int32]kgo.EpochOffset
+	kick     chan struct{} // asks the committer for a commit (capacity 1)
 }
 
-// processBatch processes one poll: partitions concurrently (at most
-// Concurrency at once), each partition's records in order; then it commits
-// the offsets of the records whose outcome is durable.
-func (c *consumer) processBatch(ctx context.Context, fetches kgo.Fetches) {
-	type tp struct {
-		topic     string
-		partition int32
+type topicPartition struct {
+	topic     string
+	partition int32
+}
+
+// partition is the goroutine processing one partition's records in order,
+// and its queue of polled batches.
+type partition struct {
+	tp     topicPartition
+	cancel context.CancelFunc
+	done   chan struct{}
+	wake   chan struct{} // a batch was queued (capacity 1)
+
+	mu      sync.Mutex
+	batches [][]*kgo.Record
+	queued  int  // records in batches
+	paused  bool // fetching of the partition is paused (the queue is full)
+}
+
+func newConsumer(w *Worker) *consumer {
+	return &consumer{
+		w:      w,
+		sem:    make(chan struct{}, w.cfg.Concurrency),
+		parts:  map[topicPartition]*partition{},
+		marked: map[string]map[int32]kgo.EpochOffset{},
+		kick:   make(chan struct{}, 1),
 	}
-	var order []tp
-	byPart := map[tp][]*kgo.Record{}
-	fetches.EachRecord(func(r *kgo.Record) {
-		k := tp{r.Topic, r.Partition}
-		if _, ok := byPart[k]; !ok {
-			order = append(order, k)
+}
+
+// dispatch queues the records of one partition of a poll for the
+// partition's goroutine, starting it on the partition's first records. It
+// never waits: when the partition's queue holds 2 × MaxPollRecords records
+// or more, fetching the partition is paused (the client drops what it
+// buffered for it and fetches it again after the resume) until its
+// goroutine takes the queue below MaxPollRecords. It runs between
+// PollRecords and AllowRebalance (BlockRebalanceOnPoll), when the partition
+// is owned.
+func (c *consumer) dispatch(ctx context.Context, topic string, part int32, recs []*kgo.Record) {
+	k := topicPartition{topic, part}
+	c.pmu.Lock()
+	p := c.parts[k]
+	if p == nil {
+		pctx, cancel := context.WithCancel(ctx)
+		p = &partition{tp: k, cancel: cancel, done: make(chan struct{}), wake: make(chan struct{}, 1)}
+		c.parts[k] = p
+		go c.runPartition(pctx, p)
+	}
+	c.pmu.Unlock()
+	p.mu.Lock()
+	p.batches = append(p.batches, recs)
+	p.queued += len(recs)
+	if !p.paused && p.queued >= 2*c.w.cfg.MaxPollRecords {
+		p.paused = true
+		c.cl.PauseFetchPartitions(map[string][]int32{topic: {part}})
+	}
+	p.mu.Unlock()
+	select {
+	case p.wake <- struct{}{}:
+	default:
+	}
+}
+
+// next takes the partition's oldest queued batch (nil when there is none)
+// and resumes fetching the partition when the queue got short again.
+func (c *consumer) next(p *partition) []*kgo.Record {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if len(p.batches) == 0 {
+		return nil
+	}
+	recs := p.batches[0]
+	p.batches[0] = nil
+	p.batches = p.batches[1:]
+	p.queued -= len(recs)
+	if p.paused && p.queued < c.w.cfg.MaxPollRecords {
+		c.resumeLocked(p)
+	}
+	return recs
+}
+
+func (c *consumer) resumeLocked(p *partition) {
+	p.paused = false
+	c.cl.ResumeFetchPartitions(map[string][]int32{p.tp.topic: {p.tp.partition}})
+}
+
+// runPartition processes the partition's batches in order until ctx is
+// cancelled (revoke, loss, shutdown); after each batch it marks the offset
+// of the last record whose outcome is durable and asks for a commit.
+func (c *consumer) runPartition(ctx context.Context, p *partition) {
+	defer close(p.done)
+	for {
+		recs := c.next(p)
+		if recs == nil {
+			select {
+			case <-ctx.Done():
+				return
+			case <-p.wake:
+				continue
+			}
 		}
-		byPart[k] = append(byPart[k], r)
-	})
-	if len(order) == 0 {
-		return
+		last := c.processPartition(ctx, recs)
+		if last != nil {
+			c.markDurable(ctx, last)
+		}
+		if ctx.Err() != nil {
+			return
+		}
 	}
-	done := make([]*kgo.Record, len(order))
-	var g errgroup.Group
-	g.SetLimit(c.w.cfg.Concurrency)
-	for i, k := range order {
-		recs := byPart[k]
-		g.Go(func() error {
-			done[i] = c.w.processPartition(ctx, c.cl, recs)
-			return nil
-		})
+}
+
+// processPartition processes records of one partition in order, at most
+// Concurrency records of all partitions at once, and returns the last one
+// whose outcome is durable (nil if none). It stops early when ctx is
+// cancelled.
+func (c *consumer) processPartition(ctx context.Context, recs []*kgo.Record) *kgo.Record {
+	var last *kgo.Record
+	for _, r := range recs {
+		select {
+		case c.sem <- struct{}{}:
+		case <-ctx.Done():
+			return last
+		}
+		ok := ctx.Err() == nil && c.w.processRecord(ctx, c.cl, r)
+		<-c.sem
+		if !ok {
+			return last
+		}
+		last = r
 	}
-	_ = g.Wait()
-	durable := false
-	for _, r := range done {
-		durable = durable || r != nil
-	}
-	if !durable {
-		return
-	}
+	return last
+}
+
+// markDurable records that the outcomes of a partition's records up to r
+// are durable and asks the committer for a commit.
+func (c *consumer) markDurable(ctx context.Context, r *kgo.Record) {
 	// The outcomes are durable; the offsets are not committed yet. An
 	// injected error here is a lost acknowledgement: the offsets are
 	// forgotten, so the records come again after a restart or rebalance and
@@ -328,22 +450,73 @@ func (c *consumer) processBatch(ctx context.Context, fetches kgo.Fetches) {
 		return
 	}
 	c.mu.Lock()
-	for _, r := range done {
-		if r == nil {
+	if c.marked[r.Topic] == nil {
+		c.marked[r.Topic] = map[int32]kgo.EpochOffset{}
+	}
+	c.marked[r.Topic][r.Partition] = kgo.EpochOffset{Epoch: r.LeaderEpoch, Offset: r.Offset + 1}
+	c.mu.Unlock()
+	select {
+	case c.kick <- struct{}{}:
+	default: // a commit is already requested; it will include this offset
+	}
+}
+
+// committer commits the marked offsets whenever a partition asks, one
+// commit at a time (requests made during a commit are served by one more),
+// until stop is closed.
+func (c *consumer) committer(ctx context.Context, stop <-chan struct{}) {
+	for {
+		select {
+		case <-stop:
+			return
+		case <-c.kick:
+			c.commit(ctx, "batch")
+		}
+	}
+}
+
+// stopPartitions cancels the goroutines of parts (all when parts is nil)
+// and waits until they have returned: a record in process finishes its
+// attempt (within AttemptTimeout) and is marked when its outcome is durable.
+func (c *consumer) stopPartitions(parts map[string][]int32) {
+	var stopped []*partition
+	c.pmu.Lock()
+	for k, p := range c.parts {
+		if parts != nil && !containsPartition(parts[k.topic], k.partition) {
 			continue
 		}
-		if c.marked[r.Topic] == nil {
-			c.marked[r.Topic] = map[int32]kgo.EpochOffset{}
-		}
-		c.marked[r.Topic][r.Partition] = kgo.EpochOffset{Epoch: r.LeaderEpoch, Offset: r.Offset + 1}
+		p.cancel()
+		stopped = append(stopped, p)
+		delete(c.parts, k)
 	}
-	c.mu.Unlock()
-	c.commit(ctx, "batch")
+	c.pmu.Unlock()
+	for _, p := range stopped {
+		<-p.done
+		// Its queued records are dropped; a paused partition is resumed so
+		// that it is fetched again if it comes back to this member.
+		p.mu.Lock()
+		if p.paused {
+			c.resumeLocked(p)
+		}
+		p.batches, p.queued = nil, 0
+		p.mu.Unlock()
+	}
+}
+
+func containsPartition(ps []int32, p int32) bool {
+	for _, q := range ps {
+		if q == p {
+			return true
+		}
+	}
+	return false
 }
 
 // commit commits the marked offsets synchronously and forgets those that
 // were committed. A failed commit keeps them for the next attempt.
 func (c *consumer) commit(ctx context.Context, why string) {
+	c.commitMu.Lock()
+	defer c.commitMu.Unlock()
 	c.mu.Lock()
 	offs := map[string]map[int32]kgo.EpochOffset{}
 	for t, ps := range c.marked {
@@ -391,15 +564,20 @@ func (c *consumer) commit(ctx context.Context, why string) {
 	c.mu.Unlock()
 }
 
-// onRevoked commits before partitions move to another member (franz-go:
-// with manual commits, commit in OnPartitionsRevoked), then forgets them.
+// onRevoked stops the revoked partitions' goroutines (each finishes the
+// record in process), commits before the partitions move to another member
+// (franz-go: with manual commits, commit in OnPartitionsRevoked), then
+// forgets them.
 func (c *consumer) onRevoked(ctx context.Context, _ *kgo.Client, revoked map[string][]int32) {
+	c.stopPartitions(revoked)
 	c.commit(ctx, "revoke")
 	c.forget(revoked)
 }
 
-// onLost forgets partitions that were lost: committing them is not possible.
+// onLost stops the lost partitions' goroutines and forgets their offsets:
+// committing them is not possible.
 func (c *consumer) onLost(_ context.Context, _ *kgo.Client, lost map[string][]int32) {
+	c.stopPartitions(lost)
 	c.forget(lost)
 }
 
@@ -411,20 +589,6 @@ func (c *consumer) forget(parts map[string][]int32) {
 			delete(c.marked[t], p)
 		}
 	}
-}
-
-// processPartition processes records of one partition in order and returns
-// the last one whose outcome is durable (nil if none). It stops early when
-// ctx is cancelled.
-func (w *Worker) processPartition(ctx context.Context, cl *kgo.Client, recs []*kgo.Record) *kgo.Record {
-	var last *kgo.Record
-	for _, r := range recs {
-		if ctx.Err() != nil || !w.processRecord(ctx, cl, r) {
-			return last
-		}
-		last = r
-	}
-	return last
 }
 
 // processRecord handles one record until its outcome is durable, retrying

@@ -851,3 +851,61 @@ VALUES ($1, $2, 1, 'artifact.put', $1, 'artifact://' || $1, 'verified', $3, $4, 
 		t.Errorf("%d objects, want 1", n)
 	}
 }
+
+// A record that cannot finish (its task row is locked) holds up only its own
+// partition: records of other partitions polled after it are processed, and
+// it completes once the lock is released.
+func TestSlowPartitionDoesNotBlockOthers(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	ctx := context.Background()
+	slow := createTask(t, b.db.Pool, []byte(`{"slow":true}`))
+	tx, err := b.db.Pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tx.Rollback(ctx)
+	if _, err := tx.Exec(ctx, `SELECT 1 FROM task WHERE task_id = $1 FOR UPDATE`, slow.taskID); err != nil {
+		t.Fatal(err)
+	}
+	sr := slow.record()
+	b.produce(t, sr)
+	rw := b.start(t, nil)
+	testenv.Eventually(t, waitFor, "slow record in process", func() bool {
+		return b.scalar(t, `SELECT count(*) FROM inbox_message WHERE message_id = $1`, slow.ev.EventID) == int64(0) &&
+			b.scalar(t, `SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'`).(int64) > 0
+	})
+	var others []created
+	// More records than a partition's share, so that the slow partition
+	// gets several behind its stuck record.
+	for i := 0; i < 16; i++ {
+		c := createTask(t, b.db.Pool, []byte(`{"other":`+testenv.Itoa(i)+`}`))
+		r := c.record()
+		b.produce(t, r)
+		if r.Partition != sr.Partition {
+			others = append(others, c)
+		}
+	}
+	if len(others) == 0 {
+		t.Fatal("no record landed on another partition")
+	}
+	testenv.Eventually(t, waitFor, "other partitions processed", func() bool {
+		for _, c := range others {
+			if b.status(c.taskID) != taskevent.StatusCompleted {
+				return false
+			}
+		}
+		return true
+	})
+	if s := b.status(slow.taskID); s != taskevent.StatusQueued {
+		t.Fatalf("slow task %s while its row is locked, want queued", s)
+	}
+	if err := tx.Rollback(ctx); err != nil {
+		t.Fatal(err)
+	}
+	testenv.Eventually(t, waitFor, "slow task completed", func() bool { return b.status(slow.taskID) == taskevent.StatusCompleted })
+	testenv.Eventually(t, waitFor, "offsets committed", func() bool { return b.allCommitted(t) })
+	if rw.count(OutcomeRetried) != 0 {
+		t.Errorf("retried = %v, want 0", rw.count(OutcomeRetried))
+	}
+}
