@@ -86,6 +86,15 @@ func openPool(ctx context.Context, url string) (*pgxpool.Pool, error) {
 	return pool, nil
 }
 
+// openArtifacts opens the artifact store shared by API, worker and
+// reconciler; CONVERGE_ARTIFACT_DIR is required.
+func openArtifacts(dir string, env *runEnv) (*artifact.Store, error) {
+	if err := need("CONVERGE_ARTIFACT_DIR", dir); err != nil {
+		return nil, err
+	}
+	return artifact.Open(dir, env.faults)
+}
+
 func openRedis(url string) (*redis.Client, error) {
 	if err := need("CONVERGE_REDIS_URL", url); err != nil {
 		return nil, err
@@ -118,10 +127,7 @@ func (c *APICmd) Run(env *runEnv) error {
 		}
 		defer rdb.Close()
 	}
-	if err := need("CONVERGE_ARTIFACT_DIR", c.ArtifactDir); err != nil {
-		return err
-	}
-	store, err := artifact.Open(c.ArtifactDir, env.faults)
+	store, err := openArtifacts(c.ArtifactDir, env)
 	if err != nil {
 		return err
 	}
@@ -194,10 +200,7 @@ func (c *WorkerCmd) Run(env *runEnv) error {
 		return err
 	}
 	defer pool.Close()
-	if err := need("CONVERGE_ARTIFACT_DIR", c.ArtifactDir); err != nil {
-		return err
-	}
-	store, err := artifact.Open(c.ArtifactDir, env.faults)
+	store, err := openArtifacts(c.ArtifactDir, env)
 	if err != nil {
 		return err
 	}
@@ -249,10 +252,7 @@ func (c *ReconcilerCmd) Run(env *runEnv) error {
 		return err
 	}
 	defer pool.Close()
-	if err := need("CONVERGE_ARTIFACT_DIR", c.ArtifactDir); err != nil {
-		return err
-	}
-	store, err := artifact.Open(c.ArtifactDir, env.faults)
+	store, err := openArtifacts(c.ArtifactDir, env)
 	if err != nil {
 		return err
 	}
