@@ -23,6 +23,8 @@ import (
 	"strconv"
 	"time"
 
+	jsonv2 "github.com/go-json-experiment/json"
+
 	"github.com/converge-run/converge/internal/canon"
 )
 
@@ -102,8 +104,21 @@ type Event struct {
 	Task          Task      `json:"task"`
 }
 
-// Encode returns the canonical value bytes of e and their SHA-256 (hex).
+// Encode returns the canonical value bytes of e (RFC 8785) and their
+// SHA-256 (lowercase hex). The error names the event type; it is returned for
+// values the contract refuses: integers beyond ±(2^53-1) (the number policy
+// of internal/canon), invalid UTF-8, times outside the years 0000–9999.
 func Encode(e *Event) ([]byte, string, error) {
+	if out, ok := appendCanonical(make([]byte, 0, 768), e); ok {
+		return out, sha256Hex(out), nil
+	}
+	return encodeGeneric(e)
+}
+
+// encodeGeneric is Encode by encoding/json and canon.Transform: the
+// reference the fast path is tested against, and the path for the values
+// the fast path leaves to it.
+func encodeGeneric(e *Event) ([]byte, string, error) {
 	raw, err := json.Marshal(e)
 	if err != nil {
 		return nil, "", fmt.Errorf("encode %s event: %w", e.EventType, err)
@@ -126,10 +141,13 @@ func Canonical(payload []byte) ([]byte, string, error) {
 var ErrInvalidEvent = errors.New("invalid task event")
 
 // Decode parses a record value. It checks the fields every consumer relies
-// on; it does not check the payload hash (see VerifyHash).
+// on; it does not check the payload hash (see VerifyHash). Parsing is strict
+// where the contract is (I-JSON, RFC 7493): valid UTF-8, member names matched
+// exactly (case-sensitive) and never duplicated; members it does not know are
+// ignored, so a minor version may add some.
 func Decode(value []byte) (*Event, error) {
 	var e Event
-	if err := json.Unmarshal(value, &e); err != nil {
+	if err := jsonv2.Unmarshal(value, &e); err != nil {
 		return nil, fmt.Errorf("%w: %v", ErrInvalidEvent, err)
 	}
 	switch {

@@ -80,7 +80,14 @@ func TestGetArtifact(t *testing.T) {
 	}
 
 	// Stored bytes that no longer match the verified hash are never served.
-	if err := os.WriteFile(filepath.Join(b.artifacts.Root(), "objects", token+"."+hex.EncodeToString(sum[:])+".data"), append(canonical, ' '), 0o644); err != nil {
+	// (The store keeps an object as one file: a JSON header line, then the
+	// bytes; appending to the file alters the bytes, not the header.)
+	obj := filepath.Join(b.artifacts.Root(), "objects", token+".obj")
+	stored, err := os.ReadFile(obj)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(obj, append(stored, ' '), 0o644); err != nil {
 		t.Fatal(err)
 	}
 	wantProblem(t, b.do(t, http.MethodGet, "/v1/tasks/"+id+"/artifact", nil, nil), http.StatusServiceUnavailable, CodeArtifactUnavailable)

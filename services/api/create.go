@@ -1,7 +1,6 @@
 package api
 
 import (
-	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -10,6 +9,7 @@ import (
 	"strconv"
 	"time"
 
+	"github.com/go-json-experiment/json/jsontext"
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
 
@@ -27,22 +27,23 @@ const fingerprintOperation = "create-document-task"
 
 // Fingerprint returns the request fingerprint of a create request (seed
 // section 3): the lowercase hex SHA-256 of the RFC 8785 form of
-// {"operation":"create-document-task","input_sha256":...,"output_format":...,
+// {"input_sha256":...,"operation":"create-document-task","output_format":...,
 // "policy_version":PolicyVersion}. It depends only on the canonical document
 // (through inputSHA256), never on timestamps, trace ids or the request's
-// byte encoding.
+// byte encoding. The canonical text is written directly (members in RFC 8785
+// order, strings quoted by jsontext.AppendQuote, which uses RFC 8785's
+// minimal escaping); TestFingerprintIsCanonical checks it against
+// canon.Transform.
 func Fingerprint(inputSHA256, outputFormat string) string {
-	raw, _ := json.Marshal(map[string]any{
-		"operation":      fingerprintOperation,
-		"input_sha256":   inputSHA256,
-		"output_format":  outputFormat,
-		"policy_version": PolicyVersion,
-	})
-	c, err := canon.Transform(raw)
-	if err != nil { // plain strings and a small integer: cannot happen
-		panic(fmt.Sprintf("canonicalize fingerprint: %v", err))
-	}
-	return canon.SHA256Hex(c)
+	var buf [256]byte
+	b := append(buf[:0], `{"input_sha256":`...)
+	b, _ = jsontext.AppendQuote(b, inputSHA256)
+	b = append(b, `,"operation":"`+fingerprintOperation+`","output_format":`...)
+	b, _ = jsontext.AppendQuote(b, outputFormat)
+	b = append(b, `,"policy_version":`...)
+	b = strconv.AppendInt(b, PolicyVersion, 10)
+	b = append(b, '}')
+	return canon.SHA256Hex(b)
 }
 
 // links are the hypermedia links of a task resource.
@@ -65,6 +66,28 @@ type createResponse struct {
 	InputSHA256  string `json:"input_sha256"`
 	OutputFormat string `json:"output_format"`
 	Links        links  `json:"links"`
+}
+
+// appendCreateResponse appends the RFC 8785 form of r to dst: members in
+// RFC 8785 order, strings quoted with RFC 8785's minimal escaping. The
+// response is stored in the idempotency record and replayed byte for byte;
+// TestCreateResponseIsCanonical checks it against canon.Transform.
+func appendCreateResponse(dst []byte, r *createResponse) []byte {
+	dst = append(dst, `{"input_sha256":`...)
+	dst, _ = jsontext.AppendQuote(dst, r.InputSHA256)
+	dst = append(dst, `,"links":{"artifact":`...)
+	dst, _ = jsontext.AppendQuote(dst, r.Links.Artifact)
+	dst = append(dst, `,"self":`...)
+	dst, _ = jsontext.AppendQuote(dst, r.Links.Self)
+	dst = append(dst, `},"output_format":`...)
+	dst, _ = jsontext.AppendQuote(dst, r.OutputFormat)
+	dst = append(dst, `,"status":`...)
+	dst, _ = jsontext.AppendQuote(dst, r.Status)
+	dst = append(dst, `,"task_id":`...)
+	dst, _ = jsontext.AppendQuote(dst, r.TaskID)
+	dst = append(dst, `,"version":`...)
+	dst = strconv.AppendInt(dst, r.Version, 10)
+	return append(dst, '}')
 }
 
 // handleCreate is POST /v1/tasks (seed sections 3 and 4): validate, then in
@@ -165,16 +188,10 @@ func buildTask(now time.Time, req *createRequest, inputSHA string, inputSize int
 	if err != nil {
 		return nil, err
 	}
-	resp, err := json.Marshal(createResponse{
+	resp := appendCreateResponse(make([]byte, 0, 320), &createResponse{
 		TaskID: t.TaskID, Status: t.Status, Version: t.Version, InputSHA256: inputSHA,
 		OutputFormat: t.OutputFormat, Links: taskLinks(t.TaskID),
 	})
-	if err != nil {
-		return nil, fmt.Errorf("encode response: %w", err)
-	}
-	if resp, err = canon.Transform(resp); err != nil {
-		return nil, fmt.Errorf("canonicalize response: %w", err)
-	}
 	return &newTask{Task: t, Document: req.Document, OutboxID: ev.EventID, Payload: payload, PayloadSHA256: payloadSHA, Response: resp}, nil
 }
 

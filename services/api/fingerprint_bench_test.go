@@ -1,6 +1,9 @@
 package api
 
 import (
+	"bytes"
+	"encoding/json"
+	"strings"
 	"testing"
 	"time"
 
@@ -44,6 +47,50 @@ func BenchmarkCreateCPU(b *testing.B) {
 		sinkFingerprint = Fingerprint(sha, req.OutputFormat)
 		if _, err := buildTask(now, req, sha, int64(len(c))); err != nil {
 			b.Fatal(err)
+		}
+	}
+}
+
+// genericCanonical is the reference: encoding/json, then RFC 8785 by
+// canon.Transform.
+func genericCanonical(t *testing.T, v any) []byte {
+	t.Helper()
+	raw, err := json.Marshal(v)
+	if err != nil {
+		t.Fatal(err)
+	}
+	c, err := canon.Transform(raw)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return c
+}
+
+func TestFingerprintIsCanonical(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct{ sha, format string }{
+		{canon.SHA256Hex([]byte(`{"a":1}`)), "jcs"},
+		{"", ""},
+		{"quote\"\\ctl\x01", "ü€😀\u2028"},
+	} {
+		want := canon.SHA256Hex(genericCanonical(t, map[string]any{
+			"operation": fingerprintOperation, "input_sha256": tc.sha, "output_format": tc.format, "policy_version": PolicyVersion,
+		}))
+		if got := Fingerprint(tc.sha, tc.format); got != want {
+			t.Errorf("Fingerprint(%q, %q) = %s, want %s", tc.sha, tc.format, got, want)
+		}
+	}
+}
+
+func TestCreateResponseIsCanonical(t *testing.T) {
+	t.Parallel()
+	for _, r := range []createResponse{
+		{TaskID: "018f3a2b-7c1d-7e00-8000-000000000000", Status: "queued", InputSHA256: strings.Repeat("ab", 32), OutputFormat: "jcs", Links: taskLinks("018f3a2b-7c1d-7e00-8000-000000000000")},
+		{TaskID: "x\"<>&\u2028", Status: "ü", Version: 1<<53 - 1, OutputFormat: "\x01", Links: taskLinks("x\"<>&\u2028")},
+	} {
+		want := genericCanonical(t, r)
+		if got := appendCreateResponse(nil, &r); !bytes.Equal(got, want) {
+			t.Errorf("appendCreateResponse:\n got  %s\n want %s", got, want)
 		}
 	}
 }

@@ -64,67 +64,146 @@ type idemRecord struct {
 	ResponseBody   []byte // JSON text (jsonb rendering), nil when not set
 }
 
+// SQL of the create transaction (seed section 3.1), in the order it runs.
+const (
+	sqlInsertIdempotencyRecord = `
+INSERT INTO idempotency_record (scope, idempotency_key, request_fingerprint, state, locked_until, created_at, expires_at)
+VALUES ($1, $2, $3, 'in_progress', now() + $4 * interval '1 millisecond', now(), now() + $5 * interval '1 millisecond')
+ON CONFLICT (scope, idempotency_key) DO NOTHING
+RETURNING created_at`
+	// sqlCompleteRecordInsertTask completes the idempotency record and
+	// inserts the task FROM the completed row: when the record is not ours
+	// and in progress, no task is inserted and the task_input insert that
+	// follows fails on its foreign key, so the pipelined COMMIT never runs.
+	// (The record's own foreign key to the task is checked at the end of
+	// the statement, when the task row exists.)
+	sqlCompleteRecordInsertTask = `
+WITH completed AS (
+  UPDATE idempotency_record
+  SET state = 'succeeded', task_id = $3, response_status = 202, response_body = $4, locked_until = NULL
+  WHERE scope = $1 AND idempotency_key = $2 AND state = 'in_progress' AND request_fingerprint = $5
+  RETURNING 1
+)
+INSERT INTO task (task_id, request_fingerprint, status, version, attempt, output_format, input_sha256, input_size, created_at, updated_at)
+SELECT $3, $5, $6::text, $7::bigint, $8::integer, $9::text, $10::text, $11::bigint, $12::timestamptz, $13::timestamptz FROM completed`
+	sqlInsertTaskInput   = `INSERT INTO task_input (task_id, document) VALUES ($1, $2)`
+	sqlInsertOutboxEvent = `
+INSERT INTO outbox_event (outbox_id, aggregate_id, aggregate_version, event_type, payload, payload_sha256, created_at)
+VALUES ($1, $2, $3, $4, $5, $6, $7)`
+)
+
 // createTask runs the create transaction of seed section 3.1. The
 // idempotency record is inserted FIRST, state in_progress, with ON CONFLICT
 // DO NOTHING: its primary key decides between concurrent first uses (a
 // concurrent inserter waits for the winner's commit or rollback). Only the
 // winner goes on: build is called with the transaction's timestamp (the
 // database clock, now()) and returns the task, its input and the TaskCreated
-// outbox row, which are inserted; then the record is completed to succeeded
-// with the replayable response, all in the same transaction. A loser gets
+// outbox row; the record is completed to succeeded with the replayable
+// response and they are inserted, all in the same transaction. A loser gets
 // errKeyTaken with nothing written; it then reads the record with
 // idempotencyRecord.
+//
+// The transaction takes two round trips to PostgreSQL, its statements
+// pipelined (pgx.Batch: one write, one Sync): BEGIN with the record insert,
+// whose RETURNING gives the timestamp; then the record completion with the
+// task insert, the task_input and outbox inserts and COMMIT. A statement that
+// fails makes PostgreSQL skip the rest of its batch, COMMIT included; the
+// transaction is then rolled back. A connection whose rollback fails is
+// closed, never returned to the pool mid-transaction.
 func (s *store) createTask(ctx context.Context, k createKey, build func(now time.Time) (*newTask, error)) (*newTask, error) {
-	var n *newTask
-	err := pgx.BeginFunc(ctx, s.pool, func(tx pgx.Tx) error {
-		var now time.Time
-		err := tx.QueryRow(ctx, `
-INSERT INTO idempotency_record (scope, idempotency_key, request_fingerprint, state, locked_until, created_at, expires_at)
-VALUES ($1, $2, $3, 'in_progress', now() + $4 * interval '1 millisecond', now(), now() + $5 * interval '1 millisecond')
-ON CONFLICT (scope, idempotency_key) DO NOTHING
-RETURNING created_at`, createScope, k.Key, k.Fingerprint, k.Lease.Milliseconds(), k.TTL.Milliseconds()).Scan(&now)
-		if errors.Is(err, pgx.ErrNoRows) {
-			return errKeyTaken
+	conn, err := s.pool.Acquire(ctx)
+	if err != nil {
+		return nil, fmt.Errorf("acquire connection: %w", err)
+	}
+	defer conn.Release()
+	committed := false
+	defer func() {
+		if !committed {
+			rollback(conn.Conn())
 		}
-		if err != nil {
-			return fmt.Errorf("insert idempotency record: %w", err)
-		}
-		if n, err = build(now.UTC()); err != nil {
-			return err
-		}
-		t := n.Task
-		if _, err := tx.Exec(ctx, `
-INSERT INTO task (task_id, request_fingerprint, status, version, attempt, output_format, input_sha256, input_size, created_at, updated_at)
-VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)`,
-			t.TaskID, k.Fingerprint, t.Status, t.Version, t.Attempt, t.OutputFormat, t.InputSHA256, t.InputSize, t.CreatedAt, t.UpdatedAt); err != nil {
-			return fmt.Errorf("insert task %s: %w", t.TaskID, err)
-		}
-		if _, err := tx.Exec(ctx, `INSERT INTO task_input (task_id, document) VALUES ($1, $2)`, t.TaskID, n.Document); err != nil {
-			return fmt.Errorf("insert task input %s: %w", t.TaskID, err)
-		}
-		if _, err := tx.Exec(ctx, `
-INSERT INTO outbox_event (outbox_id, aggregate_id, aggregate_version, event_type, payload, payload_sha256, created_at)
-VALUES ($1, $2, $3, $4, $5, $6, $7)`,
-			n.OutboxID, t.TaskID, t.Version, taskevent.TypeTaskCreated, string(n.Payload), n.PayloadSHA256, t.CreatedAt); err != nil {
-			return fmt.Errorf("insert outbox event %s: %w", n.OutboxID, err)
-		}
-		tag, err := tx.Exec(ctx, `
-UPDATE idempotency_record
-SET state = 'succeeded', task_id = $3, response_status = 202, response_body = $4, locked_until = NULL
-WHERE scope = $1 AND idempotency_key = $2 AND state = 'in_progress' AND request_fingerprint = $5`,
-			createScope, k.Key, t.TaskID, string(n.Response), k.Fingerprint)
-		if err != nil {
-			return fmt.Errorf("complete idempotency record: %w", err)
-		}
-		if tag.RowsAffected() != 1 {
-			return fmt.Errorf("complete idempotency record: %d rows updated, want 1", tag.RowsAffected())
-		}
-		return nil
-	})
+	}()
+
+	var b pgx.Batch
+	b.Queue("BEGIN")
+	b.Queue(sqlInsertIdempotencyRecord, createScope, k.Key, k.Fingerprint, k.Lease.Milliseconds(), k.TTL.Milliseconds())
+	br := conn.SendBatch(ctx, &b)
+	var now time.Time
+	_, err = br.Exec()
+	if err == nil {
+		err = br.QueryRow().Scan(&now)
+	}
+	if cerr := br.Close(); err == nil {
+		err = cerr
+	}
+	if errors.Is(err, pgx.ErrNoRows) {
+		return nil, errKeyTaken
+	}
+	if err != nil {
+		return nil, fmt.Errorf("insert idempotency record: %w", err)
+	}
+
+	n, err := build(now.UTC())
 	if err != nil {
 		return nil, err
 	}
+	t := n.Task
+	b = pgx.Batch{}
+	b.Queue(sqlCompleteRecordInsertTask, createScope, k.Key, t.TaskID, string(n.Response), k.Fingerprint,
+		t.Status, t.Version, t.Attempt, t.OutputFormat, t.InputSHA256, t.InputSize, t.CreatedAt, t.UpdatedAt)
+	b.Queue(sqlInsertTaskInput, t.TaskID, n.Document)
+	b.Queue(sqlInsertOutboxEvent, n.OutboxID, t.TaskID, t.Version, taskevent.TypeTaskCreated, string(n.Payload), n.PayloadSHA256, t.CreatedAt)
+	b.Queue("COMMIT")
+	br = conn.SendBatch(ctx, &b)
+	tag, err := br.Exec()
+	switch {
+	case err != nil:
+		err = fmt.Errorf("complete idempotency record, insert task %s: %w", t.TaskID, err)
+	case tag.RowsAffected() != 1: // unreachable: task_input's foreign key fails first
+		err = fmt.Errorf("complete idempotency record: %d tasks inserted, want 1", tag.RowsAffected())
+	default:
+		err = batchExec(br, "insert task input "+t.TaskID, "insert outbox event "+n.OutboxID)
+	}
+	if err == nil {
+		if tag, err = br.Exec(); err == nil && tag.String() != "COMMIT" {
+			err = errors.New(tag.String())
+		}
+		if err != nil {
+			err = fmt.Errorf("commit task %s: %w", t.TaskID, err)
+		}
+	}
+	if cerr := br.Close(); err == nil && cerr != nil {
+		err = fmt.Errorf("create task %s: %w", t.TaskID, cerr)
+	}
+	if err != nil {
+		return nil, err
+	}
+	committed = true
 	return n, nil
+}
+
+// batchExec reads the results of the next len(what) statements of br,
+// which return no rows; the first error is wrapped with its description.
+func batchExec(br pgx.BatchResults, what ...string) error {
+	for _, w := range what {
+		if _, err := br.Exec(); err != nil {
+			return fmt.Errorf("%s: %w", w, err)
+		}
+	}
+	return nil
+}
+
+// rollback ends the open transaction of conn; when that fails the
+// connection is closed, so the pool never reuses it mid-transaction (pgxpool
+// also destroys a released connection whose transaction status is not idle).
+func rollback(conn *pgx.Conn) {
+	if conn.IsClosed() {
+		return
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	if _, err := conn.Exec(ctx, "ROLLBACK"); err != nil {
+		_ = conn.Close(ctx)
+	}
 }
 
 // idempotencyRecord reads the record of key, or returns pgx.ErrNoRows.
