@@ -1,8 +1,11 @@
 package cdc
 
 import (
+	"crypto/sha256"
+	"encoding/hex"
 	"fmt"
 	"strconv"
+	"strings"
 
 	"github.com/jackc/pglogrepl"
 	"github.com/twmb/franz-go/pkg/kgo"
@@ -68,18 +71,20 @@ func newRelation(m *pglogrepl.RelationMessage) (*relation, error) {
 }
 
 // outboxRow is one inserted outbox_event row. Its fields are copies: the
-// tuple's bytes belong to the connection's read buffer.
+// tuple's bytes belong to the connection's read buffer. The four text fields
+// share one allocation (they are substrings of one string).
 type outboxRow struct {
 	outboxID         string
 	aggregateID      string
 	aggregateVersion int64
 	eventType        string
-	payload          []byte // jsonb text output
+	payload          []byte // the payload column's text: canonical JSON as written, or jsonb's rendering for rows older than migration 00004
 	payloadSHA256    string // the column, as written by the producer of the row
 }
 
 // decode reads an outbox row from an insert tuple (text format). Errors wrap
-// ErrInvalidRow.
+// ErrInvalidRow. It allocates twice: once for the text fields, once for the
+// payload.
 func (rel *relation) decode(t *pglogrepl.TupleData) (outboxRow, error) {
 	var row outboxRow
 	if t == nil || len(t.Columns) != rel.ncols {
@@ -93,10 +98,17 @@ func (rel *relation) decode(t *pglogrepl.TupleData) (outboxRow, error) {
 		}
 		text[i] = c.Data
 	}
-	row.outboxID = string(text[colOutboxID])
-	row.aggregateID = string(text[colAggregateID])
-	row.eventType = string(text[colEventType])
-	row.payloadSHA256 = string(text[colPayloadSHA256])
+	var sb strings.Builder
+	sb.Grow(len(text[colOutboxID]) + len(text[colAggregateID]) + len(text[colEventType]) + len(text[colPayloadSHA256]))
+	sb.Write(text[colOutboxID])
+	sb.Write(text[colAggregateID])
+	sb.Write(text[colEventType])
+	sb.Write(text[colPayloadSHA256])
+	all := sb.String()
+	a := len(text[colOutboxID])
+	b := a + len(text[colAggregateID])
+	c := b + len(text[colEventType])
+	row.outboxID, row.aggregateID, row.eventType, row.payloadSHA256 = all[:a], all[a:b], all[b:c], all[c:]
 	row.payload = append([]byte(nil), text[colPayload]...)
 	v, err := strconv.ParseInt(string(text[colAggregateVersion]), 10, 64)
 	if err != nil {
@@ -107,24 +119,55 @@ func (rel *relation) decode(t *pglogrepl.TupleData) (outboxRow, error) {
 }
 
 // record builds the Kafka record of row (the taskevent contract): key =
-// aggregate_id (the task id), value = RFC 8785 form of the payload, headers
-// from taskevent.Headers with the payload_sha256 column. It also returns the
-// SHA-256 of the value, which must equal the column. A payload that cannot be
-// canonicalized (RFC 8785 / I-JSON) is an error wrapping ErrInvalidRow.
+// aggregate_id (the task id), value = the canonical payload, headers as
+// taskevent.Headers with the payload_sha256 column. It also returns the
+// SHA-256 of the value, which must equal the column.
+//
+// Fast path: when the SHA-256 of the payload bytes equals the column, the
+// value is the payload bytes as stored, not parsed: every writer stores the
+// canonical JSON it hashed (taskevent.Encode), so those bytes are the
+// canonical form. The relay trusts that: a writer that stored and hashed
+// non-canonical JSON gets it relayed as it is (the database only guarantees
+// it is JSON). Otherwise (a row written before migration 00004, whose text
+// is jsonb's rendering, or non-canonical JSON stored with the hash of its
+// canonical form) the value is the RFC 8785 form of the payload
+// (taskevent.Canonical) and the returned hash is its hash, which the caller
+// compares with the column. A payload that cannot be canonicalized (RFC 8785
+// / I-JSON) is an error wrapping ErrInvalidRow.
+//
+// The value shares row.payload. The record takes two allocations on the fast
+// path: the record with its headers, and one buffer for the key and the
+// header values.
 func (row outboxRow) record(topic string) (*kgo.Record, string, error) {
-	value, sum, err := taskevent.Canonical(row.payload)
-	if err != nil {
-		return nil, "", fmt.Errorf("%w: outbox row %s: %v", ErrInvalidRow, row.outboxID, err)
+	value, sum := row.payload, row.payloadSHA256
+	if !sha256HexEqual(row.payload, row.payloadSHA256) {
+		var err error
+		if value, sum, err = taskevent.Canonical(row.payload); err != nil {
+			return nil, "", fmt.Errorf("%w: outbox row %s: %v", ErrInvalidRow, row.outboxID, err)
+		}
 	}
-	hs := taskevent.Headers(row.outboxID, row.eventType, row.aggregateVersion, row.payloadSHA256)
-	headers := make([]kgo.RecordHeader, len(hs))
-	for i, h := range hs {
-		headers[i] = kgo.RecordHeader{Key: h[0], Value: []byte(h[1])}
-	}
-	return &kgo.Record{
+	r := new(recordWithHeaders)
+	buf := make([]byte, 0, len(row.aggregateID)+headerValuesLen(row.outboxID, row.eventType, row.payloadSHA256))
+	buf = append(buf, row.aggregateID...)
+	key := buf[:len(buf):len(buf)]
+	appendHeaders(&r.headers, buf, row.outboxID, row.eventType, row.aggregateVersion, row.payloadSHA256)
+	r.rec = kgo.Record{
 		Topic:   topic,
-		Key:     []byte(row.aggregateID),
+		Key:     key,
 		Value:   value,
-		Headers: headers,
-	}, sum, nil
+		Headers: r.headers[:],
+	}
+	return &r.rec, sum, nil
+}
+
+// sha256HexEqual reports whether sum is the lowercase hex SHA-256 of b,
+// without allocating.
+func sha256HexEqual(b []byte, sum string) bool {
+	if len(sum) != 2*sha256.Size {
+		return false
+	}
+	h := sha256.Sum256(b)
+	var x [2 * sha256.Size]byte
+	hex.Encode(x[:], h[:])
+	return string(x[:]) == sum
 }

@@ -23,6 +23,18 @@
 //
 // # Invariants
 //
+//   - Value: outbox_event.payload is text (migration 00004) holding the
+//     canonical JSON each writer encoded and hashed into payload_sha256
+//     (taskevent.Encode). When the SHA-256 of the payload bytes equals
+//     payload_sha256, the stored bytes are the value, not parsed (a hash per
+//     row, no allocation for the value). Otherwise (a row written before
+//     00004, whose text is jsonb's rendering; JSON stored in another form
+//     with the hash of its canonical form) the payload is parsed and the
+//     value is its RFC 8785 form, as for every row before 00004. The relay
+//     therefore trusts a writer whose hash matches the bytes it stored to
+//     have stored canonical JSON; the database guarantees only that the
+//     payload is JSON (CHECK outbox_event_payload_json_check, what the
+//     jsonb column guaranteed before).
 //   - Produce: rows are produced as they are decoded, never buffered per
 //     transaction; at most MaxBufferedRecords records are in flight, from
 //     decoding until acknowledged AND marked published (decoding waits for
@@ -75,10 +87,11 @@
 //     flushes and status updates happen while the stream is idle.
 //   - A record whose produce fails for good (non-retryable error,
 //     DeliveryTimeout) stops Run with an error; the restarted relay resumes
-//     from the slot. A row that cannot be relayed (payload not I-JSON,
-//     undecodable column) stops Run with ErrInvalidRow rather than being
-//     skipped. A payload_sha256 column that differs from the hash of the
-//     canonical payload is relayed as it is (consumers detect it) and counted.
+//     from the slot. A row that cannot be relayed (payload not I-JSON when
+//     it is parsed, undecodable column) stops Run with ErrInvalidRow rather
+//     than being skipped. A payload_sha256 column that differs from the hash
+//     of the canonical payload is relayed as it is (consumers detect it) and
+//     counted.
 //   - Shutdown (ctx cancelled): stop reading, wait up to ShutdownTimeout for
 //     in-flight records, mark the acknowledged rows published, send a final
 //     status update with the confirmable LSN, close, return nil.

@@ -210,7 +210,7 @@ func TestDevKilledMidBatch(t *testing.T) {
 	if tasks != n || verified != n {
 		t.Errorf("%d tasks, %d verified artifact effects; want %d each", tasks, verified, n)
 	}
-	objs, _ := filepath.Glob(filepath.Join(dir, "data", "artifacts", "objects", "*.meta"))
+	objs, _ := filepath.Glob(filepath.Join(dir, "data", "artifacts", "objects", "*.obj"))
 	if len(objs) != n {
 		t.Errorf("%d artifact objects in the store, want %d (one per task)", len(objs), n)
 	}

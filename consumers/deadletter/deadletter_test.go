@@ -99,7 +99,7 @@ VALUES ($1, $2, 'queued', 0, 0, 'jcs', $2, $3, $4, $4)`, taskID, sum(doc), len(d
 		}
 		if _, err := tx.Exec(ctx, `
 INSERT INTO outbox_event (outbox_id, aggregate_id, aggregate_version, event_type, payload, payload_sha256, published_at)
-VALUES ($1, $2, 0, 'TaskCreated', $3::jsonb, $4, now())`, ev.EventID, taskID, string(value), vsum); err != nil {
+VALUES ($1, $2, 0, 'TaskCreated', $3, $4, now())`, ev.EventID, taskID, string(value), vsum); err != nil {
 			return err
 		}
 		switch status {

@@ -205,7 +205,7 @@ SELECT (SELECT status FROM task WHERE task_id = $1) || ' ' ||
 	if a := b.scalar(t, `SELECT attempt FROM task WHERE task_id = $1`, taskID); a != int32(2) {
 		t.Errorf("task attempt %v, want 2", a)
 	}
-	metas, err := filepath.Glob(filepath.Join(dir, "objects", taskID+".*.meta"))
+	metas, err := filepath.Glob(filepath.Join(dir, "objects", taskID+".*.obj"))
 	if err != nil || len(metas) != 1 {
 		t.Errorf("%d artifacts in the store (%v), want 1: %v", len(metas), err, metas)
 	}

@@ -196,7 +196,7 @@ func insertRedrive(ctx context.Context, q querier, t taskevent.Task) (string, er
 	}
 	_, err = q.Exec(ctx, `
 INSERT INTO outbox_event (outbox_id, aggregate_id, aggregate_version, event_type, payload, payload_sha256)
-VALUES ($1, $2, $3, $4, $5::jsonb, $6)`, ev.EventID, t.TaskID, t.Version, ev.EventType, string(value), sum)
+VALUES ($1, $2, $3, $4, $5, $6)`, ev.EventID, t.TaskID, t.Version, ev.EventType, string(value), sum)
 	if err != nil {
 		return "", fmt.Errorf("insert re-drive of re-opened task %s: %w", t.TaskID, err)
 	}

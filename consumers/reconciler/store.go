@@ -248,7 +248,7 @@ func redrive(ctx context.Context, db *pgxpool.Pool, t taskevent.Task) (bool, err
 		}
 		tag, err := tx.Exec(ctx, `
 INSERT INTO outbox_event (outbox_id, aggregate_id, aggregate_version, event_type, payload, payload_sha256)
-VALUES ($1, $2, $3, $4, $5::jsonb, $6)
+VALUES ($1, $2, $3, $4, $5, $6)
 ON CONFLICT (aggregate_id, aggregate_version, event_type) DO NOTHING`, ev.EventID, cur.TaskID, cur.Version, ev.EventType, string(value), sum)
 		if err != nil {
 			return fmt.Errorf("insert re-drive of task %s: %w", t.TaskID, err)

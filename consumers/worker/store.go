@@ -417,7 +417,7 @@ func insertOutbox(ctx context.Context, q querier, eventType string, t taskevent.
 	}
 	_, err = q.Exec(ctx, `
 INSERT INTO outbox_event (outbox_id, aggregate_id, aggregate_version, event_type, payload, payload_sha256)
-VALUES ($1, $2, $3, $4, $5::jsonb, $6)`, ev.EventID, t.TaskID, t.Version, eventType, string(value), sum)
+VALUES ($1, $2, $3, $4, $5, $6)`, ev.EventID, t.TaskID, t.Version, eventType, string(value), sum)
 	if err != nil {
 		return ev, fmt.Errorf("insert %s outbox event of task %s: %w", eventType, t.TaskID, err)
 	}

@@ -228,7 +228,7 @@ FROM effect_ledger WHERE effect_kind = $1 AND idempotency_token = $2`, kind, tok
 // objects counts the committed objects of a task in the store directory.
 func (b *testBundle) objects(t *testing.T, taskID string) int {
 	t.Helper()
-	m, err := filepath.Glob(filepath.Join(b.dir, "objects", taskID+".*.meta"))
+	m, err := filepath.Glob(filepath.Join(b.dir, "objects", taskID+".*.obj"))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -804,7 +804,7 @@ func TestRebalanceBetweenTwoWorkers(t *testing.T) {
 	if got := b.scalar(t, `SELECT count(*) FROM outbox_event WHERE event_type = 'TaskCompleted'`); got != int64(n) {
 		t.Errorf("%v TaskCompleted rows, want %d", got, n)
 	}
-	m, _ := filepath.Glob(filepath.Join(b.dir, "objects", "*.meta"))
+	m, _ := filepath.Glob(filepath.Join(b.dir, "objects", "*.obj"))
 	if len(m) != n {
 		t.Errorf("%d objects, want %d", len(m), n)
 	}

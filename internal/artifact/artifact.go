@@ -4,25 +4,37 @@
 //
 // Layout under the root directory:
 //
-//	objects/<token>.<sha256>.data  the artifact bytes, named by the SHA-256
-//	                               the writer intended
-//	objects/<token>.meta           JSON Meta: task id, attempt, size, sha256, time
-//	hidden/<token>.*               objects hidden by a compensation (seed section 8)
+//	objects/<token>.obj  one object: one line of JSON Meta (task id, attempt,
+//	                     size, sha256, time) ending in "\n", then the
+//	                     artifact bytes
+//	hidden/<token>.*     objects hidden by a compensation (seed section 8)
+//	tmp/put-*            temporary files of Puts in progress (or crashed)
 //
-// Put writes the data file, then the meta file, each as temp file + fsync and
-// then a hard link to its final name that fails when the name exists (so
-// nothing is ever overwritten), then fsyncs the directory. Linking the meta
-// file is the commit point: an object without meta does not exist, and of two
-// concurrent Puts of one token exactly one commits. Put with a token that is
+// Put writes the header line and the bytes to one temporary file, fsyncs it,
+// hard-links it to objects/<token>.obj, removes the temporary name and fsyncs
+// the objects directory. The link is the commit point: it fails when the name
+// exists, so nothing is ever overwritten, an object is either absent or
+// complete, and of concurrent Puts of one token exactly one commits; the
+// others return what the winner's Meta decides. Put with a token that is
 // already committed with the same content returns the existing Meta and
 // writes nothing (the store honours the idempotency token); with different
-// content it returns ErrTokenConflict.
+// content it returns ErrTokenConflict. The Meta records the SHA-256 and size
+// the writer intended, so read-back verification (Observe) detects stored
+// bytes that differ from it.
 //
-// Head and Get observe an object by token (the "HEAD artifact/effect-42" of
-// seed section 7), which is how unknown outcomes are resolved.
+// Stores written by earlier versions keep two files per object,
+// objects/<token>.meta (the JSON Meta, the commit point) and
+// objects/<token>.<sha256>.data (the bytes). Head, Open and Observe read that
+// layout when objects/<token>.obj does not exist, Hide hides both layouts,
+// and Put finds such an object through Head. Put never writes it.
+//
+// Head, Open and Observe observe an object by token (the "HEAD
+// artifact/effect-42" of seed section 7), which is how unknown outcomes are
+// resolved.
 package artifact
 
 import (
+	"bytes"
 	"crypto/sha256"
 	"encoding/hex"
 	"encoding/json"
@@ -32,12 +44,14 @@ import (
 	"os"
 	"path/filepath"
 	"regexp"
+	"slices"
+	"strings"
 	"time"
 
 	"github.com/converge-run/converge/internal/fault"
 )
 
-// Meta is what the store records next to each object.
+// Meta is what the store records with each object.
 type Meta struct {
 	Token     string    `json:"token"`
 	TaskID    string    `json:"task_id"`
@@ -60,6 +74,24 @@ var (
 )
 
 var tokenRE = regexp.MustCompile(`^[A-Za-z0-9][A-Za-z0-9._:-]{0,179}$`)
+
+const (
+	// objExt is the file name extension of an object: header line and bytes.
+	objExt = ".obj"
+	// maxHeader bounds the header line of an object, newline included; an
+	// object without a newline in its first maxHeader bytes is corrupt. A
+	// header is a few hundred bytes (a token has at most 180).
+	maxHeader = 64 << 10
+	// headBuf is the first read of a header by Head.
+	headBuf = 512
+	// readBuf is the read buffer of Observe; its first read usually holds
+	// the header and the whole artifact.
+	readBuf = 32 << 10
+	// oneWriteMax is the largest artifact that Put copies behind its header
+	// to write the file with one call; larger ones are written with a call
+	// for the header and one for the bytes, without a copy.
+	oneWriteMax = 64 << 10
+)
 
 // Store is a directory-backed artifact store. Its zero value is not usable;
 // use Open.
@@ -88,8 +120,8 @@ func (s *Store) path(dir, token, ext string) string {
 
 // Put stores data under token with the given task id and attempt, durably,
 // and returns the committed Meta. See the package doc for idempotency.
-// Fault points: artifact.corrupt-after-write (stored bytes altered),
-// artifact.put-timeout-after-commit (ErrTimeout after the commit).
+// Fault points: artifact.corrupt-after-write (stored bytes altered, the Meta
+// unchanged), artifact.put-timeout-after-commit (ErrTimeout after the commit).
 func (s *Store) Put(token, taskID string, attempt int, data []byte) (Meta, error) {
 	if !tokenRE.MatchString(token) {
 		return Meta{}, fmt.Errorf("%w: %q", ErrInvalidToken, token)
@@ -97,35 +129,36 @@ func (s *Store) Put(token, taskID string, attempt int, data []byte) (Meta, error
 	sum := sha256.Sum256(data)
 	m := Meta{Token: token, TaskID: taskID, Attempt: attempt, Size: int64(len(data)), SHA256: hex.EncodeToString(sum[:]), CreatedAt: time.Now().UTC()}
 	if old, err := s.Head(token); err == nil {
-		if old.SHA256 == m.SHA256 && old.TaskID == taskID && old.Attempt == attempt {
-			return old, nil
-		}
-		return old, fmt.Errorf("%w: %s", ErrTokenConflict, token)
+		return decide(old, m)
 	} else if !errors.Is(err, ErrNotFound) {
 		return Meta{}, err
 	}
-	stored := data
-	if s.faults.Hit(fault.ArtifactCorruptAfterWrite) == fault.ActionCorrupt {
-		stored = append(append([]byte(nil), data...), "corrupted"...)
-	}
-	dataPath := s.dataPath(token, m.SHA256)
-	if err := s.writeNew(dataPath, stored); err != nil && !errors.Is(err, os.ErrExist) {
-		return Meta{}, err
-	}
-	mb, err := json.Marshal(m)
+	// The header is one line: encoding/json escapes control characters in
+	// strings, so a Meta never renders a raw newline.
+	hdr, err := json.Marshal(m)
 	if err != nil {
 		return Meta{}, err
 	}
-	if err := s.writeNew(s.path("objects", token, ".meta"), mb); errors.Is(err, os.ErrExist) {
+	if len(hdr) >= maxHeader {
+		return Meta{}, fmt.Errorf("artifact put %s: header of %d bytes, at most %d can be read back", token, len(hdr)+1, maxHeader)
+	}
+	var tail []byte
+	if s.faults.Hit(fault.ArtifactCorruptAfterWrite) == fault.ActionCorrupt {
+		tail = []byte("corrupted") // after the data, not in the header: Meta keeps the intended sha256
+	}
+	var parts [][]byte
+	if len(data) <= oneWriteMax {
+		parts = [][]byte{slices.Concat(hdr, []byte{'\n'}, data, tail)}
+	} else {
+		parts = [][]byte{append(hdr, '\n'), data, tail}
+	}
+	if err := s.writeNew(s.path("objects", token, objExt), parts); errors.Is(err, os.ErrExist) {
 		// A concurrent Put committed first: its Meta decides.
 		old, herr := s.Head(token)
 		if herr != nil {
 			return Meta{}, herr
 		}
-		if old.SHA256 == m.SHA256 && old.TaskID == taskID && old.Attempt == attempt {
-			return old, nil
-		}
-		return old, fmt.Errorf("%w: %s", ErrTokenConflict, token)
+		return decide(old, m)
 	} else if err != nil {
 		return Meta{}, err
 	}
@@ -138,20 +171,30 @@ func (s *Store) Put(token, taskID string, attempt int, data []byte) (Meta, error
 	return m, nil
 }
 
-func (s *Store) dataPath(token, sha string) string {
-	return filepath.Join(s.root, "objects", token+"."+sha+".data")
+// decide is Put's answer when old is already committed under the token of
+// m: old itself when it holds the same content, else ErrTokenConflict.
+func decide(old, m Meta) (Meta, error) {
+	if old.SHA256 == m.SHA256 && old.TaskID == m.TaskID && old.Attempt == m.Attempt {
+		return old, nil
+	}
+	return old, fmt.Errorf("%w: %s", ErrTokenConflict, m.Token)
 }
 
-// writeNew writes data to a temp file, fsyncs it and links it to dst; the
+// writeNew writes parts to a temp file, fsyncs it and links it to dst; the
 // error wraps os.ErrExist when dst already exists (it is never replaced).
-func (s *Store) writeNew(dst string, data []byte) error {
+func (s *Store) writeNew(dst string, parts [][]byte) error {
 	f, err := os.CreateTemp(filepath.Join(s.root, "tmp"), "put-*")
 	if err != nil {
 		return fmt.Errorf("artifact temp file: %w", err)
 	}
 	tmp := f.Name()
 	defer os.Remove(tmp)
-	_, werr := f.Write(data)
+	var werr error
+	for _, p := range parts {
+		if len(p) > 0 && werr == nil {
+			_, werr = f.Write(p)
+		}
+	}
 	if werr == nil {
 		werr = f.Sync()
 	}
@@ -179,11 +222,83 @@ func syncDir(dir string) error {
 	return nil
 }
 
+// object is an open objects/<token>.obj whose header was read.
+type object struct {
+	f    *os.File
+	meta Meta
+	// off is where the artifact bytes start in f (the header's length).
+	off int64
+	// read holds the artifact bytes that were read with the header; f's
+	// position is right after them.
+	read []byte
+}
+
+// openObject opens and parses objects/<token>.obj, reading it into buf
+// (grown when the header does not fit). The error is os.ErrNotExist (from
+// os.Open) when the object is absent. The caller closes o.f.
+func (s *Store) openObject(token string, buf []byte) (object, error) {
+	f, err := os.Open(s.path("objects", token, objExt))
+	if err != nil {
+		return object{}, err
+	}
+	line, rest, err := readHeader(f, buf)
+	if err == nil {
+		var m Meta
+		if err = json.Unmarshal(line, &m); err == nil {
+			return object{f: f, meta: m, off: int64(len(line)) + 1, read: rest}, nil
+		}
+		err = fmt.Errorf("corrupt object header: %w", err)
+	}
+	f.Close()
+	return object{}, err
+}
+
+// readHeader reads from r into buf until the first newline and returns the
+// line before it and the bytes read after it. buf grows up to maxHeader; a
+// stream without a newline within maxHeader bytes is corrupt.
+func readHeader(r io.Reader, buf []byte) (line, rest []byte, err error) {
+	n := 0
+	for {
+		if n == len(buf) {
+			if n >= maxHeader {
+				return nil, nil, fmt.Errorf("corrupt object header: no newline in the first %d bytes", maxHeader)
+			}
+			grown := make([]byte, min(max(2*n, headBuf), maxHeader))
+			copy(grown, buf[:n])
+			buf = grown
+		}
+		k, rerr := r.Read(buf[n:])
+		if i := bytes.IndexByte(buf[n:n+k], '\n'); i >= 0 {
+			return buf[: n+i : n+i], buf[n+i+1 : n+k], nil
+		}
+		n += k
+		if rerr == io.EOF {
+			return nil, nil, fmt.Errorf("corrupt object header: no newline in %d bytes", n)
+		}
+		if rerr != nil {
+			return nil, nil, rerr
+		}
+	}
+}
+
 // Head returns the committed Meta of token, or ErrNotFound.
 func (s *Store) Head(token string) (Meta, error) {
 	if !tokenRE.MatchString(token) {
 		return Meta{}, fmt.Errorf("%w: %q", ErrInvalidToken, token)
 	}
+	o, err := s.openObject(token, make([]byte, headBuf))
+	if errors.Is(err, os.ErrNotExist) {
+		return s.headLegacy(token)
+	}
+	if err != nil {
+		return Meta{}, fmt.Errorf("artifact head %s: %w", token, err)
+	}
+	o.f.Close()
+	return o.meta, nil
+}
+
+// headLegacy reads the Meta of token from the two-file layout.
+func (s *Store) headLegacy(token string) (Meta, error) {
 	b, err := os.ReadFile(s.path("objects", token, ".meta"))
 	if errors.Is(err, os.ErrNotExist) {
 		return Meta{}, ErrNotFound
@@ -198,14 +313,13 @@ func (s *Store) Head(token string) (Meta, error) {
 	return m, nil
 }
 
-// Open returns the committed object's bytes as a stream and its Meta. The
-// caller closes the reader.
-func (s *Store) Open(token string) (io.ReadSeekCloser, Meta, error) {
-	m, err := s.Head(token)
+// openLegacy opens the bytes of token in the two-file layout.
+func (s *Store) openLegacy(token string) (*os.File, Meta, error) {
+	m, err := s.headLegacy(token)
 	if err != nil {
 		return nil, Meta{}, err
 	}
-	f, err := os.Open(s.dataPath(token, m.SHA256))
+	f, err := os.Open(s.legacyDataPath(token, m.SHA256))
 	if errors.Is(err, os.ErrNotExist) {
 		return nil, Meta{}, ErrNotFound
 	}
@@ -214,6 +328,41 @@ func (s *Store) Open(token string) (io.ReadSeekCloser, Meta, error) {
 	}
 	return f, m, nil
 }
+
+func (s *Store) legacyDataPath(token, sha string) string {
+	return filepath.Join(s.root, "objects", token+"."+sha+".data")
+}
+
+// Open returns the committed object's bytes as a stream and its Meta. The
+// stream covers the artifact bytes only: offsets 0 to the stored size, as
+// http.ServeContent expects. The caller closes the reader.
+func (s *Store) Open(token string) (io.ReadSeekCloser, Meta, error) {
+	if !tokenRE.MatchString(token) {
+		return nil, Meta{}, fmt.Errorf("%w: %q", ErrInvalidToken, token)
+	}
+	o, err := s.openObject(token, make([]byte, headBuf))
+	if errors.Is(err, os.ErrNotExist) {
+		return s.openLegacy(token)
+	}
+	if err != nil {
+		return nil, Meta{}, fmt.Errorf("artifact open %s: %w", token, err)
+	}
+	fi, err := o.f.Stat()
+	if err != nil {
+		o.f.Close()
+		return nil, Meta{}, fmt.Errorf("artifact open %s: %w", token, err)
+	}
+	return &dataReader{SectionReader: io.NewSectionReader(o.f, o.off, fi.Size()-o.off), f: o.f}, o.meta, nil
+}
+
+// dataReader reads the artifact bytes of an object file: Read, ReadAt and
+// Seek are relative to the start of the bytes, after the header.
+type dataReader struct {
+	*io.SectionReader
+	f *os.File
+}
+
+func (r *dataReader) Close() error { return r.f.Close() }
 
 // Observation is what reading an object back shows.
 type Observation struct {
@@ -225,37 +374,58 @@ type Observation struct {
 // Observe reads the object back in full and hashes what is stored, for
 // read-back verification (seed section 7.1).
 func (s *Store) Observe(token string) (Observation, error) {
-	r, m, err := s.Open(token)
-	if err != nil {
-		return Observation{}, err
+	if !tokenRE.MatchString(token) {
+		return Observation{}, fmt.Errorf("%w: %q", ErrInvalidToken, token)
 	}
-	defer r.Close()
-	h := sha256.New()
-	n, err := io.Copy(h, r)
-	if err != nil {
+	buf := make([]byte, readBuf)
+	var (
+		f    *os.File
+		m    Meta
+		read []byte
+	)
+	o, err := s.openObject(token, buf)
+	switch {
+	case err == nil:
+		f, m, read = o.f, o.meta, o.read
+	case errors.Is(err, os.ErrNotExist):
+		if f, m, err = s.openLegacy(token); err != nil {
+			return Observation{}, err
+		}
+	default:
 		return Observation{}, fmt.Errorf("artifact read back %s: %w", token, err)
+	}
+	defer f.Close()
+	h := sha256.New()
+	h.Write(read)
+	n := int64(len(read))
+	for {
+		k, err := f.Read(buf)
+		h.Write(buf[:k])
+		n += int64(k)
+		if err == io.EOF {
+			break
+		}
+		if err != nil {
+			return Observation{}, fmt.Errorf("artifact read back %s: %w", token, err)
+		}
 	}
 	return Observation{Meta: m, Size: n, SHA256: hex.EncodeToString(h.Sum(nil))}, nil
 }
 
 // Hide moves a committed object out of the readable set (a compensation,
-// seed section 8). Hiding an object that is already hidden or absent is not
-// an error: the call is idempotent.
+// seed section 8): objects/<token>.obj, and the files of an object of the
+// two-file layout, go to hidden/ under the same names. Hiding an object that
+// is already hidden or absent is not an error: the call is idempotent.
+// Fault point: artifact.hide-timeout-after-commit (ErrTimeout after hiding).
 func (s *Store) Hide(token string) error {
 	if !tokenRE.MatchString(token) {
 		return fmt.Errorf("%w: %q", ErrInvalidToken, token)
 	}
-	// meta first: once it is gone the object no longer exists for readers.
-	names := []string{token + ".meta"}
-	datas, _ := filepath.Glob(filepath.Join(s.root, "objects", token+".*.data"))
-	for _, d := range datas {
-		names = append(names, filepath.Base(d))
+	if err := s.hideFile(token + objExt); err != nil {
+		return fmt.Errorf("artifact hide %s: %w", token, err)
 	}
-	for _, n := range names {
-		err := os.Rename(filepath.Join(s.root, "objects", n), filepath.Join(s.root, "hidden", n))
-		if err != nil && !errors.Is(err, os.ErrNotExist) {
-			return fmt.Errorf("artifact hide %s: %w", token, err)
-		}
+	if err := s.hideLegacy(token); err != nil {
+		return fmt.Errorf("artifact hide %s: %w", token, err)
 	}
 	if err := syncDir(filepath.Join(s.root, "hidden")); err != nil {
 		return err
@@ -265,6 +435,48 @@ func (s *Store) Hide(token string) error {
 	}
 	if s.faults.Hit(fault.ArtifactHideTimeoutAfterCommit) != fault.ActionNone {
 		return ErrTimeout // hidden, but the caller does not know (seed 14)
+	}
+	return nil
+}
+
+// hideFile renames objects/name to hidden/name; an absent name is not an
+// error.
+func (s *Store) hideFile(name string) error {
+	err := os.Rename(filepath.Join(s.root, "objects", name), filepath.Join(s.root, "hidden", name))
+	if errors.Is(err, os.ErrNotExist) {
+		return nil
+	}
+	return err
+}
+
+// hideLegacy hides an object of the two-file layout: the meta file first
+// (once it is gone the object no longer exists for readers), then its data
+// files. When neither objects/ nor hidden/ holds the meta file there is no
+// such object, and the objects folder is not listed.
+func (s *Store) hideLegacy(token string) error {
+	meta := token + ".meta"
+	err := os.Rename(filepath.Join(s.root, "objects", meta), filepath.Join(s.root, "hidden", meta))
+	if errors.Is(err, os.ErrNotExist) {
+		// Absent, or hidden by an earlier call that may have stopped
+		// before moving the data files.
+		if _, serr := os.Lstat(filepath.Join(s.root, "hidden", meta)); errors.Is(serr, os.ErrNotExist) {
+			return nil
+		}
+	} else if err != nil {
+		return err
+	}
+	// <token>.<64 hex digits>.data: a token holds no glob metacharacters,
+	// and the fixed-length digest keeps another token that extends this one
+	// ("t" and "t.x") out of the match.
+	pattern := token + "." + strings.Repeat("[0-9a-f]", sha256.Size*2) + ".data"
+	datas, err := filepath.Glob(filepath.Join(s.root, "objects", pattern))
+	if err != nil {
+		return err
+	}
+	for _, d := range datas {
+		if err := s.hideFile(filepath.Base(d)); err != nil {
+			return err
+		}
 	}
 	return nil
 }

@@ -4,9 +4,12 @@ import (
 	"bytes"
 	"crypto/sha256"
 	"encoding/hex"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
+	"net/http"
+	"net/http/httptest"
 	"os"
 	"path/filepath"
 	"slices"
@@ -114,6 +117,8 @@ func TestPutRoundTrip(t *testing.T) {
 		{"json", []byte(`{"a":1,"b":[true,null]}`)},
 		{"empty", []byte{}},
 		{"binary", bytes.Repeat([]byte{0, 1, 2, 0xff}, 4096)},
+		{"newlines", []byte("\n\n{\n}\n")},
+		{"large", bytes.Repeat([]byte("0123456789abcdef\n"), 20000)}, // past the one-write size
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -201,16 +206,11 @@ func TestPutIdempotent(t *testing.T) {
 	if err != nil {
 		t.Fatalf("first Put: %v", err)
 	}
-	dataPath := filepath.Join(b.store.Root(), "objects", dataName("tok-idem", data))
-	metaPath := filepath.Join(b.store.Root(), "objects", "tok-idem.meta")
-	stat := func(p string) os.FileInfo {
-		fi, err := os.Stat(p)
-		if err != nil {
-			t.Fatal(err)
-		}
-		return fi
+	objPath := filepath.Join(b.store.Root(), "objects", "tok-idem.obj")
+	o0, err := os.Stat(objPath)
+	if err != nil {
+		t.Fatal(err)
 	}
-	d0, m0 := stat(dataPath), stat(metaPath)
 
 	for i := range 3 {
 		again, err := b.store.Put("tok-idem", "task-1", 1, data)
@@ -225,14 +225,17 @@ func TestPutIdempotent(t *testing.T) {
 			t.Errorf("Put #%d = %+v, want %+v", i+2, again, first)
 		}
 	}
-	// Nothing was rewritten: same files (a rename would make new inodes),
-	// same modification times.
-	d1, m1 := stat(dataPath), stat(metaPath)
-	if !os.SameFile(d0, d1) || !d0.ModTime().Equal(d1.ModTime()) {
-		t.Error("data file was rewritten by an idempotent Put")
+	// Nothing was rewritten: same file (a rename would make a new inode),
+	// same modification time.
+	o1, err := os.Stat(objPath)
+	if err != nil {
+		t.Fatal(err)
 	}
-	if !os.SameFile(m0, m1) || !m0.ModTime().Equal(m1.ModTime()) {
-		t.Error("meta file was rewritten by an idempotent Put")
+	if !os.SameFile(o0, o1) || !o0.ModTime().Equal(o1.ModTime()) {
+		t.Error("object file was rewritten by an idempotent Put")
+	}
+	if got := dirNames(t, b.store, "objects"); !slices.Equal(got, []string{"tok-idem.obj"}) {
+		t.Errorf("objects = %v, want only tok-idem.obj", got)
 	}
 	if got := dirNames(t, b.store, "tmp"); len(got) != 0 {
 		t.Errorf("tmp not empty: %v", got)
@@ -343,6 +346,7 @@ func TestHeadAbsent(t *testing.T) {
 	}
 }
 
+// TestHeadCorruptMeta: a corrupt meta file of the two-file layout.
 func TestHeadCorruptMeta(t *testing.T) {
 	t.Parallel()
 	b := setup(t, nil)
@@ -382,12 +386,12 @@ func TestHide(t *testing.T) {
 		t.Errorf("Hide removed another object: %v", err)
 	}
 	// The hidden object is kept, not deleted.
-	if got, want := dirNames(t, b.store, "hidden"), []string{dataName("tok-h", []byte("payload")), "tok-h.meta"}; !slices.Equal(got, want) {
+	if got, want := dirNames(t, b.store, "hidden"), []string{"tok-h.obj"}; !slices.Equal(got, want) {
 		t.Errorf("hidden = %v, want %v", got, want)
 	}
-	hidden, err := os.ReadFile(filepath.Join(b.store.Root(), "hidden", dataName("tok-h", []byte("payload"))))
-	if err != nil || string(hidden) != "payload" {
-		t.Errorf("hidden data = %q, %v", hidden, err)
+	hidden, err := os.ReadFile(filepath.Join(b.store.Root(), "hidden", "tok-h.obj"))
+	if err != nil || !bytes.HasSuffix(hidden, []byte("}\npayload")) {
+		t.Errorf("hidden object = %q, %v", hidden, err)
 	}
 
 	// Idempotent: hide again, hide something that never existed.
@@ -397,7 +401,7 @@ func TestHide(t *testing.T) {
 	if err := b.store.Hide("never-existed"); err != nil {
 		t.Errorf("Hide of absent: %v", err)
 	}
-	if got, want := dirNames(t, b.store, "objects"), []string{dataName("tok-keep", []byte("kept")), "tok-keep.meta"}; !slices.Equal(got, want) {
+	if got, want := dirNames(t, b.store, "objects"), []string{"tok-keep.obj"}; !slices.Equal(got, want) {
 		t.Errorf("objects = %v, want %v", got, want)
 	}
 }
@@ -407,25 +411,39 @@ func TestFaultCorruptAfterWrite(t *testing.T) {
 	b := setup(t, func(s *fault.Set) {
 		mustArm(t, s, fault.ArtifactCorruptAfterWrite, fault.ActionCorrupt, 0)
 	})
-	data := []byte(`{"doc":true}`)
-	m, err := b.store.Put("tok-corrupt", "t", 1, data)
-	if err != nil {
-		t.Fatalf("Put: %v", err)
+	for i, data := range [][]byte{[]byte(`{"doc":true}`), bytes.Repeat([]byte(`{"doc":true}`), 10000)} {
+		tok := fmt.Sprintf("tok-corrupt-%d", i)
+		m, err := b.store.Put(tok, "t", 1, data)
+		if err != nil {
+			t.Fatalf("Put: %v", err)
+		}
+		// Meta describes what the caller asked to store, and so does the
+		// stored header...
+		if m.SHA256 != sha(data) || m.Size != int64(len(data)) {
+			t.Errorf("Meta = %+v, want the sha/size of the input", m)
+		}
+		if h, err := b.store.Head(tok); err != nil || h.SHA256 != sha(data) || h.Size != int64(len(data)) {
+			t.Errorf("Head = %+v, %v; want the sha/size of the input", h, err)
+		}
+		// ...but reading back shows something else.
+		obs, err := b.store.Observe(tok)
+		if err != nil {
+			t.Fatalf("Observe: %v", err)
+		}
+		if obs.SHA256 == obs.Meta.SHA256 || obs.Size == obs.Meta.Size {
+			t.Errorf("Observe = %+v: the corruption is not visible", obs)
+		}
+		r, _, err := b.store.Open(tok)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if got := readAll(t, r); !bytes.HasPrefix(got, data) || len(got) == len(data) {
+			t.Errorf("Open read %d bytes, want the %d bytes written plus the corruption", len(got), len(data))
+		}
+		r.Close()
 	}
-	// Meta describes what the caller asked to store...
-	if m.SHA256 != sha(data) || m.Size != int64(len(data)) {
-		t.Errorf("Meta = %+v, want the sha/size of the input", m)
-	}
-	// ...but reading back shows something else.
-	obs, err := b.store.Observe("tok-corrupt")
-	if err != nil {
-		t.Fatalf("Observe: %v", err)
-	}
-	if obs.SHA256 == obs.Meta.SHA256 || obs.Size == obs.Meta.Size {
-		t.Errorf("Observe = %+v: the corruption is not visible", obs)
-	}
-	if got := b.faults.Fired(fault.ArtifactCorruptAfterWrite); got != 1 {
-		t.Errorf("Fired = %d, want 1", got)
+	if got := b.faults.Fired(fault.ArtifactCorruptAfterWrite); got != 2 {
+		t.Errorf("Fired = %d, want 2", got)
 	}
 }
 
@@ -482,7 +500,8 @@ func TestFaultPutTimeoutAfterCommit(t *testing.T) {
 func TestDataWithoutMetaDoesNotExist(t *testing.T) {
 	t.Parallel()
 	b := setup(t, nil)
-	// A crash between the data rename and the meta rename leaves this.
+	// A crash of the previous version between the data link and the meta
+	// link leaves this.
 	orphan := filepath.Join(b.store.Root(), "objects", dataName("tok-crash", []byte("an earlier attempt")))
 	if err := os.WriteFile(orphan, []byte("half-written attempt"), 0o644); err != nil {
 		t.Fatal(err)
@@ -507,14 +526,14 @@ func TestDataWithoutMetaDoesNotExist(t *testing.T) {
 	}
 }
 
+// TestMetaWithoutDataIsNotFoundOnOpen: a meta file of the two-file layout
+// whose data file is missing.
 func TestMetaWithoutDataIsNotFoundOnOpen(t *testing.T) {
 	t.Parallel()
 	b := setup(t, nil)
-	if _, err := b.store.Put("tok", "t", 1, []byte("x")); err != nil {
-		t.Fatal(err)
-	}
-	if err := os.Remove(filepath.Join(b.store.Root(), "objects", dataName("tok", []byte("x")))); err != nil {
-		t.Fatal(err)
+	writeLegacy(t, b.store, "objects", legacyMeta("tok", "t", 1, []byte("x")), nil)
+	if _, err := b.store.Head("tok"); err != nil {
+		t.Fatalf("Head: %v", err)
 	}
 	if _, _, err := b.store.Open("tok"); !errors.Is(err, artifact.ErrNotFound) {
 		t.Errorf("Open: err = %v, want ErrNotFound", err)
@@ -536,8 +555,8 @@ func TestNoTempFilesLeft(t *testing.T) {
 	if got := dirNames(t, b.store, "tmp"); len(got) != 0 {
 		t.Errorf("tmp has leftovers: %v", got)
 	}
-	if got := len(dirNames(t, b.store, "objects")); got != 20 {
-		t.Errorf("objects has %d files, want 20", got)
+	if got := len(dirNames(t, b.store, "objects")); got != 10 {
+		t.Errorf("objects has %d files, want 10", got)
 	}
 }
 
@@ -567,7 +586,7 @@ func TestConcurrentPutSameToken(t *testing.T) {
 			t.Errorf("Put %d: Meta = %+v", i, metas[i])
 		}
 	}
-	if got, want := dirNames(t, b.store, "objects"), []string{dataName("tok-race", data), "tok-race.meta"}; !slices.Equal(got, want) {
+	if got, want := dirNames(t, b.store, "objects"), []string{"tok-race.obj"}; !slices.Equal(got, want) {
 		t.Errorf("objects = %v, want %v", got, want)
 	}
 	if got := dirNames(t, b.store, "tmp"); len(got) != 0 {
@@ -612,7 +631,8 @@ func TestToken(t *testing.T) {
 	}
 }
 
-// dataName is the file name of an object's bytes: token, intended SHA-256.
+// dataName is the file name of an object's bytes in the two-file layout:
+// token, intended SHA-256.
 func dataName(token string, data []byte) string {
 	return token + "." + sha(data) + ".data"
 }
@@ -650,5 +670,407 @@ func TestConcurrentPutDifferentContent(t *testing.T) {
 		if err != nil || obs.SHA256 != obs.Meta.SHA256 || obs.Size != obs.Meta.Size {
 			t.Fatalf("round %d: stored bytes do not match meta: %+v %v", round, obs, err)
 		}
+		if got := dirNames(t, b.store, "objects"); !slices.Equal(got, []string{tok + ".obj"}) {
+			t.Fatalf("round %d: objects = %v, want one object", round, got)
+		}
+		if got := dirNames(t, b.store, "tmp"); len(got) != 0 {
+			t.Fatalf("round %d: tmp has leftovers: %v", round, got)
+		}
+	}
+}
+
+// legacyMeta is the Meta the previous version wrote for data.
+func legacyMeta(token, taskID string, attempt int, data []byte) artifact.Meta {
+	return artifact.Meta{Token: token, TaskID: taskID, Attempt: attempt, Size: int64(len(data)), SHA256: sha(data),
+		CreatedAt: time.Date(2026, 11, 1, 12, 0, 0, 0, time.UTC)}
+}
+
+// writeLegacy writes an object of the previous, two-file layout into one of
+// the store's folders as the previous version did: <token>.meta, and
+// <token>.<sha256>.data unless data is nil.
+func writeLegacy(t *testing.T, st *artifact.Store, dir string, m artifact.Meta, data []byte) {
+	t.Helper()
+	if data != nil {
+		if err := os.WriteFile(filepath.Join(st.Root(), dir, m.Token+"."+m.SHA256+".data"), data, 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	mb, err := json.Marshal(m)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(st.Root(), dir, m.Token+".meta"), mb, 0o644); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// TestPutOneFile: a Put leaves exactly one file, objects/<token>.obj: the
+// Meta as one JSON line, then the bytes.
+func TestPutOneFile(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	data := []byte("{\"a\":\"line\\nbreak\"}\n")
+	m, err := b.store.Put("tok-one", "task\nwith a newline", 4, data)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := dirNames(t, b.store, "objects"); !slices.Equal(got, []string{"tok-one.obj"}) {
+		t.Errorf("objects = %v, want only tok-one.obj", got)
+	}
+	for _, d := range []string{"tmp", "hidden"} {
+		if got := dirNames(t, b.store, d); len(got) != 0 {
+			t.Errorf("%s = %v, want empty", d, got)
+		}
+	}
+	raw, err := os.ReadFile(filepath.Join(b.store.Root(), "objects", "tok-one.obj"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	line, rest, ok := bytes.Cut(raw, []byte("\n"))
+	if !ok {
+		t.Fatalf("no header line in %q", raw)
+	}
+	var hm artifact.Meta
+	if err := json.Unmarshal(line, &hm); err != nil {
+		t.Fatalf("header %q: %v", line, err)
+	}
+	if !hm.CreatedAt.Equal(m.CreatedAt) {
+		t.Errorf("header CreatedAt = %v, want %v", hm.CreatedAt, m.CreatedAt)
+	}
+	hm.CreatedAt = m.CreatedAt
+	if hm != m {
+		t.Errorf("header = %+v, want %+v", hm, m)
+	}
+	if !bytes.Equal(rest, data) {
+		t.Errorf("bytes after the header = %q, want %q", rest, data)
+	}
+	if h, err := b.store.Head("tok-one"); err != nil || h.TaskID != "task\nwith a newline" {
+		t.Errorf("Head = %+v, %v", h, err)
+	}
+}
+
+// TestCorruptHeader: an object whose header cannot be read is an error for
+// every reader (not ErrNotFound, not a panic), and Put does not replace it.
+func TestCorruptHeader(t *testing.T) {
+	t.Parallel()
+	tests := []struct {
+		name    string
+		content []byte
+	}{
+		{"empty", nil},
+		{"no newline", []byte(`{"token":"tok","task_id":"t","attempt":1,"size":1,"sha256":"x"}`)},
+		{"bad json", []byte("{not json\npayload")},
+		{"empty header", []byte("\npayload")},
+		{"trailing garbage", []byte("{} {}\npayload")},
+		{"no newline within the bound", bytes.Repeat([]byte("a"), 100<<10)},
+		{"newline past the bound", append(bytes.Repeat([]byte(" "), 64<<10), "{}\npayload"...)},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			t.Parallel()
+			b := setup(t, nil)
+			p := filepath.Join(b.store.Root(), "objects", "tok.obj")
+			if err := os.WriteFile(p, tt.content, 0o644); err != nil {
+				t.Fatal(err)
+			}
+			if _, err := b.store.Head("tok"); err == nil || errors.Is(err, artifact.ErrNotFound) {
+				t.Errorf("Head: err = %v, want a non-NotFound error", err)
+			}
+			if r, _, err := b.store.Open("tok"); err == nil || errors.Is(err, artifact.ErrNotFound) {
+				t.Errorf("Open: err = %v, want a non-NotFound error", err)
+				if r != nil {
+					r.Close()
+				}
+			}
+			if _, err := b.store.Observe("tok"); err == nil || errors.Is(err, artifact.ErrNotFound) {
+				t.Errorf("Observe: err = %v, want a non-NotFound error", err)
+			}
+			if _, err := b.store.Put("tok", "t", 1, []byte("x")); err == nil {
+				t.Error("Put over a corrupt object: want error")
+			}
+			if got, err := os.ReadFile(p); err != nil || !bytes.Equal(got, tt.content) {
+				t.Errorf("the corrupt object was changed (%v)", err)
+			}
+		})
+	}
+}
+
+// TestLongHeader: a header longer than the first read is read in full; one
+// that could not be read back is refused by Put.
+func TestLongHeader(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	for _, n := range []int{1000, 40 << 10} {
+		taskID := strings.Repeat("t", n)
+		data := []byte(`{"long":"task id"}`)
+		if _, err := b.store.Put(fmt.Sprintf("tok-%d", n), taskID, 1, data); err != nil {
+			t.Fatalf("Put with a %d-byte task id: %v", n, err)
+		}
+		h, err := b.store.Head(fmt.Sprintf("tok-%d", n))
+		if err != nil || h.TaskID != taskID {
+			t.Errorf("Head with a %d-byte task id: %v", n, err)
+		}
+		obs, err := b.store.Observe(fmt.Sprintf("tok-%d", n))
+		if err != nil || obs.SHA256 != sha(data) || obs.Size != int64(len(data)) {
+			t.Errorf("Observe with a %d-byte task id = %+v, %v", n, obs, err)
+		}
+	}
+	if _, err := b.store.Put("tok-huge", strings.Repeat("t", 64<<10), 1, []byte("x")); err == nil {
+		t.Error("Put with a 64 KiB task id: want error")
+	}
+	if _, err := b.store.Head("tok-huge"); !errors.Is(err, artifact.ErrNotFound) {
+		t.Errorf("Head after the refused Put: err = %v, want ErrNotFound", err)
+	}
+	if got := dirNames(t, b.store, "tmp"); len(got) != 0 {
+		t.Errorf("tmp has leftovers: %v", got)
+	}
+}
+
+// TestOpenDataOnly: the reader of Open covers the artifact bytes only, for
+// Read, ReadAt and Seek, and http.ServeContent serves ranges of them.
+func TestOpenDataOnly(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	data := []byte("0123456789")
+	if _, err := b.store.Put("tok-data", "t", 1, data); err != nil {
+		t.Fatal(err)
+	}
+	r, m, err := b.store.Open("tok-data")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer r.Close()
+	if m.Size != int64(len(data)) {
+		t.Errorf("Meta.Size = %d", m.Size)
+	}
+	if got := string(readAll(t, r)); got != string(data) {
+		t.Errorf("Read: %q", got)
+	}
+	if end, err := r.Seek(0, io.SeekEnd); err != nil || end != int64(len(data)) {
+		t.Errorf("Seek(0, End) = %d, %v; want %d", end, err, len(data))
+	}
+	if pos, err := r.Seek(-3, io.SeekEnd); err != nil || pos != 7 {
+		t.Errorf("Seek(-3, End) = %d, %v; want 7", pos, err)
+	}
+	if got := string(readAll(t, r)); got != "789" {
+		t.Errorf("after Seek(-3, End): %q", got)
+	}
+	if pos, err := r.Seek(-8, io.SeekCurrent); err != nil || pos != 2 {
+		t.Errorf("Seek(-8, Current) = %d, %v; want 2", pos, err)
+	}
+	buf := make([]byte, 3)
+	if _, err := io.ReadFull(r, buf); err != nil || string(buf) != "234" {
+		t.Errorf("after Seek(-8, Current): %q, %v", buf, err)
+	}
+	if _, err := r.Seek(-1, io.SeekStart); err == nil {
+		t.Error("Seek(-1, Start): want error (before the data)")
+	}
+	ra, ok := r.(io.ReaderAt)
+	if !ok {
+		t.Fatalf("%T is not an io.ReaderAt", r)
+	}
+	if n, err := ra.ReadAt(buf, 8); n != 2 || err != io.EOF || string(buf[:n]) != "89" {
+		t.Errorf("ReadAt(8) = %d %q, %v; want 2 \"89\", EOF", n, buf[:n], err)
+	}
+
+	if _, err := r.Seek(0, io.SeekStart); err != nil {
+		t.Fatal(err)
+	}
+	req := httptest.NewRequest(http.MethodGet, "/artifact", nil)
+	req.Header.Set("Range", "bytes=3-5")
+	rec := httptest.NewRecorder()
+	http.ServeContent(rec, req, "", time.Time{}, r)
+	if rec.Code != http.StatusPartialContent || rec.Body.String() != "345" || rec.Header().Get("Content-Range") != "bytes 3-5/10" {
+		t.Errorf("ServeContent range: %d %q %v", rec.Code, rec.Body.String(), rec.Header())
+	}
+}
+
+// TestLegacyLayout: an object of the previous two-file layout is found by
+// Head, Open and Observe, decides a Put of its token, and is hidden by Hide.
+func TestLegacyLayout(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	data := []byte(`{"legacy":true}`)
+	want := legacyMeta("tok-old", "task-1", 2, data)
+	writeLegacy(t, b.store, "objects", want, data)
+
+	h, err := b.store.Head("tok-old")
+	if err != nil || h != want {
+		t.Fatalf("Head = %+v, %v; want %+v", h, err, want)
+	}
+	r, m, err := b.store.Open("tok-old")
+	if err != nil {
+		t.Fatalf("Open: %v", err)
+	}
+	if got := readAll(t, r); !bytes.Equal(got, data) || m != want {
+		t.Errorf("Open = %q %+v", got, m)
+	}
+	if pos, err := r.Seek(0, io.SeekEnd); err != nil || pos != int64(len(data)) {
+		t.Errorf("Seek(0, End) = %d, %v", pos, err)
+	}
+	r.Close()
+	obs, err := b.store.Observe("tok-old")
+	if err != nil || obs.Meta != want || obs.SHA256 != sha(data) || obs.Size != int64(len(data)) {
+		t.Errorf("Observe = %+v, %v", obs, err)
+	}
+
+	// Put of the same content: the old Meta, nothing written.
+	again, err := b.store.Put("tok-old", "task-1", 2, data)
+	if err != nil || again != want {
+		t.Errorf("idempotent Put = %+v, %v; want %+v", again, err, want)
+	}
+	if _, err := b.store.Put("tok-old", "task-1", 2, []byte("other")); !errors.Is(err, artifact.ErrTokenConflict) {
+		t.Errorf("conflicting Put: err = %v, want ErrTokenConflict", err)
+	}
+	oldNames := []string{dataName("tok-old", data), "tok-old.meta"}
+	if got := dirNames(t, b.store, "objects"); !slices.Equal(got, oldNames) {
+		t.Errorf("objects = %v, want %v", got, oldNames)
+	}
+
+	// A new-layout object next to it is unaffected, and both layouts
+	// coexist in one store.
+	if _, err := b.store.Put("tok-new", "task-2", 1, []byte("new")); err != nil {
+		t.Fatal(err)
+	}
+	if err := b.store.Hide("tok-old"); err != nil {
+		t.Fatalf("Hide: %v", err)
+	}
+	for _, err := range []error{
+		func() error { _, err := b.store.Head("tok-old"); return err }(),
+		func() error { _, _, err := b.store.Open("tok-old"); return err }(),
+		func() error { _, err := b.store.Observe("tok-old"); return err }(),
+	} {
+		if !errors.Is(err, artifact.ErrNotFound) {
+			t.Errorf("after Hide: err = %v, want ErrNotFound", err)
+		}
+	}
+	if got := dirNames(t, b.store, "hidden"); !slices.Equal(got, oldNames) {
+		t.Errorf("hidden = %v, want %v", got, oldNames)
+	}
+	if got := dirNames(t, b.store, "objects"); !slices.Equal(got, []string{"tok-new.obj"}) {
+		t.Errorf("objects = %v, want only tok-new.obj", got)
+	}
+	if err := b.store.Hide("tok-old"); err != nil {
+		t.Errorf("second Hide: %v", err)
+	}
+	// After the hide the token is free again, in the new layout.
+	if _, err := b.store.Put("tok-old", "task-1", 3, []byte("rewritten")); err != nil {
+		t.Errorf("Put after Hide: %v", err)
+	}
+}
+
+// TestHideLegacy: Hide of the two-file layout finishes a hide that stopped
+// between the meta and the data file, leaves the files of a token that
+// extends the hidden one alone, and hides both layouts of one token.
+func TestHideLegacy(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	// "tok" was hidden up to its meta file; its data file is still there.
+	tokData := []byte("tok's bytes")
+	writeLegacy(t, b.store, "hidden", legacyMeta("tok", "t", 1, tokData), nil)
+	if err := os.WriteFile(filepath.Join(b.store.Root(), "objects", dataName("tok", tokData)), tokData, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	// "tok.x" shares the prefix "tok." and stays.
+	longer := []byte("tok.x's bytes")
+	writeLegacy(t, b.store, "objects", legacyMeta("tok.x", "t", 1, longer), longer)
+	// "both" has an object in each layout.
+	writeLegacy(t, b.store, "objects", legacyMeta("both", "t", 1, []byte("old")), []byte("old"))
+	if _, err := b.store.Put("both", "t", 2, []byte("new")); !errors.Is(err, artifact.ErrTokenConflict) {
+		t.Fatalf("Put over the legacy object: err = %v, want ErrTokenConflict", err)
+	}
+	if err := os.WriteFile(filepath.Join(b.store.Root(), "objects", "both.obj"), []byte("{}\nnew"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+
+	for _, tok := range []string{"tok", "both"} {
+		if err := b.store.Hide(tok); err != nil {
+			t.Fatalf("Hide(%s): %v", tok, err)
+		}
+	}
+	want := []string{"both.meta", "both.obj", dataName("both", []byte("old")), "tok.meta", dataName("tok", tokData)}
+	slices.Sort(want)
+	if got := dirNames(t, b.store, "hidden"); !slices.Equal(got, want) {
+		t.Errorf("hidden = %v, want %v", got, want)
+	}
+	if got, want := dirNames(t, b.store, "objects"), []string{dataName("tok.x", longer), "tok.x.meta"}; !slices.Equal(got, want) {
+		t.Errorf("objects = %v, want %v", got, want)
+	}
+	if obs, err := b.store.Observe("tok.x"); err != nil || obs.SHA256 != sha(longer) {
+		t.Errorf("Observe(tok.x) = %+v, %v", obs, err)
+	}
+}
+
+// TestConcurrentPutManyContents: of many concurrent Puts of one token, some
+// with the same content, exactly one content commits; every Put of it
+// succeeds with the committed Meta and every other one conflicts.
+func TestConcurrentPutManyContents(t *testing.T) {
+	t.Parallel()
+	for round := range 20 {
+		b := setup(t, nil)
+		const n = 8
+		metas := make([]artifact.Meta, n)
+		errs := make([]error, n)
+		start := make(chan struct{})
+		var wg sync.WaitGroup
+		for i := range n {
+			wg.Go(func() {
+				<-start
+				metas[i], errs[i] = b.store.Put("tok", "t", 1, bytes.Repeat([]byte{byte('a' + i%2)}, 1000*(1+i%2)))
+			})
+		}
+		close(start)
+		wg.Wait()
+		h, err := b.store.Head("tok")
+		if err != nil {
+			t.Fatal(err)
+		}
+		for i := range n {
+			wins := sha(bytes.Repeat([]byte{byte('a' + i%2)}, 1000*(1+i%2))) == h.SHA256
+			switch {
+			case wins && errs[i] != nil:
+				t.Errorf("round %d: Put %d of the committed content: %v", round, i, errs[i])
+			case !wins && !errors.Is(errs[i], artifact.ErrTokenConflict):
+				t.Errorf("round %d: Put %d of the other content: err = %v, want ErrTokenConflict", round, i, errs[i])
+			case !metas[i].CreatedAt.Equal(h.CreatedAt) || metas[i].SHA256 != h.SHA256:
+				t.Errorf("round %d: Put %d returned %+v, want the committed %+v", round, i, metas[i], h)
+			}
+		}
+		if got := dirNames(t, b.store, "objects"); !slices.Equal(got, []string{"tok.obj"}) {
+			t.Errorf("round %d: objects = %v", round, got)
+		}
+		if got := dirNames(t, b.store, "tmp"); len(got) != 0 {
+			t.Errorf("round %d: tmp has leftovers: %v", round, got)
+		}
+		if obs, err := b.store.Observe("tok"); err != nil || obs.SHA256 != h.SHA256 || obs.Size != h.Size {
+			t.Errorf("round %d: Observe = %+v, %v; want the committed bytes", round, obs, err)
+		}
+	}
+}
+
+// BenchmarkPut measures one Put of a new token (Head, write, fsync, link,
+// directory fsync) for a small and a large artifact.
+func BenchmarkPut(b *testing.B) {
+	for _, bc := range []struct {
+		name string
+		size int
+	}{
+		{"1KiB", 1 << 10},
+		{"1MiB", 1 << 20},
+	} {
+		b.Run(bc.name, func(b *testing.B) {
+			st, err := artifact.Open(b.TempDir(), nil)
+			if err != nil {
+				b.Fatal(err)
+			}
+			data := bytes.Repeat([]byte(`{"k":"v"}`), bc.size/9+1)[:bc.size]
+			b.SetBytes(int64(bc.size))
+			b.ReportAllocs()
+			for i := 0; b.Loop(); i++ {
+				if _, err := st.Put(artifact.Token("bench", i), "bench", i, data); err != nil {
+					b.Fatal(err)
+				}
+			}
+		})
 	}
 }

@@ -260,7 +260,7 @@ BEGIN;
 UPDATE inbox_message SET state = 'completed', result_json = '{"artifact_sha256":"x","task_version":2}'::jsonb, completed_at = now(), last_seen_at = now() WHERE consumer_name = 'pgbench-worker' AND message_id = $EVT AND state = 'processing';
 UPDATE task SET status = 'completed', version = version + 1, artifact_sha256 = $ASHA, artifact_size = $ASIZE, completed_at = now(), updated_at = now() WHERE task_id = $TASK AND status = 'running' AND version = 1 RETURNING $COLS;
 UPDATE effect_ledger SET state = 'verified', observed_result_sha256 = COALESCE($ASHA, observed_result_sha256), error_code = COALESCE(NULL, error_code), updated_at = now() WHERE effect_id = $EFF AND state = 'started';
-INSERT INTO outbox_event (outbox_id, aggregate_id, aggregate_version, event_type, payload, payload_sha256) VALUES ($OUT, $TASK, 2, 'TaskCompleted', $PAYLOAD::jsonb, $PSHA);
+INSERT INTO outbox_event (outbox_id, aggregate_id, aggregate_version, event_type, payload, payload_sha256) VALUES ($OUT, $TASK, 2, 'TaskCompleted', $PAYLOAD, $PSHA);
 END;
 `)
 }
@@ -397,7 +397,7 @@ func histogram(reg *prometheus.Registry, name string) (float64, uint64) {
 }
 
 // artifactRate measures the artifact store alone as the worker uses it for
-// one task: Head (absent), Put (two files written and fsynced, directory
+// one task: Head (absent), Put (one file written and fsynced, directory
 // fsynced), Observe (read back and hash), with clients goroutines, n
 // artifacts in all. It returns artifacts/s.
 func artifactRate(dir string, fx *fixtures, clients, n int) (float64, error) {

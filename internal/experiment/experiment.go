@@ -407,10 +407,12 @@ func (x *X) invariants(ctx context.Context) {
 // snapshot returns the rows involved, as JSON objects per table.
 func (x *X) snapshot(ctx context.Context) map[string]any {
 	tasks := x.tasks
+	// outbox_event.payload is text holding JSON (migration 00004): shown as
+	// the object it is, not as a string.
 	queries := map[string]string{
 		"task":               `SELECT row_to_json(t) FROM task t WHERE task_id = ANY($1) ORDER BY created_at`,
 		"idempotency_record": `SELECT row_to_json(i) FROM idempotency_record i WHERE task_id = ANY($1) OR idempotency_key = ANY($2) ORDER BY created_at`,
-		"outbox_event":       `SELECT row_to_json(o) FROM outbox_event o WHERE aggregate_id = ANY($1) ORDER BY created_at, outbox_id`,
+		"outbox_event":       `SELECT jsonb_set(to_jsonb(o), '{payload}', o.payload::jsonb) FROM outbox_event o WHERE aggregate_id = ANY($1) ORDER BY created_at, outbox_id`,
 		"inbox_message":      `SELECT row_to_json(i) FROM inbox_message i WHERE message_id IN (SELECT outbox_id FROM outbox_event WHERE aggregate_id = ANY($1)) ORDER BY first_seen_at`,
 		"effect_ledger":      `SELECT row_to_json(e) FROM effect_ledger e WHERE task_id = ANY($1) ORDER BY created_at`,
 		"dead_letter":        `SELECT row_to_json(d) FROM dead_letter d WHERE task_id = ANY($1) ORDER BY dead_letter_id`,

@@ -124,7 +124,7 @@ func effectTimeout(ctx context.Context, x *X) error {
 	unknown := x.metric("converge_worker_effect_transitions_total", map[string]string{"kind": "artifact.put", "state": "unknown"})
 	x.check("the effect went through unknown", unknown == 1, "transitions to unknown: %v", unknown)
 	x.step("the worker recorded the effect unknown, observed the same token, found the object and verified it")
-	objs, _ := filepath.Glob(filepath.Join(x.env.ArtifactDir, "objects", id+".*.meta"))
+	objs, _ := filepath.Glob(filepath.Join(x.env.ArtifactDir, "objects", id+".*.obj"))
 	x.check("one object in the store, no new token", len(objs) == 1, "%d objects for the task", len(objs))
 	return nil
 }
@@ -400,7 +400,7 @@ func crashAfterWrite(ctx context.Context, x *X) error {
 	if err := x.waitStatus(ctx, id, taskevent.StatusCompleted); err != nil {
 		return err
 	}
-	objs, _ := filepath.Glob(filepath.Join(x.env.ArtifactDir, "objects", id+".*.meta"))
+	objs, _ := filepath.Glob(filepath.Join(x.env.ArtifactDir, "objects", id+".*.obj"))
 	x.check("one artifact object", len(objs) == 1, "%d objects", len(objs))
 	var attempt int
 	_ = x.pool.QueryRow(ctx, `SELECT attempt FROM task WHERE task_id = $1`, id).Scan(&attempt)
