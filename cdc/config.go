@@ -24,6 +24,7 @@ const (
 	DefaultReceiveTimeout     = time.Second
 	DefaultFlushInterval      = 100 * time.Millisecond
 	DefaultFlushMaxRecords    = 1000
+	DefaultMarkConcurrency    = 2
 	DefaultMaxBufferedRecords = 10000
 	DefaultDeliveryTimeout    = time.Minute
 	DefaultShutdownTimeout    = 10 * time.Second
@@ -79,6 +80,14 @@ type Config struct {
 	// acknowledged; it is also the largest outbox_id array of one UPDATE.
 	// Defaults to 1000.
 	FlushMaxRecords int
+	// MarkConcurrency is how many published_at UPDATEs of one flush run at
+	// once, each on its own connection: a flush of n rows is split into
+	// chunks of at most FlushMaxRecords rows, and of at least
+	// minMarkChunk rows when n is large enough to be split at all. One
+	// UPDATE of 1000 rows costs PostgreSQL more than decoding them
+	// (BENCHMARKS.md, relay), so marking serially bounds the relay.
+	// Defaults to 2.
+	MarkConcurrency int
 	// MaxBufferedRecords bounds the records produced and not yet both
 	// acknowledged by Kafka and marked published (also passed as
 	// kgo.MaxBufferedRecords): decoding blocks when it is reached, so
@@ -145,6 +154,9 @@ func (c *Config) setDefaults() {
 	}
 	if c.FlushMaxRecords == 0 {
 		c.FlushMaxRecords = DefaultFlushMaxRecords
+	}
+	if c.MarkConcurrency <= 0 {
+		c.MarkConcurrency = DefaultMarkConcurrency
 	}
 	if c.MaxBufferedRecords == 0 {
 		c.MaxBufferedRecords = DefaultMaxBufferedRecords

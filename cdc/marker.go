@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/twmb/franz-go/pkg/kgo"
+	"golang.org/x/sync/errgroup"
 
 	"github.com/converge-run/converge/internal/fault"
 )
@@ -123,8 +124,7 @@ func (s *session) markFailure() error {
 	return s.markErr
 }
 
-// flush marks the acknowledged rows published (one UPDATE per
-// FlushMaxRecords rows) and only then counts them as done in the tracker,
+// flush marks the acknowledged rows published (markChunks) and only then counts them as done in the tracker,
 // releasing their s.sem tokens. The fault points fire around the UPDATEs
 // when there is something to mark. markDone and the fault point after the
 // UPDATEs happen under markMu, which sendStatus also takes to read the
@@ -140,18 +140,8 @@ func (s *session) flush(ctx context.Context) error {
 	}
 	uctx, cancel := context.WithTimeout(ctx, updateTimeout)
 	defer cancel()
-	ids := make([]string, 0, min(len(rows), s.cfg.FlushMaxRecords))
-	for start := 0; start < len(rows); start += s.cfg.FlushMaxRecords {
-		batch := rows[start:min(start+s.cfg.FlushMaxRecords, len(rows))]
-		ids = ids[:0]
-		for _, row := range batch {
-			ids = append(ids, row.outboxID)
-		}
-		n, err := s.store.markPublished(uctx, ids)
-		if err != nil {
-			return err
-		}
-		s.m.publishedMarked.Add(float64(n))
+	if err := s.markChunks(uctx, rows); err != nil {
+		return err
 	}
 	s.markMu.Lock()
 	defer s.markMu.Unlock()
@@ -168,6 +158,44 @@ func (s *session) flush(ctx context.Context) error {
 	}
 	s.updateGauges()
 	return nil
+}
+
+// minMarkChunk is the fewest rows an UPDATE of a flush that is split
+// across MarkConcurrency connections gets.
+const minMarkChunk = 100
+
+// markChunks runs the published_at UPDATEs of rows: chunks of at most
+// FlushMaxRecords rows, up to MarkConcurrency of them at once on their own
+// connections. It returns after every UPDATE ended, with the first error.
+// Chunks that committed before another failed stay marked; the rows are not
+// counted done, so the slot does not move past them and a restarted relay
+// produces them again (the UPDATE skips rows already marked).
+func (s *session) markChunks(ctx context.Context, rows []ackedRow) error {
+	size := min(s.cfg.FlushMaxRecords, max(minMarkChunk, (len(rows)+s.cfg.MarkConcurrency-1)/s.cfg.MarkConcurrency))
+	var chunks [][]ackedRow
+	for start := 0; start < len(rows); start += size {
+		chunks = append(chunks, rows[start:min(start+size, len(rows))])
+	}
+	mark := func(chunk []ackedRow) error {
+		ids := make([]string, len(chunk))
+		for i, row := range chunk {
+			ids[i] = row.outboxID
+		}
+		n, err := s.store.markPublished(ctx, ids)
+		if err == nil {
+			s.m.publishedMarked.Add(float64(n))
+		}
+		return err
+	}
+	if len(chunks) == 1 {
+		return mark(chunks[0])
+	}
+	var g errgroup.Group
+	g.SetLimit(s.cfg.MarkConcurrency)
+	for _, chunk := range chunks {
+		g.Go(func() error { return mark(chunk) })
+	}
+	return g.Wait()
 }
 
 // markGuard is the state shared by the marker and the loop.

@@ -154,7 +154,7 @@ func (r *Relay) open(ctx context.Context) (_ *session, err error) {
 	if err != nil {
 		return nil, fmt.Errorf("parse database url: %w", err)
 	}
-	poolCfg.MaxConns = 3 // published_at updates, heartbeats, slot samples
+	poolCfg.MaxConns = int32(cfg.MarkConcurrency) + 2 // published_at updates, heartbeats, slot samples
 	if s.pool, err = pgxpool.NewWithConfig(ctx, poolCfg); err != nil {
 		return nil, fmt.Errorf("connect to database: %w", err)
 	}
