@@ -12,21 +12,23 @@ import (
 
 // BenchCmd runs every stage against its physical limit (make bench).
 type BenchCmd struct {
-	Quick          bool          `help:"Small sizes: every stage in a few minutes."`
-	Stages         []string      `sep:"," help:"Stages to run (create,relay,rss,worker,e2e; default all)."`
-	Runs           int           `help:"Repetitions of each measurement; the median is reported (default 3)."`
-	CreateClients  []int         `sep:"," help:"Client counts of the create stage (default 1,4,16,64)."`
-	CreateDuration time.Duration `help:"Length of each create measurement (default 5s)."`
-	RelayRows      int           `help:"Rows of the pre-filled outbox of the relay stage (default 200000)."`
-	RSSRows        int           `name:"rss-rows" help:"Rows of the single transaction of the relay RSS stage (default 1000000)."`
-	WorkerTasks    int           `help:"Pre-filled tasks of the worker stage (default 10000)."`
-	E2ERates       []float64     `name:"e2e-rates" sep:"," help:"Fixed rates of the end-to-end ladder (default 100,250,500,750,1000,1500,2000)."`
-	E2EStep        time.Duration `name:"e2e-step" help:"Sending time of each end-to-end step (default 8s)."`
-	DocSize        int           `help:"Size in bytes of the generated documents (default 1024)."`
-	Dir            string        `type:"path" help:"Working directory (cluster, broker, logs); default a temporary directory, removed at the end."`
-	ProfileDir     string        `type:"path" help:"Write CPU profiles of the converge process per stage to this directory."`
-	Out            string        `type:"path" default:"bench-results.json" help:"JSON results file."`
-	Markdown       string        `type:"path" help:"Also write the results table (markdown) to this file."`
+	Quick             bool          `help:"Small sizes: every stage in a few minutes."`
+	Stages            []string      `sep:"," help:"Stages to run (create,relay,rss,worker,e2e; default all)."`
+	Runs              int           `help:"Repetitions of each measurement; the median is reported (default 3)."`
+	CreateClients     []int         `sep:"," help:"Client counts of the create stage (default 1,4,16,64)."`
+	CreateDuration    time.Duration `help:"Length of each create measurement (default 5s)."`
+	RelayRows         int           `help:"Rows of the pre-filled outbox of the relay stage (default 200000)."`
+	RSSRows           int           `name:"rss-rows" help:"Rows of the single transaction of the relay RSS stage (default 1000000)."`
+	WorkerTasks       int           `help:"Pre-filled tasks of the worker stage (default 10000)."`
+	E2ERates          []float64     `name:"e2e-rates" sep:"," help:"Fixed rates of the end-to-end ladder (default 100,250,500,750,1000,1500,2000)."`
+	E2EStep           time.Duration `name:"e2e-step" help:"Sending time of each end-to-end step (default 8s)."`
+	DocSize           int           `help:"Size in bytes of the generated documents (default 1024)."`
+	Partitions        int           `help:"Partitions of the task-events topic in the worker and end-to-end stages (default 4)."`
+	WorkerConcurrency int           `help:"Records the worker processes at once in the worker and end-to-end stages; also the worker pgbench's clients (default 4)."`
+	Dir               string        `type:"path" help:"Working directory (cluster, broker, logs); default a temporary directory, removed at the end."`
+	ProfileDir        string        `type:"path" help:"Write CPU profiles of the converge process per stage to this directory."`
+	Out               string        `type:"path" default:"bench-results.json" help:"JSON results file."`
+	Markdown          string        `type:"path" help:"Also write the results table (markdown) to this file."`
 }
 
 // Run runs the benchmark, prints progress and the results table, and writes
@@ -41,6 +43,8 @@ func (c *BenchCmd) Run(env *runEnv) error {
 	setIf(&cfg.RSSRows, c.RSSRows)
 	setIf(&cfg.WorkerTasks, c.WorkerTasks)
 	setIf(&cfg.DocSize, c.DocSize)
+	setIf(&cfg.Partitions, c.Partitions)
+	setIf(&cfg.WorkerConcurrency, c.WorkerConcurrency)
 	setIf(&cfg.CreateDuration, c.CreateDuration)
 	setIf(&cfg.E2EStep, c.E2EStep)
 	if len(c.CreateClients) > 0 {

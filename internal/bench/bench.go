@@ -66,6 +66,13 @@ type Config struct {
 	E2ERates []float64
 	// E2EStep is the sending time of each end-to-end step. Defaults to 8s.
 	E2EStep time.Duration
+	// Partitions of the task-events topics of the worker and end-to-end
+	// stages. Defaults to 4, the pipeline's default.
+	Partitions int
+	// WorkerConcurrency is worker.Config.Concurrency in the worker and
+	// end-to-end stages, and the client count of the worker stage's
+	// pgbench. Defaults to 4, the worker's default.
+	WorkerConcurrency int
 	// DocSize is the size in bytes of every generated document. Defaults to
 	// 1024.
 	DocSize int
@@ -134,6 +141,12 @@ func (c *Config) setDefaults() {
 	}
 	if c.DocSize <= 0 {
 		c.DocSize = 1024
+	}
+	if c.Partitions <= 0 {
+		c.Partitions = 4
+	}
+	if c.WorkerConcurrency <= 0 {
+		c.WorkerConcurrency = 4
 	}
 	if c.Progress == nil {
 		c.Progress = io.Discard

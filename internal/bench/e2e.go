@@ -9,6 +9,7 @@ import (
 
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/converge-run/converge/consumers/worker"
 	"github.com/converge-run/converge/internal/loadgen"
 	"github.com/converge-run/converge/internal/pipeline"
 )
@@ -65,6 +66,7 @@ func runE2E(ctx context.Context, e *env, res *Results) error {
 	go func() {
 		done <- pipeline.Run(pctx, pipeline.Config{DatabaseURL: dbURL, Brokers: e.brokers, RedisURL: e.redisURL,
 			ArtifactDir: filepath.Join(e.dir, "artifacts-e2e"), Topic: "bench.e2e", SlotName: "bench_e2e", PublicationName: "bench_e2e",
+			Partitions: int32(e.cfg.Partitions), Worker: worker.Config{Concurrency: e.cfg.WorkerConcurrency},
 			Listener: ln, Logger: e.log, Ready: func(string) { close(ready) }})
 	}()
 	defer func() {

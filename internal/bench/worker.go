@@ -63,10 +63,10 @@ type WorkerResult struct {
 	ArtifactCPU     CPU     `json:"artifact_cpu"`
 }
 
-const workerConcurrency = 4 // worker.Config.Concurrency's default
 
 // runWorker is stage 3.
 func runWorker(ctx context.Context, e *env, res *Results) error {
+	workerConcurrency := e.cfg.WorkerConcurrency
 	dbURL, pool, err := e.newDB(ctx, "bench_worker")
 	if err != nil {
 		return err
@@ -86,7 +86,7 @@ func runWorker(ctx context.Context, e *env, res *Results) error {
 	}
 	for i := range e.cfg.Runs {
 		topic := fmt.Sprintf("bench.worker.%d", i)
-		if err := fillWorker(ctx, pool, kcl, fx, topic, fmt.Sprintf("w%d", i), n); err != nil {
+		if err := fillWorker(ctx, pool, kcl, fx, topic, fmt.Sprintf("w%d", i), n, int32(e.cfg.Partitions)); err != nil {
 			return err
 		}
 		if err := fillPgbenchTasks(ctx, pool, fx, i, perClient*workerConcurrency); err != nil {
@@ -143,11 +143,11 @@ func runWorker(ctx context.Context, e *env, res *Results) error {
 }
 
 // fillWorker writes n queued tasks with their input and produces their
-// TaskCreated events to topic (4 partitions, keyed by task id), as the API
+// TaskCreated events to topic (the given partitions, keyed by task id), as the API
 // and the relay would have.
-func fillWorker(ctx context.Context, pool *pgxpool.Pool, kcl *kgo.Client, fx *fixtures, topic, prefix string, n int) error {
+func fillWorker(ctx context.Context, pool *pgxpool.Pool, kcl *kgo.Client, fx *fixtures, topic, prefix string, n int, partitions int32) error {
 	adm := kadm.NewClient(kcl)
-	if _, err := adm.CreateTopic(ctx, 4, 1, nil, topic); err != nil {
+	if _, err := adm.CreateTopic(ctx, partitions, 1, nil, topic); err != nil {
 		return fmt.Errorf("create topic %s: %w", topic, err)
 	}
 	ids := make([]string, n)
@@ -282,7 +282,7 @@ func workerOnce(ctx context.Context, e *env, dbURL, topic, group string, run, n 
 	}
 	reg := prometheus.NewRegistry()
 	w, err := worker.New(worker.Config{Pool: pool, Brokers: e.brokers, Topic: topic, Group: group, ArtifactStore: store,
-		Logger: e.log.With("component", "worker"), Registerer: reg})
+		Concurrency: e.cfg.WorkerConcurrency, Logger: e.log.With("component", "worker"), Registerer: reg})
 	if err != nil {
 		return 0, 0, 0, err
 	}
