@@ -32,7 +32,7 @@ func (r *Results) Markdown(w io.Writer) {
 			rr.Rows, rr.RelayMedian, rr.DecodeMedian, rr.Ratio, target(true, "≥ 0.80", rr.Ratio >= 0.8), cpuCell(rr.RelayCPU), cpuCell(rr.DecodeCPU))
 	}
 	if rr := r.Relay; rr != nil {
-		fmt.Fprintf(w, "| relay's serial loop, parts alone | published_at UPDATE (1000 rows, sync commit) %.0f rows/s; payload canonicalization %.0f rows/s | — | — | — | — |\n",
+		fmt.Fprintf(w, "| relay's serial loop, parts alone | published_at UPDATE (1000 rows, sync commit) %.0f rows/s; payload canonicalization (now only for rows older than migration 00004) %.0f rows/s | — | — | — | — |\n",
 			rr.MarkPublishedRowsPerSec, rr.CanonicalRowsPerSec)
 	}
 	if s := r.RSS; s != nil {
@@ -44,8 +44,8 @@ func (r *Results) Markdown(w io.Writer) {
 			wr.Tasks, wr.WorkerMedian, wr.PgbenchMedian, wr.PgbenchClients, wr.ArtifactMed, wr.Ratio, cpuCell(wr.WorkerCPU), cpuCell(wr.PgbenchCPU))
 	}
 	if wr := r.Worker; wr != nil && len(wr.RecordMS) > 0 {
-		fmt.Fprintf(w, "| worker, one record | %.2f ms from first attempt to durable outcome; %.2f records in process on average (of 4 allowed); a poll spans %.2f partitions | — | — | — | — |\n",
-			median(wr.RecordMS), median(wr.Concurrency), wr.PartitionsPerPoll)
+		fmt.Fprintf(w, "| worker, one record | %.2f ms from first attempt to durable outcome; %.2f records in process on average (of %d allowed); a poll spans %.2f partitions | — | — | — | — |\n",
+			median(wr.RecordMS), median(wr.Concurrency), wr.PgbenchClients, wr.PartitionsPerPoll)
 	}
 	if wr := r.Worker; wr != nil {
 		fmt.Fprintf(w, "| disk | fdatasync of a 4 KiB write: %.0f/s (%.2f ms each), one thread | — | — | — | — |\n",
@@ -65,6 +65,7 @@ func (r *Results) Markdown(w io.Writer) {
 				s.P99Median, list(s.CreateP99), s.Pending, s.Sustained, cpuCell(s.CPU))
 		}
 	}
+	r.boundsMarkdown(w)
 	if len(r.Errors) > 0 {
 		fmt.Fprintln(w)
 		keys := make([]string, 0, len(r.Errors))
@@ -112,4 +113,74 @@ func onOffWord(b bool) string {
 		return "on"
 	}
 	return "off"
+}
+
+// last returns the last value of xs (the run whose CPU is recorded), 0
+// when empty.
+func last(xs []float64) float64 {
+	if len(xs) == 0 {
+		return 0
+	}
+	return xs[len(xs)-1]
+}
+
+// msPer is CPU milliseconds per unit of work: cores / (units per second).
+func msPer(cores, rate float64) float64 {
+	if rate <= 0 {
+		return 0
+	}
+	return 1000 * cores / rate
+}
+
+// boundsMarkdown writes the CPU each stage spent per task (the last run's CPU
+// over the last run's rate) and the end-to-end rate those costs allow on
+// this machine's cores: the measured bound BENCHMARKS.md cites where a
+// target is not met.
+func (r *Results) boundsMarkdown(w io.Writer) {
+	var create *CreatePoint
+	for i := range r.Create {
+		if r.Create[i].Clients == 16 {
+			create = &r.Create[i]
+		}
+	}
+	wr := r.Worker
+	rr := r.Relay
+	if create == nil && wr == nil && rr == nil {
+		return
+	}
+	fmt.Fprintln(w)
+	fmt.Fprintln(w, "CPU per task or event (milliseconds of CPU, last run's CPU over its rate):")
+	fmt.Fprintln(w)
+	fmt.Fprintln(w, "| stage | converge process | PostgreSQL | pgbench (client) |")
+	fmt.Fprintln(w, "|---|---|---|---|")
+	var apiConv, apiPG, pgbCreatePG, wConv, wPG, pgbWorkerPG, relayConv, relayPG float64
+	if create != nil {
+		apiConv, apiPG = msPer(create.APICPU.Converge, last(create.APIRate)), msPer(create.APICPU.Postgres, last(create.APIRate))
+		pgbCreatePG = msPer(create.PgbenchCPU.Postgres, last(create.PgbenchTPS))
+		fmt.Fprintf(w, "| create, 16 clients: API (with loadgen's HTTP client) | %.3f | %.3f | — |\n", apiConv, apiPG)
+		fmt.Fprintf(w, "| create, 16 clients: pgbench, same statements | — | %.3f | %.3f |\n", pgbCreatePG, msPer(create.PgbenchCPU.Other, last(create.PgbenchTPS)))
+	}
+	if rr != nil {
+		relayConv, relayPG = msPer(rr.RelayCPU.Converge, last(rr.RelayRate)), msPer(rr.RelayCPU.Postgres, last(rr.RelayRate))
+		fmt.Fprintf(w, "| relay, per event | %.3f | %.3f | — |\n", relayConv, relayPG)
+		fmt.Fprintf(w, "| decode-only loop, per row | %.3f | %.3f | — |\n", msPer(rr.DecodeCPU.Converge, last(rr.DecodeRate)), msPer(rr.DecodeCPU.Postgres, last(rr.DecodeRate)))
+	}
+	if wr != nil {
+		wConv, wPG = msPer(wr.WorkerCPU.Converge, last(wr.WorkerRate)), msPer(wr.WorkerCPU.Postgres, last(wr.WorkerRate))
+		pgbWorkerPG = msPer(wr.PgbenchCPU.Postgres, last(wr.PgbenchTPS))
+		fmt.Fprintf(w, "| worker, per task | %.3f | %.3f | — |\n", wConv, wPG)
+		fmt.Fprintf(w, "| worker: pgbench, same statements, per task | — | %.3f | %.3f |\n", pgbWorkerPG, msPer(wr.PgbenchCPU.Other, last(wr.PgbenchTPS)))
+	}
+	if create == nil || wr == nil || rr == nil {
+		return
+	}
+	cores := float64(r.Machine.Cores)
+	// A task is one create transaction, two relayed events (TaskCreated,
+	// TaskCompleted) and one worker pass; the projector, the reconciler and
+	// the broker come on top.
+	all := apiConv + apiPG + 2*(relayConv+relayPG) + wConv + wPG
+	pgOnly := pgbCreatePG + 2*relayPG + pgbWorkerPG
+	fmt.Fprintln(w)
+	fmt.Fprintf(w, "End-to-end bound from these costs on %d cores: one task = one create + two relayed events + one worker pass = %.2f ms of CPU (converge and PostgreSQL; projector, reconciler and broker not counted), so at most **%.0f tasks/s**; PostgreSQL's share alone with pgbench's statements (create + worker) and the relay's = %.2f ms, so at most %.0f tasks/s even if every converge process cost nothing.\n",
+		r.Machine.Cores, all, 1000*cores/all, pgOnly, 1000*cores/pgOnly)
 }

@@ -63,7 +63,6 @@ type WorkerResult struct {
 	ArtifactCPU     CPU     `json:"artifact_cpu"`
 }
 
-
 // runWorker is stage 3.
 func runWorker(ctx context.Context, e *env, res *Results) error {
 	workerConcurrency := e.cfg.WorkerConcurrency
