@@ -39,6 +39,13 @@ type CreatePoint struct {
 	PgbenchLatMS  float64   `json:"pgbench_latency_avg_ms"`
 	// Ratio is APIMedian / PgbenchMedian.
 	Ratio float64 `json:"ratio"`
+	// PipelinedTPS is pgbench running the API's statements as the API
+	// sends them: two pipelines (\startpipeline) per transaction instead
+	// of one round trip per statement; PipelinedMedian their median,
+	// PipelinedRatio = APIMedian / PipelinedMedian. The stricter limit.
+	PipelinedTPS    []float64 `json:"pgbench_pipelined_tps"`
+	PipelinedMedian float64   `json:"pgbench_pipelined_median"`
+	PipelinedRatio  float64   `json:"pipelined_ratio"`
 	// WidePoolRate is requests/s of the same API with a pool of as many
 	// connections as clients (measured above 4 clients only: the default
 	// pool has max(4, cores) connections), WidePoolMedian their median and
@@ -112,7 +119,7 @@ func runCreate(ctx context.Context, e *env, res *Results) error {
 	defer wideHS.Close()
 
 	fx := newFixtures(e.cfg.DocSize)
-	script := createScript(fx)
+	script, pipelined := createScript(fx), createScriptPipelined(fx)
 	secs := int(e.cfg.CreateDuration.Seconds())
 
 	// Warm up both sides (connections, prepared statements, caches).
@@ -120,6 +127,9 @@ func runCreate(ctx context.Context, e *env, res *Results) error {
 		return err
 	}
 	if _, err := e.pgbench(ctx, "bench_create", script, 4, 1, 0); err != nil {
+		return err
+	}
+	if _, err := e.pgbench(ctx, "bench_create", pipelined, 4, 1, 0); err != nil {
 		return err
 	}
 	for _, c := range e.cfg.CreateClients {
@@ -151,6 +161,11 @@ func runCreate(ctx context.Context, e *env, res *Results) error {
 			}
 			p.PgbenchTPS = append(p.PgbenchTPS, round2(pr.TPS))
 			p.PgbenchLatMS = pr.LatencyMS
+			pp, err := e.pgbench(ctx, "bench_create", pipelined, c, secs, 0)
+			if err != nil {
+				return err
+			}
+			p.PipelinedTPS = append(p.PipelinedTPS, round2(pp.TPS))
 			wide := ""
 			if c > 4 {
 				wr, err := loadgen.Run(ctx, loadgen.Config{BaseURL: wideURL, Clients: c, Duration: e.cfg.CreateDuration, DocSize: e.cfg.DocSize})
@@ -163,8 +178,8 @@ func runCreate(ctx context.Context, e *env, res *Results) error {
 				p.WidePoolRate = append(p.WidePoolRate, round2(wr.RequestsPerSec))
 				wide = fmt.Sprintf(", api with %d-connection pool %.0f req/s", wideCfg.MaxConns, wr.RequestsPerSec)
 			}
-			e.progress("create  clients=%-3d run %d: api %.0f req/s (p99 %.1f ms, %d errors), pgbench %.0f tps%s; cpu api %+v pgbench %+v",
-				c, run+1, lr.RequestsPerSec, lr.CreateLatency.P99, lr.Requests-lr.Accepted, pr.TPS, wide, p.APICPU, p.PgbenchCPU)
+			e.progress("create  clients=%-3d run %d: api %.0f req/s (p99 %.1f ms, %d errors), pgbench %.0f tps, pgbench pipelined %.0f tps%s; cpu api %+v pgbench %+v",
+				c, run+1, lr.RequestsPerSec, lr.CreateLatency.P99, lr.Requests-lr.Accepted, pr.TPS, pp.TPS, wide, p.APICPU, p.PgbenchCPU)
 		}
 		if len(p.WidePoolRate) > 0 {
 			p.WidePoolMedian = round2(median(p.WidePoolRate))
@@ -172,6 +187,8 @@ func runCreate(ctx context.Context, e *env, res *Results) error {
 		}
 		p.APIMedian, p.PgbenchMedian = round2(median(p.APIRate)), round2(median(p.PgbenchTPS))
 		p.Ratio = round2(ratio(p.APIMedian, p.PgbenchMedian))
+		p.PipelinedMedian = round2(median(p.PipelinedTPS))
+		p.PipelinedRatio = round2(ratio(p.APIMedian, p.PipelinedMedian))
 		for _, lr := range apiRuns {
 			if round2(lr.RequestsPerSec) == p.APIMedian || p.APIP50 == 0 {
 				p.APIP50, p.APIP99 = lr.CreateLatency.P50, lr.CreateLatency.P99
@@ -193,9 +210,43 @@ func runCreate(ctx context.Context, e *env, res *Results) error {
 // same sizes. Ids come from pgbench's client id and a random number; the
 // API computes its ids (UUIDv7) in Go.
 func createScript(fx *fixtures) string {
+	return createReplacer(fx).Replace(`\set r random(1, 1000000000000000)
+BEGIN;
+INSERT INTO idempotency_record (scope, idempotency_key, request_fingerprint, state, locked_until, created_at, expires_at) VALUES ($SCOPE, $ID, $FP, 'in_progress', now() + 30000 * interval '1 millisecond', now(), now() + 86400000 * interval '1 millisecond') ON CONFLICT (scope, idempotency_key) DO NOTHING RETURNING created_at;
+INSERT INTO task (task_id, request_fingerprint, status, version, attempt, output_format, input_sha256, input_size, created_at, updated_at) VALUES ($ID, $FP, 'queued', 0, 0, 'jcs', $INSHA, $INSIZE, now(), now());
+INSERT INTO task_input (task_id, document) VALUES ($ID, $DOC);
+INSERT INTO outbox_event (outbox_id, aggregate_id, aggregate_version, event_type, payload, payload_sha256, created_at) VALUES ('o' || $ID, $ID, 0, 'TaskCreated', $PAYLOAD, $PSHA, now());
+UPDATE idempotency_record SET state = 'succeeded', task_id = $ID, response_status = 202, response_body = $RESP, locked_until = NULL WHERE scope = $SCOPE AND idempotency_key = $ID AND state = 'in_progress' AND request_fingerprint = $FP;
+END;
+`)
+}
+
+// createScriptPipelined is the create transaction exactly as the API sends
+// it (services/api store.go: the same statements, in two pipelines with one
+// Sync each): BEGIN and the idempotency record insert; then the record
+// completion that inserts the task, the task_input and outbox inserts and
+// COMMIT.
+func createScriptPipelined(fx *fixtures) string {
+	return createReplacer(fx).Replace(`\set r random(1, 1000000000000000)
+\startpipeline
+BEGIN;
+INSERT INTO idempotency_record (scope, idempotency_key, request_fingerprint, state, locked_until, created_at, expires_at) VALUES ($SCOPE, $ID, $FP, 'in_progress', now() + 30000 * interval '1 millisecond', now(), now() + 86400000 * interval '1 millisecond') ON CONFLICT (scope, idempotency_key) DO NOTHING RETURNING created_at;
+\endpipeline
+\startpipeline
+WITH completed AS (UPDATE idempotency_record SET state = 'succeeded', task_id = $ID, response_status = 202, response_body = $RESP, locked_until = NULL WHERE scope = $SCOPE AND idempotency_key = $ID AND state = 'in_progress' AND request_fingerprint = $FP RETURNING 1) INSERT INTO task (task_id, request_fingerprint, status, version, attempt, output_format, input_sha256, input_size, created_at, updated_at) SELECT $ID, $FP, 'queued', 0, 0, 'jcs', $INSHA, $INSIZE, now(), now() FROM completed;
+INSERT INTO task_input (task_id, document) VALUES ($ID, $DOC);
+INSERT INTO outbox_event (outbox_id, aggregate_id, aggregate_version, event_type, payload, payload_sha256, created_at) VALUES ('o' || $ID, $ID, 0, 'TaskCreated', $PAYLOAD, $PSHA, now());
+COMMIT;
+\endpipeline
+`)
+}
+
+// createReplacer fills the placeholders of the create scripts: ids from
+// pgbench's client id and a random number, rows of the API's sizes.
+func createReplacer(fx *fixtures) *strings.Replacer {
 	id := `'pgb-' || :client_id::text || '-' || :r::text`
 	payload, sha := fx.event(phTask, phOutbox)
-	r := strings.NewReplacer(
+	return strings.NewReplacer(
 		"$ID", id,
 		"$SCOPE", sqlText("public:create-document-task"),
 		"$FP", "'"+fx.fingerprint+"'",
@@ -206,13 +257,4 @@ func createScript(fx *fixtures) string {
 		"$PSHA", "'"+sha+"'",
 		"$RESP", sqlText(string(fx.response)),
 	)
-	return r.Replace(`\set r random(1, 1000000000000000)
-BEGIN;
-INSERT INTO idempotency_record (scope, idempotency_key, request_fingerprint, state, locked_until, created_at, expires_at) VALUES ($SCOPE, $ID, $FP, 'in_progress', now() + 30000 * interval '1 millisecond', now(), now() + 86400000 * interval '1 millisecond') ON CONFLICT (scope, idempotency_key) DO NOTHING RETURNING created_at;
-INSERT INTO task (task_id, request_fingerprint, status, version, attempt, output_format, input_sha256, input_size, created_at, updated_at) VALUES ($ID, $FP, 'queued', 0, 0, 'jcs', $INSHA, $INSIZE, now(), now());
-INSERT INTO task_input (task_id, document) VALUES ($ID, $DOC);
-INSERT INTO outbox_event (outbox_id, aggregate_id, aggregate_version, event_type, payload, payload_sha256, created_at) VALUES ('o' || $ID, $ID, 0, 'TaskCreated', $PAYLOAD, $PSHA, now());
-UPDATE idempotency_record SET state = 'succeeded', task_id = $ID, response_status = 202, response_body = $RESP, locked_until = NULL WHERE scope = $SCOPE AND idempotency_key = $ID AND state = 'in_progress' AND request_fingerprint = $FP;
-END;
-`)
 }

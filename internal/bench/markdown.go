@@ -22,6 +22,12 @@ func (r *Results) Markdown(w io.Writer) {
 			cpuCell(p.APICPU), cpuCell(p.PgbenchCPU))
 	}
 	for _, p := range r.Create {
+		if p.PipelinedMedian > 0 {
+			fmt.Fprintf(w, "| create, %s, against pgbench sending the API's statements in the API's two pipelined round trips | %.0f req/s | pgbench pipelined %.0f tps | %.2f | — | — |\n",
+				clients(p.Clients), p.APIMedian, p.PipelinedMedian, p.PipelinedRatio)
+		}
+	}
+	for _, p := range r.Create {
 		if p.WidePoolMedian > 0 {
 			fmt.Fprintf(w, "| create, %d clients, API pool as large as the client count (not the default) | %.0f req/s | pgbench %.0f tps | %.2f | — | — |\n",
 				p.Clients, p.WidePoolMedian, p.PgbenchMedian, p.WidePoolRatio)
