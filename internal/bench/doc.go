@@ -11,14 +11,17 @@
 //  1. create: the API (in process, default pool) under `loadgen` in the
 //     closed model at 1, 4, 16 and 64 clients, against pgbench running the
 //     create transaction's five statements (idempotency record insert, task,
-//     task_input and outbox inserts, idempotency record completion) with the
-//     same client counts and the same row sizes → ratio.
+//     task_input and outbox inserts, idempotency record completion), one
+//     round trip each, with the same client counts and the same row sizes →
+//     ratio; and against pgbench sending the API's own statements in the
+//     API's two pipelines (\startpipeline) → the stricter ratio.
 //  2. relay: events/s from a pre-filled outbox (one row per transaction, as
 //     the API writes them) until Kafka acknowledged every row and the slot
 //     advanced past the last one, against a minimal pglogrepl loop that only
 //     decodes the same rows from its own slot (both slots are created before
 //     the rows) → ratio; plus the relay's serial parts alone (its
-//     published_at UPDATE, payload canonicalization). Then the peak RSS
+//     published_at UPDATE, payload canonicalization, which only rows older
+//     than migration 00004 still need). Then the peak RSS
 //     (VmHWM) of a `converge relay` subprocess relaying ONE transaction of
 //     RSSRows rows.
 //  3. worker: tasks/s from a pre-filled topic of TaskCreated events to
