@@ -20,7 +20,7 @@ type BenchCmd struct {
 	RelayRows         int           `help:"Rows of the pre-filled outbox of the relay stage (default 200000)."`
 	RSSRows           int           `name:"rss-rows" help:"Rows of the single transaction of the relay RSS stage (default 1000000)."`
 	WorkerTasks       int           `help:"Pre-filled tasks of the worker stage (default 10000)."`
-	E2ERates          []float64     `name:"e2e-rates" sep:"," help:"Fixed rates of the end-to-end ladder (default 100,250,500,750,1000,1500,2000)."`
+	E2ERates          []float64     `name:"e2e-rates" sep:"," help:"Fixed rates of the end-to-end ladder (default 100,200,300,400,500,750,1000,1500,2000)."`
 	E2EStep           time.Duration `name:"e2e-step" help:"Sending time of each end-to-end step (default 8s)."`
 	DocSize           int           `help:"Size in bytes of the generated documents (default 1024)."`
 	Partitions        int           `help:"Partitions of the task-events topic in the worker and end-to-end stages (default 4)."`

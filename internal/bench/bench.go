@@ -61,8 +61,8 @@ type Config struct {
 	WorkerTasks int
 	// E2ERates are the fixed rates (tasks/s) of the end-to-end ladder; the
 	// ladder stops at the first rate that misses the 1 s p99 target, but
-	// 500/s is always measured. Defaults to 100, 250, 500, 750, 1000, 1500,
-	// 2000.
+	// 500/s is always measured. Defaults to 100, 200, 300, 400, 500, 750,
+	// 1000, 1500, 2000.
 	E2ERates []float64
 	// E2EStep is the sending time of each end-to-end step. Defaults to 8s.
 	E2EStep time.Duration
@@ -134,7 +134,7 @@ func (c *Config) setDefaults() {
 		c.WorkerTasks = 10000
 	}
 	if len(c.E2ERates) == 0 {
-		c.E2ERates = []float64{100, 250, 500, 750, 1000, 1500, 2000}
+		c.E2ERates = []float64{100, 200, 300, 400, 500, 750, 1000, 1500, 2000}
 	}
 	if c.E2EStep <= 0 {
 		c.E2EStep = 8 * time.Second
