@@ -47,8 +47,9 @@
 //     published_at (one statement per batch of at most FlushMaxRecords rows,
 //     every FlushInterval or as soon as FlushMaxRecords rows are
 //     acknowledged) committed. The UPDATE runs on a goroutine of its own
-//     (the marker), which counts the rows done in the tracker only after it
-//     committed; the receive loop never waits for it and reads the tracker's
+//     (the marker; a flush's UPDATEs run on up to MarkConcurrency
+//     connections at once), which counts the rows done in the tracker only
+//     after every UPDATE of the flush committed; the receive loop never waits for it and reads the tracker's
 //     confirmable LSN when it sends a status update. A failure of the
 //     marker (an UPDATE error, an injected fault) stops Run with no further
 //     status update.

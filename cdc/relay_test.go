@@ -767,3 +767,45 @@ func TestRelayProduceFailure(t *testing.T) {
 		t.Fatalf("%d unpublished rows, want 1", n)
 	}
 }
+
+// TestRelayMarksInParallel: with MarkConcurrency 3 a flush of many rows is
+// split into chunks marked on three connections at once; every row is
+// marked exactly once, counted once, and the slot passes the commit only
+// after all of them.
+func TestRelayMarksInParallel(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	cfg := b.config()
+	cfg.MaxBufferedRecords = 3000
+	cfg.FlushMaxRecords = 400
+	cfg.MarkConcurrency = 3
+	cfg.StatusInterval = 20 * time.Millisecond
+	reg := prometheus.NewRegistry()
+	cfg.Registerer = reg
+	rr := b.start(t, cfg)
+	b.waitStreaming(t, rr)
+
+	const n = 6000
+	evs := make([]outboxEvent, n)
+	for i := range evs {
+		evs[i] = b.event(t, fmt.Sprintf("task-%d", i%60), int64(i/60+1))
+	}
+	last := b.insertTx(t, evs...)
+	testenv.Eventually(t, 30*time.Second, "all rows published", func() bool { return b.unpublished(t) == 0 })
+	testenv.Eventually(t, 10*time.Second, "slot confirmed past the commit", func() bool {
+		c, _, _ := b.slotState(t)
+		return c > last
+	})
+	if err := rr.stop(t); err != nil {
+		t.Fatalf("Run = %v, want nil", err)
+	}
+	if got := counterSum(t, reg, "converge_relay_outbox_rows_marked_published_total"); got != n {
+		t.Errorf("rows marked published = %v, want %d", got, n)
+	}
+	ids := byEventID(b.readAll(t))
+	for _, e := range evs {
+		if len(ids[e.id]) != 1 {
+			t.Fatalf("event %s: %d records, want 1", e.id, len(ids[e.id]))
+		}
+	}
+}
