@@ -14,7 +14,7 @@ func (r *Results) Markdown(w io.Writer) {
 	fmt.Fprintf(w, "Machine: %d cores (%s), %d MB memory, Linux %s; load average %s before, %s after. PostgreSQL %s, %s, fsync %v. Median of %d runs; %.0f s in all.\n\n",
 		m.Cores, m.CPUModel, m.MemTotalMB, m.Kernel, m.LoadAvgBefore, m.LoadAvgAfter, r.Settings.PostgresVersion, r.Settings.GoVersion,
 		onOffWord(r.Settings.Fsync), r.Settings.Runs, r.TotalSeconds)
-	fmt.Fprintln(w, "| stage | converge | limit, same run | ratio | target | CPU (cores) converge / postgres / other |")
+	fmt.Fprintln(w, "| stage | converge | limit, same run | ratio | target | CPU (cores, last run) converge / postgres / other |")
 	fmt.Fprintln(w, "|---|---|---|---|---|---|")
 	for _, p := range r.Create {
 		fmt.Fprintf(w, "| create, %s | %.0f req/s (p50 %.1f ms, p99 %.1f ms) | pgbench %.0f tps (%.1f ms avg) | %.2f | %s | %s · %s |\n",
@@ -23,14 +23,14 @@ func (r *Results) Markdown(w io.Writer) {
 	}
 	for _, p := range r.Create {
 		if p.PipelinedMedian > 0 {
-			fmt.Fprintf(w, "| create, %s, against pgbench sending the API's statements in the API's two pipelined round trips | %.0f req/s | pgbench pipelined %.0f tps | %.2f | — | — |\n",
-				clients(p.Clients), p.APIMedian, p.PipelinedMedian, p.PipelinedRatio)
+			fmt.Fprintf(w, "| create, %s, against pgbench sending the API's statements in the API's two pipelined round trips | %.0f req/s | pgbench pipelined %.0f tps | %.2f | %s | — |\n",
+				clients(p.Clients), p.APIMedian, p.PipelinedMedian, p.PipelinedRatio, target(p.Clients == 16, "≥ 0.90", p.PipelinedRatio >= 0.9))
 		}
 	}
 	for _, p := range r.Create {
 		if p.WidePoolMedian > 0 {
-			fmt.Fprintf(w, "| create, %d clients, API pool as large as the client count (not the default) | %.0f req/s | pgbench %.0f tps | %.2f | — | — |\n",
-				p.Clients, p.WidePoolMedian, p.PgbenchMedian, p.WidePoolRatio)
+			fmt.Fprintf(w, "| create, %d clients, API pool of %d connections (the largest client count; not the default) | %.0f req/s | pgbench %.0f tps | %.2f | — | — |\n",
+				p.Clients, r.widePool(), p.WidePoolMedian, p.PgbenchMedian, p.WidePoolRatio)
 		}
 	}
 	if rr := r.Relay; rr != nil {
@@ -189,4 +189,14 @@ func (r *Results) boundsMarkdown(w io.Writer) {
 	fmt.Fprintln(w)
 	fmt.Fprintf(w, "End-to-end bound from these costs on %d cores: one task = one create + two relayed events + one worker pass = %.2f ms of CPU (converge and PostgreSQL; projector, reconciler and broker not counted), so at most **%.0f tasks/s**; PostgreSQL's share alone with pgbench's statements (create + worker) and the relay's = %.2f ms, so at most %.0f tasks/s even if every converge process cost nothing.\n",
 		r.Machine.Cores, all, 1000*cores/all, pgOnly, 1000*cores/pgOnly)
+}
+
+// widePool is the connection count of the create stage's wide pool: the
+// largest client count, at least pgxpool's default max(4, cores).
+func (r *Results) widePool() int {
+	n := max(4, r.Machine.Cores)
+	for _, p := range r.Create {
+		n = max(n, p.Clients)
+	}
+	return n
 }

@@ -31,7 +31,9 @@ import (
 	"fmt"
 	"io"
 	"io/fs"
+	"math"
 	"net/http"
+	"net/url"
 	"os"
 	"path/filepath"
 	"slices"
@@ -121,15 +123,64 @@ func (c *Config) setDefaults() error {
 	return nil
 }
 
-// Validate reports a missing or inconsistent field.
+// Rate bounds of the open model, in requests per second: below MinRate
+// the interval between requests overflows a time.Duration's useful range,
+// above MaxRate it is under a microsecond and the schedule means nothing.
+const (
+	MinRate = 0.001
+	MaxRate = 1e6
+)
+
+// Validate reports a missing, negative or inconsistent field. The messages
+// name the converge loadgen flags.
 func (c *Config) Validate() error {
+	if c.BaseURL == "" {
+		return errors.New("loadgen: --api-url is required")
+	}
+	if u, err := url.Parse(c.BaseURL); err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
+		return fmt.Errorf("loadgen: --api-url %q: want http://host:port or https://host:port", c.BaseURL)
+	}
 	switch {
-	case c.BaseURL == "":
-		return errors.New("loadgen: BaseURL is required")
-	case c.Duration <= 0 && c.Count <= 0:
-		return errors.New("loadgen: one of Duration and Count is required")
+	case math.IsNaN(c.Rate) || math.IsInf(c.Rate, 0):
+		return fmt.Errorf("loadgen: --rate %g: want a finite number of requests/s (0 selects the closed model)", c.Rate)
 	case c.Rate < 0:
-		return fmt.Errorf("loadgen: Rate %g is negative", c.Rate)
+		return fmt.Errorf("loadgen: --rate %g is negative", c.Rate)
+	case c.Rate > 0 && (c.Rate < MinRate || c.Rate > MaxRate):
+		return fmt.Errorf("loadgen: --rate %g: want %g to %g requests/s", c.Rate, MinRate, MaxRate)
+	case c.Duration < 0:
+		return fmt.Errorf("loadgen: --duration %s is negative", c.Duration)
+	case c.Count < 0:
+		return fmt.Errorf("loadgen: --count %d is negative", c.Count)
+	case c.Duration == 0 && c.Count == 0:
+		return errors.New("loadgen: set --duration or --count (or both: whichever ends first)")
+	case c.Clients < 0:
+		return fmt.Errorf("loadgen: --clients %d is negative", c.Clients)
+	case c.DocSize < 0:
+		return fmt.Errorf("loadgen: --doc-size %d is negative", c.DocSize)
+	case c.WaitTimeout < 0:
+		return fmt.Errorf("loadgen: --wait-timeout %s is negative", c.WaitTimeout)
+	}
+	return nil
+}
+
+// preflight checks that the API answers GET /healthz before any load is
+// sent, so that a wrong URL or a stopped API is one clear error instead of
+// a run of failed requests.
+func preflight(ctx context.Context, cfg *Config) error {
+	ctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	defer cancel()
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, cfg.BaseURL+"/healthz", nil)
+	if err != nil {
+		return fmt.Errorf("loadgen: --api-url %q: %w", cfg.BaseURL, err)
+	}
+	resp, err := cfg.HTTP.Do(req)
+	if err != nil {
+		return fmt.Errorf("loadgen: the API at %s does not answer: %w", cfg.BaseURL, err)
+	}
+	io.Copy(io.Discard, io.LimitReader(resp.Body, 1<<16))
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		return fmt.Errorf("loadgen: GET %s/healthz answered %s: is this a converge API?", cfg.BaseURL, resp.Status)
 	}
 	return nil
 }
@@ -154,6 +205,12 @@ type Result struct {
 	// Errors counts failed requests by problem "code", "HTTP_<status>"
 	// when the body had none, or "TRANSPORT" for a request without answer.
 	Errors map[string]int `json:"errors"`
+	// FirstErrors holds, for codes without a problem body (TRANSPORT), the
+	// error of the first such request.
+	FirstErrors map[string]string `json:"first_errors,omitempty"`
+	// KeyPrefix starts the Idempotency-Key of every request of the run
+	// (the key of request i is KeyPrefix + i): how to find its tasks.
+	KeyPrefix string `json:"key_prefix"`
 	// Task outcomes of the accepted requests after the wait (all pending
 	// when Wait is false).
 	Completed int `json:"tasks_completed"`
@@ -185,8 +242,11 @@ func Run(ctx context.Context, cfg Config) (*Result, error) {
 	if err != nil {
 		return nil, err
 	}
-	r := &run{cfg: cfg, docs: docs, errors: map[string]int{}}
-	res := &Result{Model: "closed", Clients: cfg.Clients}
+	if err := preflight(ctx, &cfg); err != nil {
+		return nil, err
+	}
+	r := &run{cfg: cfg, docs: docs, errors: map[string]int{}, firstErr: map[string]string{}}
+	res := &Result{Model: "closed", Clients: cfg.Clients, KeyPrefix: cfg.KeyPrefix}
 	var start, end time.Time
 	if cfg.Rate > 0 {
 		res.Model, res.TargetRate = "open", cfg.Rate
@@ -201,6 +261,9 @@ func Run(ctx context.Context, cfg Config) (*Result, error) {
 	}
 	res.CreateLatency = r.latency.Summary()
 	res.Errors = r.errors
+	if len(r.firstErr) > 0 {
+		res.FirstErrors = r.firstErr
+	}
 	slices.SortFunc(r.created, func(a, b created) int { return a.seq - b.seq })
 	for _, c := range r.created {
 		res.TaskIDs = append(res.TaskIDs, c.taskID)
@@ -218,13 +281,14 @@ func Run(ctx context.Context, cfg Config) (*Result, error) {
 
 // run is the state of one Run.
 type run struct {
-	cfg     Config
-	docs    [][]byte
-	sent    atomic.Int64
-	latency Histogram
-	mu      sync.Mutex
-	errors  map[string]int
-	created []created
+	cfg      Config
+	docs     [][]byte
+	sent     atomic.Int64
+	latency  Histogram
+	mu       sync.Mutex
+	errors   map[string]int
+	firstErr map[string]string // code → detail of its first occurrence
+	created  []created
 }
 
 type created struct {
@@ -307,7 +371,7 @@ func (r *run) do(ctx context.Context, i int, from time.Time) {
 	body := r.body(i)
 	req, err := http.NewRequestWithContext(ctx, http.MethodPost, r.cfg.BaseURL+"/v1/tasks", bytes.NewReader(body))
 	if err != nil {
-		r.fail("TRANSPORT")
+		r.failWith("TRANSPORT", err.Error())
 		return
 	}
 	req.Header.Set("Content-Type", "application/json")
@@ -316,7 +380,7 @@ func (r *run) do(ctx context.Context, i int, from time.Time) {
 	resp, err := r.cfg.HTTP.Do(req)
 	if err != nil {
 		if ctx.Err() == nil {
-			r.fail("TRANSPORT")
+			r.failWith("TRANSPORT", err.Error())
 		}
 		return
 	}
@@ -324,7 +388,7 @@ func (r *run) do(ctx context.Context, i int, from time.Time) {
 	resp.Body.Close()
 	r.latency.Record(time.Since(from))
 	if err != nil {
-		r.fail("TRANSPORT")
+		r.failWith("TRANSPORT", err.Error())
 		return
 	}
 	if resp.StatusCode != http.StatusAccepted {
@@ -350,9 +414,16 @@ func (r *run) do(ctx context.Context, i int, from time.Time) {
 	r.mu.Unlock()
 }
 
-func (r *run) fail(code string) {
+func (r *run) fail(code string) { r.failWith(code, "") }
+
+// failWith counts a failed request and keeps detail when it is the code's
+// first.
+func (r *run) failWith(code, detail string) {
 	r.mu.Lock()
 	r.errors[code]++
+	if _, ok := r.firstErr[code]; !ok && detail != "" {
+		r.firstErr[code] = detail
+	}
 	r.mu.Unlock()
 }
 
@@ -582,6 +653,7 @@ func (res *Result) Print(w io.Writer) {
 		model = fmt.Sprintf("open, %.0f requests/s target, at most %d in flight", res.TargetRate, res.Clients)
 	}
 	fmt.Fprintf(w, "model            %s\n", model)
+	fmt.Fprintf(w, "idempotency keys %s<n>\n", res.KeyPrefix)
 	fmt.Fprintf(w, "requests         %d in %.2fs = %.1f requests/s, %d accepted\n", res.Requests, res.SendSeconds, res.RequestsPerSec, res.Accepted)
 	c := res.CreateLatency
 	fmt.Fprintf(w, "create latency   p50 %.2f ms  p90 %.2f ms  p99 %.2f ms  max %.2f ms\n", c.P50, c.P90, c.P99, c.Max)
@@ -593,6 +665,9 @@ func (res *Result) Print(w io.Writer) {
 		slices.Sort(codes)
 		for _, k := range codes {
 			fmt.Fprintf(w, "error            %s × %d\n", k, res.Errors[k])
+			if d, ok := res.FirstErrors[k]; ok {
+				fmt.Fprintf(w, "                 first: %s\n", d)
+			}
 		}
 	}
 	if res.WaitSeconds > 0 || res.Completed > 0 {

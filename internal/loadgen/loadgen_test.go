@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"io"
+	"math"
 	"net/http"
 	"net/http/httptest"
 	"strings"
@@ -133,5 +134,59 @@ func TestRunOpenChargesQueueing(t *testing.T) {
 	}
 	if res.RequestsPerSec > 100 {
 		t.Errorf("achieved %.1f requests/s, more than the server can do", res.RequestsPerSec)
+	}
+}
+
+// TestValidateRejects: every bad setting is an error naming its flag, never a
+// default silently taken or a run that ignores its duration.
+func TestValidateRejects(t *testing.T) {
+	t.Parallel()
+	ok := Config{BaseURL: "http://127.0.0.1:8080", Duration: time.Second}
+	for name, tc := range map[string]struct {
+		mutate func(*Config)
+		want   string
+	}{
+		"no url":             {func(c *Config) { c.BaseURL = "" }, "--api-url is required"},
+		"url without scheme": {func(c *Config) { c.BaseURL = "not-a-url" }, "--api-url"},
+		"ftp url":            {func(c *Config) { c.BaseURL = "ftp://h:1" }, "--api-url"},
+		"rate NaN":           {func(c *Config) { c.Rate = math.NaN() }, "--rate NaN"},
+		"rate +Inf":          {func(c *Config) { c.Rate = math.Inf(1) }, "--rate +Inf"},
+		"rate negative":      {func(c *Config) { c.Rate = -5 }, "--rate -5 is negative"},
+		"rate too small":     {func(c *Config) { c.Rate = 1e-11 }, "want 0.001 to"},
+		"rate too large":     {func(c *Config) { c.Rate = 1e9 }, "want 0.001 to"},
+		"duration negative":  {func(c *Config) { c.Duration = -5 * time.Second }, "--duration -5s is negative"},
+		"count negative":     {func(c *Config) { c.Count = -5 }, "--count -5 is negative"},
+		"neither":            {func(c *Config) { c.Duration = 0 }, "set --duration or --count"},
+		"clients negative":   {func(c *Config) { c.Clients = -3 }, "--clients -3 is negative"},
+		"doc size negative":  {func(c *Config) { c.DocSize = -1 }, "--doc-size -1 is negative"},
+		"wait negative":      {func(c *Config) { c.WaitTimeout = -time.Second }, "--wait-timeout -1s is negative"},
+	} {
+		c := ok
+		tc.mutate(&c)
+		err := c.Validate()
+		if err == nil || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("%s: Validate() = %v, want an error containing %q", name, err, tc.want)
+		}
+	}
+	if err := ok.Validate(); err != nil {
+		t.Errorf("valid config: %v", err)
+	}
+}
+
+// TestRunUnreachableAPI: a stopped API is one clear error before any load.
+func TestRunUnreachableAPI(t *testing.T) {
+	t.Parallel()
+	ts := httptest.NewServer(http.NotFoundHandler())
+	url := ts.URL
+	ts.Close() // nothing listens there any more
+	res, err := Run(context.Background(), Config{BaseURL: url, Duration: 2 * time.Second})
+	if err == nil || !strings.Contains(err.Error(), "does not answer") || res != nil {
+		t.Fatalf("Run = %v, %v; want no result and an error saying the API does not answer", res, err)
+	}
+	// Something that is not a converge API answers /healthz with 404.
+	other := httptest.NewServer(http.NotFoundHandler())
+	defer other.Close()
+	if _, err := Run(context.Background(), Config{BaseURL: other.URL, Count: 1}); err == nil || !strings.Contains(err.Error(), "404") {
+		t.Fatalf("Run against a non-API = %v, want the /healthz status", err)
 	}
 }

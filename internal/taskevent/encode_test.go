@@ -117,7 +117,7 @@ func TestEncodeFastPathRefuses(t *testing.T) {
 	}
 }
 
-func BenchmarkEncode(b *testing.B) {
+func BenchmarkEncodePaths(b *testing.B) {
 	now := time.Date(2026, 11, 30, 12, 0, 0, 123456000, time.UTC)
 	sha := strings.Repeat("ab", 32)
 	e := &Event{EventID: "018f3a2b-7c1d-7e00-8000-000000000001", EventType: TypeTaskCreated, SchemaVersion: 1,
