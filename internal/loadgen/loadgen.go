@@ -163,6 +163,13 @@ func (c *Config) Validate() error {
 	return nil
 }
 
+func clipBody(b []byte) string {
+	if len(b) > 80 {
+		return string(b[:80]) + "…"
+	}
+	return string(b)
+}
+
 // preflight checks that the API answers GET /healthz before any load is
 // sent, so that a wrong URL or a stopped API is one clear error instead of
 // a run of failed requests.
@@ -177,10 +184,15 @@ func preflight(ctx context.Context, cfg *Config) error {
 	if err != nil {
 		return fmt.Errorf("loadgen: the API at %s does not answer: %w", cfg.BaseURL, err)
 	}
-	io.Copy(io.Discard, io.LimitReader(resp.Body, 1<<16))
+	body, _ := io.ReadAll(io.LimitReader(resp.Body, 1<<16))
 	resp.Body.Close()
-	if resp.StatusCode != http.StatusOK {
-		return fmt.Errorf("loadgen: GET %s/healthz answered %s: is this a converge API?", cfg.BaseURL, resp.Status)
+	var h struct {
+		Status string `json:"status"`
+	}
+	// The API answers {"status":"ok"}; the other components' metrics
+	// servers answer a plain "ok" and are refused here.
+	if resp.StatusCode != http.StatusOK || json.Unmarshal(body, &h) != nil || h.Status != "ok" {
+		return fmt.Errorf("loadgen: GET %s/healthz answered %s %q: is this the converge API (not a metrics port)?", cfg.BaseURL, resp.Status, clipBody(body))
 	}
 	return nil
 }
@@ -208,6 +220,10 @@ type Result struct {
 	// FirstErrors holds, for codes without a problem body (TRANSPORT), the
 	// error of the first such request.
 	FirstErrors map[string]string `json:"first_errors,omitempty"`
+	// Unsent counts, in the open model, requests due before the end of
+	// Duration that were never sent because every client was still busy:
+	// the API did not keep up with the rate.
+	Unsent int `json:"unsent,omitempty"`
 	// KeyPrefix starts the Idempotency-Key of every request of the run
 	// (the key of request i is KeyPrefix + i): how to find its tasks.
 	KeyPrefix string `json:"key_prefix"`
@@ -255,7 +271,12 @@ func Run(ctx context.Context, cfg Config) (*Result, error) {
 		start, end = r.closed(ctx)
 	}
 	res.Requests = int(r.sent.Load())
+	res.Unsent = r.unsent
 	res.SendSeconds = end.Sub(start).Seconds()
+	if cfg.Rate > 0 {
+		// Request i is due at i/Rate: n requests take at least n/Rate.
+		res.SendSeconds = max(res.SendSeconds, float64(res.Requests)/cfg.Rate)
+	}
 	if res.SendSeconds > 0 {
 		res.RequestsPerSec = float64(res.Requests) / res.SendSeconds
 	}
@@ -288,6 +309,7 @@ type run struct {
 	mu       sync.Mutex
 	errors   map[string]int
 	firstErr map[string]string // code → detail of its first occurrence
+	unsent   int               // open model: requests due within Duration but never sent
 	created  []created
 }
 
@@ -312,8 +334,18 @@ func (r *run) open(ctx context.Context) (start, end time.Time) {
 			}
 		})
 	}
+	// The sending phase ends at start+Duration by the wall clock too: when
+	// the API is slower than the rate, requests due before the end but not
+	// yet sent then are counted in r.unsent, not sent late forever.
+	var stop <-chan time.Time
+	if r.cfg.Duration > 0 {
+		st := time.NewTimer(r.cfg.Duration)
+		defer st.Stop()
+		stop = st.C
+	}
 	t := time.NewTimer(0)
 	defer t.Stop()
+schedule:
 	for i := 0; r.cfg.Count <= 0 || i < r.cfg.Count; i++ {
 		at := time.Duration(i) * interval
 		if r.cfg.Duration > 0 && at >= r.cfg.Duration {
@@ -329,7 +361,14 @@ func (r *run) open(ctx context.Context) (start, end time.Time) {
 		if ctx.Err() != nil {
 			break
 		}
-		due <- i // blocks while Clients requests are in flight: they are late, and charged for it
+		select {
+		case due <- i: // waits while Clients requests are in flight: they are late, and charged for it
+		case <-stop:
+			r.unsent = dueBefore(r.cfg, interval) - i
+			break schedule
+		case <-ctx.Done():
+			break schedule
+		}
 	}
 	close(due)
 	wg.Wait()
@@ -337,6 +376,16 @@ func (r *run) open(ctx context.Context) (start, end time.Time) {
 		return start, time.Now()
 	}
 	return start, time.Unix(0, last.Load())
+}
+
+// dueBefore is how many requests the open model schedules: those due
+// before Duration, at most Count.
+func dueBefore(cfg Config, interval time.Duration) int {
+	n := int((cfg.Duration + interval - 1) / interval)
+	if cfg.Count > 0 && cfg.Count < n {
+		n = cfg.Count
+	}
+	return n
 }
 
 // closed runs Clients clients back to back.
@@ -379,7 +428,9 @@ func (r *run) do(ctx context.Context, i int, from time.Time) {
 	r.sent.Add(1)
 	resp, err := r.cfg.HTTP.Do(req)
 	if err != nil {
-		if ctx.Err() == nil {
+		if ctx.Err() != nil {
+			r.fail("CANCELLED") // interrupted: sent, never answered
+		} else {
 			r.failWith("TRANSPORT", err.Error())
 		}
 		return
@@ -655,6 +706,9 @@ func (res *Result) Print(w io.Writer) {
 	fmt.Fprintf(w, "model            %s\n", model)
 	fmt.Fprintf(w, "idempotency keys %s<n>\n", res.KeyPrefix)
 	fmt.Fprintf(w, "requests         %d in %.2fs = %.1f requests/s, %d accepted\n", res.Requests, res.SendSeconds, res.RequestsPerSec, res.Accepted)
+	if res.Unsent > 0 {
+		fmt.Fprintf(w, "not sent         %d requests due within the duration: the API did not keep up with the rate\n", res.Unsent)
+	}
 	c := res.CreateLatency
 	fmt.Fprintf(w, "create latency   p50 %.2f ms  p90 %.2f ms  p99 %.2f ms  max %.2f ms\n", c.P50, c.P90, c.P99, c.Max)
 	if len(res.Errors) > 0 {

@@ -68,6 +68,10 @@ type fakeAPI struct {
 }
 
 func (f *fakeAPI) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	if r.URL.Path == "/healthz" {
+		io.WriteString(w, `{"status":"ok"}`)
+		return
+	}
 	if r.Method == http.MethodGet {
 		c := f.created.Add(30 * time.Millisecond)
 		json.NewEncoder(w).Encode(map[string]any{"status": "completed", "created_at": f.created, "completed_at": c})
@@ -188,5 +192,41 @@ func TestRunUnreachableAPI(t *testing.T) {
 	defer other.Close()
 	if _, err := Run(context.Background(), Config{BaseURL: other.URL, Count: 1}); err == nil || !strings.Contains(err.Error(), "404") {
 		t.Fatalf("Run against a non-API = %v, want the /healthz status", err)
+	}
+}
+
+// TestRunOpenStopsAtDuration: when the API is slower than the rate, the
+// sending phase still ends at --duration; the requests that were due but
+// never sent are reported, not sent late.
+func TestRunOpenStopsAtDuration(t *testing.T) {
+	t.Parallel()
+	api := &fakeAPI{keys: map[string]bool{}, created: time.Now(), delay: 200 * time.Millisecond}
+	ts := httptest.NewServer(api)
+	defer ts.Close()
+	res, err := Run(context.Background(), Config{BaseURL: ts.URL, Rate: 200, Clients: 2, Duration: 500 * time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	// 2 clients × 200 ms per request: about 6 requests fit in 500 ms, 100 were due.
+	if res.Requests > 20 || res.Unsent < 80 || res.Requests+res.Unsent != 100 {
+		t.Fatalf("requests %d unsent %d, want few sent and the rest of the 100 due reported unsent", res.Requests, res.Unsent)
+	}
+}
+
+// TestPreflightRefusesMetricsPort: a converge component's metrics server
+// answers /healthz with a plain "ok"; loadgen refuses it before any load.
+func TestPreflightRefusesMetricsPort(t *testing.T) {
+	t.Parallel()
+	var posts atomic.Int64
+	ts := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.Method == http.MethodPost {
+			posts.Add(1)
+		}
+		io.WriteString(w, "ok")
+	}))
+	defer ts.Close()
+	_, err := Run(context.Background(), Config{BaseURL: ts.URL, Count: 5})
+	if err == nil || !strings.Contains(err.Error(), "not a metrics port") || posts.Load() != 0 {
+		t.Fatalf("Run = %v after %d POSTs, want a refusal before any request", err, posts.Load())
 	}
 }

@@ -39,8 +39,12 @@ const (
 	CodeNotFound                = "NOT_FOUND"
 	CodeMethodNotAllowed        = "METHOD_NOT_ALLOWED"
 	CodeDatabaseUnavailable     = "DATABASE_UNAVAILABLE"
-	CodeCacheUnavailable        = "CACHE_UNAVAILABLE"
-	CodeInternal                = "INTERNAL"
+	// CodeClientClosedRequest is recorded (status 499, nginx's convention)
+	// when the client went away before the answer: its cancelled context,
+	// not the database, ended the request. Nobody receives it.
+	CodeClientClosedRequest = "CLIENT_CLOSED_REQUEST"
+	CodeCacheUnavailable    = "CACHE_UNAVAILABLE"
+	CodeInternal            = "INTERNAL"
 )
 
 const (
@@ -78,6 +82,7 @@ var kinds = map[string]problemKind{
 	CodeNotFound:                  {http.StatusNotFound, "Not found"},
 	CodeMethodNotAllowed:          {http.StatusMethodNotAllowed, "Method not allowed"},
 	CodeDatabaseUnavailable:       {http.StatusServiceUnavailable, "Database unavailable"},
+	CodeClientClosedRequest:       {StatusClientClosedRequest, "Client closed the request"},
 	CodeCacheUnavailable:          {http.StatusServiceUnavailable, "Cache unavailable"},
 	CodeInternal:                  {http.StatusInternalServerError, "Internal error"},
 }

@@ -277,9 +277,18 @@ func (s *Server) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	}
 }
 
+// StatusClientClosedRequest (499, nginx's convention) is the status recorded
+// in metrics and logs for a request whose client went away first.
+const StatusClientClosedRequest = 499
+
 // writeError answers err as a problem document (problemFor) and logs it:
-// 5xx at error level with the cause, 4xx at debug level.
+// 5xx at error level with the cause, 4xx at debug level. An error caused by
+// the client going away (its request context cancelled) is 499
+// CLIENT_CLOSED_REQUEST, not a database outage: it must not page anyone.
 func (s *Server) writeError(w http.ResponseWriter, r *http.Request, err error) {
+	if errors.Is(err, context.Canceled) && r.Context().Err() != nil {
+		err = &Error{Code: CodeClientClosedRequest, Detail: "the client closed the request before the answer", Err: err}
+	}
 	p := problemFor(err)
 	attrs := []any{slog.String("method", r.Method), slog.String("path", r.URL.Path), slog.Int("status", p.Status), slog.String("code", p.Code), slog.Any("error", err)}
 	if p.Status >= 500 {

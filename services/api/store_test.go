@@ -2,6 +2,9 @@ package api
 
 import (
 	"context"
+	"fmt"
+	"net/http"
+	"net/http/httptest"
 	"strings"
 	"testing"
 	"time"
@@ -64,5 +67,29 @@ func TestCreateTaskGuardsTheRecord(t *testing.T) {
 	var tasks int
 	if err := b.db.Pool.QueryRow(ctx, `SELECT count(*) FROM task WHERE task_id = 'guard-task-2'`).Scan(&tasks); err != nil || tasks != 0 {
 		t.Fatalf("tasks = %d, err %v; want 0", tasks, err)
+	}
+}
+
+// TestClientClosedIsNotAnOutage: a request ended by its own client's
+// cancellation is 499 CLIENT_CLOSED_REQUEST (no 503, no error log that
+// feeds the API error alert); the same error while the client still waits
+// stays 503 DATABASE_UNAVAILABLE.
+func TestClientClosedIsNotAnOutage(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	cause := fmt.Errorf("acquire connection: %w", context.Canceled)
+
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	w := httptest.NewRecorder()
+	b.srv.writeError(w, httptest.NewRequest(http.MethodPost, "/v1/tasks", nil).WithContext(ctx), cause)
+	if w.Code != StatusClientClosedRequest || !strings.Contains(w.Body.String(), CodeClientClosedRequest) {
+		t.Fatalf("client gone: status %d body %s, want 499 %s", w.Code, w.Body, CodeClientClosedRequest)
+	}
+
+	w = httptest.NewRecorder()
+	b.srv.writeError(w, httptest.NewRequest(http.MethodPost, "/v1/tasks", nil), cause)
+	if w.Code != http.StatusServiceUnavailable {
+		t.Fatalf("client waiting: status %d, want 503", w.Code)
 	}
 }
