@@ -538,7 +538,7 @@ func loadDocs(dir string) ([][]byte, error) {
 		return nil, fmt.Errorf("read documents in %s: %w", dir, err)
 	}
 	if len(docs) == 0 {
-		return nil, fmt.Errorf("no *.json documents in %s", dir)
+		return nil, fmt.Errorf("loadgen: --docs %s holds no *.json documents", dir)
 	}
 	return docs, nil
 }
@@ -710,7 +710,11 @@ func (res *Result) Print(w io.Writer) {
 		fmt.Fprintf(w, "not sent         %d requests due within the duration: the API did not keep up with the rate\n", res.Unsent)
 	}
 	c := res.CreateLatency
-	fmt.Fprintf(w, "create latency   p50 %.2f ms  p90 %.2f ms  p99 %.2f ms  max %.2f ms\n", c.P50, c.P90, c.P99, c.Max)
+	if c.Count == 0 {
+		fmt.Fprintf(w, "create latency   no answered request\n")
+	} else {
+		fmt.Fprintf(w, "create latency   p50 %.2f ms  p90 %.2f ms  p99 %.2f ms  max %.2f ms\n", c.P50, c.P90, c.P99, c.Max)
+	}
 	if len(res.Errors) > 0 {
 		codes := make([]string, 0, len(res.Errors))
 		for k := range res.Errors {
