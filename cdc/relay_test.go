@@ -510,14 +510,21 @@ func TestRelayLargeTransaction(t *testing.T) {
 	cfg := b.config()
 	cfg.MaxBufferedRecords = 100 // far below the transaction: backpressure, no whole-transaction buffer
 	cfg.FlushMaxRecords = 500
+	b.relayOneTransaction(t, cfg, 5000, 50)
+}
+
+// relayOneTransaction runs a relay with cfg (status updates every 20 ms)
+// over one transaction of n outbox rows on tasks tasks, waits until every
+// row is marked published and the slot is past the commit, stops the relay
+// and checks that Kafka holds every event exactly once.
+func (b *testBundle) relayOneTransaction(t *testing.T, cfg Config, n, tasks int) {
+	t.Helper()
 	cfg.StatusInterval = 20 * time.Millisecond
 	rr := b.start(t, cfg)
 	b.waitStreaming(t, rr)
-
-	const n = 5000
 	evs := make([]outboxEvent, n)
 	for i := range evs {
-		evs[i] = b.event(t, fmt.Sprintf("task-%d", i%50), int64(i/50+1))
+		evs[i] = b.event(t, fmt.Sprintf("task-%d", i%tasks), int64(i/tasks+1))
 	}
 	last := b.insertTx(t, evs...)
 	testenv.Eventually(t, 30*time.Second, "all rows published", func() bool { return b.unpublished(t) == 0 })
@@ -779,33 +786,11 @@ func TestRelayMarksInParallel(t *testing.T) {
 	cfg.MaxBufferedRecords = 3000
 	cfg.FlushMaxRecords = 400
 	cfg.MarkConcurrency = 3
-	cfg.StatusInterval = 20 * time.Millisecond
 	reg := prometheus.NewRegistry()
 	cfg.Registerer = reg
-	rr := b.start(t, cfg)
-	b.waitStreaming(t, rr)
-
 	const n = 6000
-	evs := make([]outboxEvent, n)
-	for i := range evs {
-		evs[i] = b.event(t, fmt.Sprintf("task-%d", i%60), int64(i/60+1))
-	}
-	last := b.insertTx(t, evs...)
-	testenv.Eventually(t, 30*time.Second, "all rows published", func() bool { return b.unpublished(t) == 0 })
-	testenv.Eventually(t, 10*time.Second, "slot confirmed past the commit", func() bool {
-		c, _, _ := b.slotState(t)
-		return c > last
-	})
-	if err := rr.stop(t); err != nil {
-		t.Fatalf("Run = %v, want nil", err)
-	}
+	b.relayOneTransaction(t, cfg, n, 60)
 	if got := counterSum(t, reg, "converge_relay_outbox_rows_marked_published_total"); got != n {
 		t.Errorf("rows marked published = %v, want %d", got, n)
-	}
-	ids := byEventID(b.readAll(t))
-	for _, e := range evs {
-		if len(ids[e.id]) != 1 {
-			t.Fatalf("event %s: %d records, want 1", e.id, len(ids[e.id]))
-		}
 	}
 }
