@@ -164,6 +164,7 @@ type RelayCmd struct {
 	Pipeline
 	MetricsAddr
 	HeartbeatInterval time.Duration `env:"CONVERGE_RELAY_HEARTBEAT_INTERVAL" default:"10s" help:"Interval of the relay's WAL heartbeat (pg_logical_emit_message) that advances the slot while the outbox is idle; 0 disables it."`
+	MarkConcurrency   int           `env:"CONVERGE_RELAY_MARK_CONCURRENCY" default:"2" help:"Connections on which the relay's published_at UPDATEs of one flush run at once (1 or more)."`
 }
 
 // Run relays until interrupted, then sends the final status update.
@@ -171,13 +172,16 @@ func (c *RelayCmd) Run(env *runEnv) error {
 	if err := need("CONVERGE_DATABASE_URL", c.DatabaseURL); err != nil {
 		return err
 	}
+	if c.MarkConcurrency < 1 {
+		return fmt.Errorf("CONVERGE_RELAY_MARK_CONCURRENCY %d: want 1 or more", c.MarkConcurrency)
+	}
 	reg := newRegistry()
 	heartbeat := c.HeartbeatInterval
 	if heartbeat == 0 {
 		heartbeat = -1 // disabled (cdc.Config: zero means the default)
 	}
 	r, err := cdc.New(cdc.Config{DatabaseURL: c.DatabaseURL, Brokers: c.KafkaBrokers, Topic: c.Topic, Partitions: c.TopicPartitions,
-		SlotName: c.SlotName, PublicationName: c.PublicationName, HeartbeatInterval: heartbeat,
+		SlotName: c.SlotName, PublicationName: c.PublicationName, HeartbeatInterval: heartbeat, MarkConcurrency: c.MarkConcurrency,
 		Logger: env.log, Registerer: reg, Faults: env.faults,
 		KafkaOpts: []kgo.Opt{kafkametrics.ClientMetrics(reg, "relay")}})
 	if err != nil {

@@ -224,6 +224,9 @@ type Result struct {
 	// Duration that were never sent because every client was still busy:
 	// the API did not keep up with the rate.
 	Unsent int `json:"unsent,omitempty"`
+	// WaitError is the last failed task read of the wait when tasks stayed
+	// pending: they may have completed while the API could not be read.
+	WaitError string `json:"wait_error,omitempty"`
 	// KeyPrefix starts the Idempotency-Key of every request of the run
 	// (the key of request i is KeyPrefix + i): how to find its tasks.
 	KeyPrefix string `json:"key_prefix"`
@@ -293,9 +296,12 @@ func Run(ctx context.Context, cfg Config) (*Result, error) {
 	res.Pending = res.Accepted
 	if cfg.Wait && res.Accepted > 0 {
 		waitStart := time.Now()
-		states := wait(ctx, cfg, res.TaskIDs)
+		states, readErr := wait(ctx, cfg, res.TaskIDs)
 		res.WaitSeconds = time.Since(waitStart).Seconds()
 		summarize(res, states)
+		if readErr != nil && res.Pending > 0 {
+			res.WaitError = readErr.Error()
+		}
 	}
 	return res, nil
 }
@@ -627,14 +633,20 @@ const waitWindow = 512
 
 // wait polls the tasks until all are terminal or WaitTimeout passes, and
 // returns the last state read of each.
-func wait(ctx context.Context, cfg Config, ids []string) map[string]TaskState {
+func wait(ctx context.Context, cfg Config, ids []string) (map[string]TaskState, error) {
 	ctx, cancel := context.WithTimeout(ctx, cfg.WaitTimeout)
 	defer cancel()
 	states := make(map[string]TaskState, len(ids))
 	pending := slices.Clone(ids)
+	var lastErr error // the last failed read, nil once a read succeeds
 	for len(pending) > 0 {
 		window := slices.Clone(pending[:min(len(pending), waitWindow)])
-		got, _ := cfg.Tasks.Tasks(ctx, window)
+		got, err := cfg.Tasks.Tasks(ctx, window)
+		if err != nil && ctx.Err() == nil {
+			lastErr = err
+		} else if err == nil {
+			lastErr = nil
+		}
 		for id, st := range got {
 			states[id] = st
 		}
@@ -656,16 +668,19 @@ func wait(ctx context.Context, cfg Config, ids []string) map[string]TaskState {
 			// One last read of everything still pending, so the result
 			// reflects the end of the wait.
 			rctx, rcancel := context.WithTimeout(context.WithoutCancel(ctx), 30*time.Second)
-			got, _ := cfg.Tasks.Tasks(rctx, pending)
+			got, err := cfg.Tasks.Tasks(rctx, pending)
 			rcancel()
+			if err != nil {
+				lastErr = err
+			}
 			for id, st := range got {
 				states[id] = st
 			}
-			return states
+			return states, lastErr
 		case <-time.After(DefaultPollInterval):
 		}
 	}
-	return states
+	return states, nil
 }
 
 // summarize fills the task outcome fields of res from states.
@@ -731,6 +746,9 @@ func (res *Result) Print(w io.Writer) {
 	if res.WaitSeconds > 0 || res.Completed > 0 {
 		e := res.EndToEnd
 		fmt.Fprintf(w, "tasks            %d completed, %d failed, %d pending (waited %.1fs)\n", res.Completed, res.Failed, res.Pending, res.WaitSeconds)
+		if res.WaitError != "" {
+			fmt.Fprintf(w, "                 reading tasks failed: %s (pending tasks may have completed)\n", res.WaitError)
+		}
 		fmt.Fprintf(w, "end to end       p50 %.2f ms  p90 %.2f ms  p99 %.2f ms  max %.2f ms\n", e.P50, e.P90, e.P99, e.Max)
 		fmt.Fprintf(w, "completed        %.1f tasks/s\n", res.CompletedPerSec)
 	}

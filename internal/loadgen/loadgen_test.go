@@ -3,6 +3,7 @@ package loadgen
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"io"
 	"math"
 	"net/http"
@@ -228,5 +229,27 @@ func TestPreflightRefusesMetricsPort(t *testing.T) {
 	_, err := Run(context.Background(), Config{BaseURL: ts.URL, Count: 5})
 	if err == nil || !strings.Contains(err.Error(), "not a metrics port") || posts.Load() != 0 {
 		t.Fatalf("Run = %v after %d POSTs, want a refusal before any request", err, posts.Load())
+	}
+}
+
+type failingTasks struct{}
+
+func (failingTasks) Tasks(context.Context, []string) (map[string]TaskState, error) {
+	return nil, errors.New("connection refused")
+}
+
+// TestWaitReportsReadFailures: when the tasks cannot be read during the
+// wait, the result says so instead of only counting them pending.
+func TestWaitReportsReadFailures(t *testing.T) {
+	t.Parallel()
+	api := &fakeAPI{keys: map[string]bool{}, created: time.Now()}
+	ts := httptest.NewServer(api)
+	defer ts.Close()
+	res, err := Run(context.Background(), Config{BaseURL: ts.URL, Count: 3, Wait: true, WaitTimeout: 300 * time.Millisecond, Tasks: failingTasks{}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if res.Pending != 3 || !strings.Contains(res.WaitError, "connection refused") {
+		t.Fatalf("pending %d wait error %q, want 3 and the read error", res.Pending, res.WaitError)
 	}
 }
