@@ -14,6 +14,7 @@ import (
 	"golang.org/x/sync/errgroup"
 
 	"github.com/converge-run/converge/internal/artifact"
+	"github.com/converge-run/converge/internal/dbpool"
 	"github.com/converge-run/converge/internal/taskevent"
 	"github.com/converge-run/converge/projections/taskview"
 )
@@ -226,12 +227,8 @@ func New(cfg Config) (*Reconciler, error) {
 			return nil, fmt.Errorf("reconciler: %w", err)
 		}
 	}
-	if r.pool == nil {
-		pool, err := pgxpool.New(context.Background(), cfg.DatabaseURL)
-		if err != nil {
-			return nil, fmt.Errorf("reconciler: open database pool: %w", err)
-		}
-		r.pool, r.ownPool = pool, true
+	if r.pool, r.ownPool, err = dbpool.Use(r.pool, cfg.DatabaseURL, "reconciler"); err != nil {
+		return nil, err
 	}
 	return r, nil
 }

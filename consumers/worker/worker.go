@@ -16,6 +16,7 @@ import (
 	"github.com/twmb/franz-go/pkg/kmsg"
 
 	"github.com/converge-run/converge/internal/artifact"
+	"github.com/converge-run/converge/internal/dbpool"
 	"github.com/converge-run/converge/internal/fault"
 	"github.com/converge-run/converge/internal/kafkatopic"
 	"github.com/converge-run/converge/internal/taskevent"
@@ -209,12 +210,8 @@ func New(cfg Config) (*Worker, error) {
 		return nil, err
 	}
 	w := &Worker{cfg: cfg, log: cfg.Logger, pool: cfg.Pool, store: cfg.ArtifactStore, faults: cfg.Faults, m: m}
-	if w.pool == nil {
-		pool, err := pgxpool.New(context.Background(), cfg.DatabaseURL)
-		if err != nil {
-			return nil, fmt.Errorf("worker: open database pool: %w", err)
-		}
-		w.pool, w.ownPool = pool, true
+	if w.pool, w.ownPool, err = dbpool.Use(w.pool, cfg.DatabaseURL, "worker"); err != nil {
+		return nil, err
 	}
 	return w, nil
 }
