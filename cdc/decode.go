@@ -146,11 +146,12 @@ func (row outboxRow) record(topic string) (*kgo.Record, string, error) {
 			return nil, "", fmt.Errorf("%w: outbox row %s: %v", ErrInvalidRow, row.outboxID, err)
 		}
 	}
+	hs := taskevent.Headers(row.outboxID, row.eventType, row.aggregateVersion, row.payloadSHA256)
 	r := new(recordWithHeaders)
-	buf := make([]byte, 0, len(row.aggregateID)+headerValuesLen(row.outboxID, row.eventType, row.payloadSHA256))
+	buf := make([]byte, 0, len(row.aggregateID)+valuesLen(&hs))
 	buf = append(buf, row.aggregateID...)
 	key := buf[:len(buf):len(buf)]
-	appendHeaders(&r.headers, buf, row.outboxID, row.eventType, row.aggregateVersion, row.payloadSHA256)
+	appendHeaders(&r.headers, buf, &hs)
 	r.rec = kgo.Record{
 		Topic:   topic,
 		Key:     key,

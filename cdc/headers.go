@@ -1,56 +1,39 @@
 package cdc
 
 import (
-	"strconv"
-
 	"github.com/twmb/franz-go/pkg/kgo"
 
 	"github.com/converge-run/converge/internal/taskevent"
 )
 
-// numHeaders is the number of headers of a task-event record
-// (taskevent.Headers).
-const numHeaders = 5
-
-// contentTypeJSON is the HeaderContentType value of every record.
-const contentTypeJSON = "application/json"
-
 // recordWithHeaders is a record and the array behind its Headers, allocated
 // together.
 type recordWithHeaders struct {
 	rec     kgo.Record
-	headers [numHeaders]kgo.RecordHeader
+	headers [taskevent.NumHeaders]kgo.RecordHeader
 }
 
-// maxInt64Len is the length of the longest decimal int64,
-// -9223372036854775808.
-const maxInt64Len = 20
-
-// headerValuesLen is the number of bytes appendHeaders appends at most.
-func headerValuesLen(eventID, eventType, payloadSHA256 string) int {
-	return len(eventID) + len(eventType) + maxInt64Len + len(payloadSHA256) + len(contentTypeJSON)
+// valuesLen is the number of bytes the values of hs take.
+func valuesLen(hs *[taskevent.NumHeaders][2]string) int {
+	n := 0
+	for _, h := range hs {
+		n += len(h[1])
+	}
+	return n
 }
 
-// appendHeaders sets hs to the headers taskevent.Headers(eventID, eventType,
-// version, payloadSHA256) returns, in its order, without building the
-// intermediate [][2]string: the values are appended to buf and each header's
-// Value is a sub-slice of it, capped at its length (appending to one value
-// never overwrites the next). With headerValuesLen bytes of room in buf
-// nothing is allocated; with less, buf grows, which is correct but
+// appendHeaders sets out to the headers hs (taskevent.Headers, the header
+// contract), in their order: the values are appended to buf and each
+// header's Value is a sub-slice of it, capped at its length (appending to
+// one value never overwrites the next). With valuesLen(hs) bytes of room in
+// buf nothing is allocated; with less, buf grows, which is correct but
 // allocates. It returns buf.
-func appendHeaders(hs *[numHeaders]kgo.RecordHeader, buf []byte, eventID, eventType string, version int64, payloadSHA256 string) []byte {
-	var v []byte
-	buf, v = appendValue(buf, eventID)
-	hs[0] = kgo.RecordHeader{Key: taskevent.HeaderEventID, Value: v}
-	buf, v = appendValue(buf, eventType)
-	hs[1] = kgo.RecordHeader{Key: taskevent.HeaderEventType, Value: v}
-	n := len(buf)
-	buf = strconv.AppendInt(buf, version, 10)
-	hs[2] = kgo.RecordHeader{Key: taskevent.HeaderAggregateVersion, Value: buf[n:len(buf):len(buf)]}
-	buf, v = appendValue(buf, payloadSHA256)
-	hs[3] = kgo.RecordHeader{Key: taskevent.HeaderPayloadSHA256, Value: v}
-	buf, v = appendValue(buf, contentTypeJSON)
-	hs[4] = kgo.RecordHeader{Key: taskevent.HeaderContentType, Value: v}
+func appendHeaders(out *[taskevent.NumHeaders]kgo.RecordHeader, buf []byte, hs *[taskevent.NumHeaders][2]string) []byte {
+	for i, h := range hs {
+		var v []byte
+		buf, v = appendValue(buf, h[1])
+		out[i] = kgo.RecordHeader{Key: h[0], Value: v}
+	}
 	return buf
 }
 

@@ -360,14 +360,14 @@ func TestHeaders(t *testing.T) {
 	t.Parallel()
 	sum := strings.Repeat("0f", 32)
 	got := taskevent.Headers("evt-1", taskevent.TypeTaskCompleted, 9007199254740991, sum)
-	want := [][2]string{
+	want := [taskevent.NumHeaders][2]string{
 		{"event-id", "evt-1"},
 		{"event-type", "TaskCompleted"},
 		{"aggregate-version", "9007199254740991"},
 		{"payload-sha256", sum},
 		{"content-type", "application/json"},
 	}
-	if !slices.Equal(got, want) {
+	if got != want {
 		t.Errorf("Headers =\n%v\nwant\n%v", got, want)
 	}
 	// The names are the exported constants, in that order.
