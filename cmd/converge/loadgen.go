@@ -29,7 +29,7 @@ type LoadgenCmd struct {
 func (c *LoadgenCmd) Run(env *runEnv) error {
 	res, err := loadgen.Run(env.ctx, loadgen.Config{
 		BaseURL: c.APIURL, Rate: c.Rate, Clients: c.Clients, Duration: c.Duration, Count: c.Count,
-		DocsDir: c.Docs, DocSize: c.DocSize, Wait: c.Wait, WaitTimeout: c.WaitTimeout,
+		DocsDir: c.Docs, DocSize: c.DocSize, Wait: c.Wait, WaitTimeout: c.WaitTimeout, Progress: os.Stderr,
 	})
 	if err != nil {
 		return err

@@ -88,7 +88,10 @@ type Config struct {
 	Tasks TaskReader
 	// HTTP is the client. Defaults to one whose transport keeps Clients
 	// idle connections to the API, with a 60s timeout.
-	HTTP *http.Client
+	// Progress, when set, receives one line when sending starts (the
+	// Idempotency-Key prefix, so that a run that dies can still be traced).
+	Progress io.Writer
+	HTTP     *http.Client
 }
 
 func (c *Config) setDefaults() error {
@@ -263,6 +266,9 @@ func Run(ctx context.Context, cfg Config) (*Result, error) {
 	}
 	if err := preflight(ctx, &cfg); err != nil {
 		return nil, err
+	}
+	if cfg.Progress != nil {
+		fmt.Fprintf(cfg.Progress, "idempotency keys %s<n>; sending\n", cfg.KeyPrefix)
 	}
 	r := &run{cfg: cfg, docs: docs, errors: map[string]int{}, firstErr: map[string]string{}}
 	res := &Result{Model: "closed", Clients: cfg.Clients, KeyPrefix: cfg.KeyPrefix}

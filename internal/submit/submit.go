@@ -290,7 +290,7 @@ func Run(ctx context.Context, w io.Writer, c *Client, paths []string, concurrenc
 			s.Replayed++
 		}
 	}
-	fmt.Fprintf(w, "%d documents: %d completed, %d failed, %d rejected, %d errors; %d were already submitted (replayed, no new task)\n",
+	fmt.Fprintf(w, "%d documents: %d completed, %d failed, %d rejected, %d errors; already submitted: %d (replayed, no new task)\n",
 		s.Documents, s.Completed, s.Failed, s.Rejected, s.Errors, s.Replayed)
 	return s, nil
 }

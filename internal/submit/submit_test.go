@@ -624,7 +624,7 @@ func TestRun(t *testing.T) {
 			t.Errorf("line %d = %q, want %s of %s", i, l, status[i], order[i])
 		}
 	}
-	wantSummary := "5 documents: 3 completed, 1 failed, 1 rejected, 0 errors; 0 were already submitted (replayed, no new task)"
+	wantSummary := "5 documents: 3 completed, 1 failed, 1 rejected, 0 errors; already submitted: 0 (replayed, no new task)"
 	if lines[5] != wantSummary {
 		t.Errorf("summary line = %q, want %q", lines[5], wantSummary)
 	}
