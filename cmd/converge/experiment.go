@@ -11,13 +11,14 @@ import (
 
 	"github.com/twmb/franz-go/pkg/kfake"
 
-	"github.com/converge-run/converge/internal/experiment"
+	"github.com/converge-run/converge/cmd/converge/internal/experiment"
+	"github.com/converge-run/converge/internal/devbroker"
 	"github.com/converge-run/converge/internal/localpg"
 	"github.com/converge-run/converge/internal/localredis"
 	"github.com/converge-run/converge/internal/taskevent"
 )
 
-// ExperimentCmd runs the fault-injection experiments (internal/experiment).
+// ExperimentCmd runs the fault-injection experiments (cmd/converge/internal/experiment).
 type ExperimentCmd struct {
 	List ExperimentListCmd `cmd:"" help:"List the experiments."`
 	Run  ExperimentRunCmd  `cmd:"" help:"Run experiments against the real pipeline on fresh embedded services."`
@@ -92,7 +93,8 @@ func (c *ExperimentRunCmd) Run(env *runEnv) error {
 		if err := ensureDatabase(ctx, pg.URL("postgres"), db); err != nil {
 			return err
 		}
-		kc, err := kfake.NewCluster(kfake.NumBrokers(1), kfake.SeedTopics(4, taskevent.DefaultTopic, taskevent.DeadLetterTopic(taskevent.DefaultTopic)))
+		kc, err := devbroker.Start(devbroker.Config{Logger: env.log.With("experiment", e.Name, "component", "devbroker"),
+			Opts: []kfake.Opt{kfake.NumBrokers(1), kfake.SeedTopics(4, taskevent.DefaultTopic, taskevent.DeadLetterTopic(taskevent.DefaultTopic))}})
 		if err != nil {
 			return fmt.Errorf("embedded Kafka broker: %w", err)
 		}
