@@ -78,7 +78,7 @@ type outboxRow struct {
 	aggregateID      string
 	aggregateVersion int64
 	eventType        string
-	payload          []byte // the payload column's text: canonical JSON as written, or jsonb's rendering for rows older than migration 00004
+	payload          []byte // the payload column's text: canonical JSON as written
 	payloadSHA256    string // the column, as written by the producer of the row
 }
 
@@ -119,33 +119,22 @@ func (rel *relation) decode(t *pglogrepl.TupleData) (outboxRow, error) {
 }
 
 // record builds the Kafka record of row (the taskevent contract): key =
-// aggregate_id (the task id), value = the canonical payload, headers as
-// taskevent.Headers with the payload_sha256 column. It also returns the
-// SHA-256 of the value, which must equal the column.
+// aggregate_id (the task id), value = the payload bytes as stored, headers
+// as taskevent.Headers with the payload_sha256 column. It reports whether
+// the column is the SHA-256 of the payload bytes.
 //
-// Fast path: when the SHA-256 of the payload bytes equals the column, the
-// value is the payload bytes as stored, not parsed: every writer stores the
-// canonical JSON it hashed (taskevent.Encode), so those bytes are the
-// canonical form. The relay trusts that: a writer that stored and hashed
-// non-canonical JSON gets it relayed as it is (the database only guarantees
-// it is JSON). Otherwise (a row written before migration 00004, whose text
-// is jsonb's rendering, or non-canonical JSON stored with the hash of its
-// canonical form) the value is the RFC 8785 form of the payload
-// (taskevent.Canonical) and the returned hash is its hash, which the caller
-// compares with the column. A payload that cannot be canonicalized (RFC 8785
-// / I-JSON) is an error wrapping ErrInvalidRow.
+// Every writer stores the canonical JSON it encoded and hashed (package
+// outbox, taskevent.Encode), so the stored bytes are the value: the relay
+// hashes them and never parses them. A row whose column is not the hash of
+// its bytes is relayed as it is, column as header (consumers detect the
+// mismatch and dead-letter the record), and the caller counts it; a payload
+// that is JSON but not I-JSON is relayed too and refused by the consumers'
+// strict decoding. Either way the stream goes on.
 //
-// The value shares row.payload. The record takes two allocations on the fast
-// path: the record with its headers, and one buffer for the key and the
-// header values.
-func (row outboxRow) record(topic string) (*kgo.Record, string, error) {
-	value, sum := row.payload, row.payloadSHA256
-	if !sha256HexEqual(row.payload, row.payloadSHA256) {
-		var err error
-		if value, sum, err = taskevent.Canonical(row.payload); err != nil {
-			return nil, "", fmt.Errorf("%w: outbox row %s: %v", ErrInvalidRow, row.outboxID, err)
-		}
-	}
+// The value shares row.payload. The record takes two allocations: the
+// record with its headers, and one buffer for the key and the header
+// values.
+func (row outboxRow) record(topic string) (rec *kgo.Record, hashMatches bool) {
 	hs := taskevent.Headers(row.outboxID, row.eventType, row.aggregateVersion, row.payloadSHA256)
 	r := new(recordWithHeaders)
 	buf := make([]byte, 0, len(row.aggregateID)+valuesLen(&hs))
@@ -155,10 +144,10 @@ func (row outboxRow) record(topic string) (*kgo.Record, string, error) {
 	r.rec = kgo.Record{
 		Topic:   topic,
 		Key:     key,
-		Value:   value,
+		Value:   row.payload,
 		Headers: r.headers[:],
 	}
-	return &r.rec, sum, nil
+	return &r.rec, sha256HexEqual(row.payload, row.payloadSHA256)
 }
 
 // sha256HexEqual reports whether sum is the lowercase hex SHA-256 of b,

@@ -25,16 +25,13 @@
 //
 //   - Value: outbox_event.payload is text (migration 00004) holding the
 //     canonical JSON each writer encoded and hashed into payload_sha256
-//     (taskevent.Encode). When the SHA-256 of the payload bytes equals
-//     payload_sha256, the stored bytes are the value, not parsed (a hash per
-//     row, no allocation for the value). Otherwise (a row written before
-//     00004, whose text is jsonb's rendering; JSON stored in another form
-//     with the hash of its canonical form) the payload is parsed and the
-//     value is its RFC 8785 form, as for every row before 00004. The relay
-//     therefore trusts a writer whose hash matches the bytes it stored to
-//     have stored canonical JSON; the database guarantees only that the
-//     payload is JSON (CHECK outbox_event_payload_json_check, what the
-//     jsonb column guaranteed before).
+//     (package outbox, taskevent.Encode). The stored bytes are the value:
+//     the relay hashes them (no allocation for the value) and never parses
+//     them. A row whose payload_sha256 is not the hash of its bytes is
+//     relayed as it is, the column as header, logged and counted: the
+//     consumers refuse it (PAYLOAD_HASH_MISMATCH) and dead-letter it, and
+//     the stream goes on. The database guarantees only that the payload is
+//     JSON (CHECK outbox_event_payload_json_check).
 //   - Produce: rows are produced as they are decoded, never buffered per
 //     transaction; at most MaxBufferedRecords records are in flight, from
 //     decoding until acknowledged AND marked published (decoding waits for
@@ -53,6 +50,19 @@
 //     confirmable LSN when it sends a status update. A failure of the
 //     marker (an UPDATE error, an injected fault) stops Run with no further
 //     status update.
+//   - Commit visibility (internal/outbox, visibility.go): PostgreSQL flushes a commit record
+//     and wakes the WAL senders before the committing backend leaves the
+//     proc array (with a synchronous standby, only after the standby
+//     confirmed), so the relay can decode, produce and have Kafka
+//     acknowledge rows that the UPDATE does not see yet. The UPDATE's
+//     affected row count is compared with its ids; when it is short, one
+//     statement reads the rows and its own snapshot (pg_current_snapshot):
+//     a row found marked is done, a row found unmarked or absent while its
+//     transaction (the xid of its pgoutput Begin) is still in progress for
+//     that snapshot is given back to the tracker and tried again at the next
+//     flush, and only a row absent although its transaction is visible
+//     (deleted after its commit) is counted done without a mark, logged and
+//     counted. A row not yet visible holds the slot before its transaction.
 //   - The slot advances only to the end LSN of the last transaction of the
 //     longest WAL-ordered prefix of transactions whose Commit was seen and
 //     whose rows are all done. franz-go completes partitions independently,
@@ -88,11 +98,9 @@
 //     flushes and status updates happen while the stream is idle.
 //   - A record whose produce fails for good (non-retryable error,
 //     DeliveryTimeout) stops Run with an error; the restarted relay resumes
-//     from the slot. A row that cannot be relayed (payload not I-JSON when
-//     it is parsed, undecodable column) stops Run with ErrInvalidRow rather
-//     than being skipped. A payload_sha256 column that differs from the hash
-//     of the canonical payload is relayed as it is (consumers detect it) and
-//     counted.
+//     from the slot. A row that cannot be decoded (a column that is not
+//     text, an aggregate_version that is not an integer) stops Run with
+//     ErrInvalidRow rather than being skipped.
 //   - Shutdown (ctx cancelled): stop reading, wait up to ShutdownTimeout for
 //     in-flight records, mark the acknowledged rows published, send a final
 //     status update with the confirmable LSN, close, return nil.
@@ -130,6 +138,8 @@
 //	converge_relay_transactions_in_flight                     gauge      -           decoded transactions the slot has not passed yet
 //	converge_relay_records_in_flight                          gauge      -           records produced, not yet acknowledged and marked published
 //	converge_relay_outbox_rows_marked_published_total         counter    -           rows whose published_at this relay set
+//	converge_relay_outbox_rows_not_yet_visible_total          counter    -           times a flush found an acknowledged row not yet visible (retried at the next flush)
+//	converge_relay_outbox_rows_gone_total                     counter    -           acknowledged rows deleted after their commit before they were marked
 //	converge_relay_status_updates_total                       counter    -           standby status updates sent
 //
 // The relay's franz-go client exports converge_kafka_client_*{component=

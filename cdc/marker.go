@@ -11,6 +11,7 @@ import (
 	"golang.org/x/sync/errgroup"
 
 	"github.com/converge-run/converge/internal/fault"
+	"github.com/converge-run/converge/internal/outbox"
 )
 
 // The marker: one goroutine takes the rows Kafka acknowledged, runs the
@@ -85,14 +86,18 @@ func (s *session) marker(ctx context.Context) {
 		}
 		t.Stop()
 		for {
-			if err := s.flush(ctx); err != nil {
+			n, err := s.flush(ctx)
+			if err != nil {
 				s.setMarkErr(err)
 				return
 			}
 			if stopping {
 				return
 			}
-			if s.tr.pending() < s.cfg.FlushMaxRecords {
+			// Flush again at once while a full batch waits, unless this
+			// flush counted nothing done (rows not yet visible wait for
+			// the next interval).
+			if n == 0 || s.tr.pending() < s.cfg.FlushMaxRecords {
 				break
 			}
 		}
@@ -124,78 +129,137 @@ func (s *session) markFailure() error {
 	return s.markErr
 }
 
-// flush marks the acknowledged rows published (markChunks) and only then counts them as done in the tracker,
-// releasing their s.sem tokens. The fault points fire around the UPDATEs
-// when there is something to mark. markDone and the fault point after the
-// UPDATEs happen under markMu, which sendStatus also takes to read the
-// confirmable LSN: a status update never confirms rows whose
-// RelayAfterAckBeforeConfirm fired.
-func (s *session) flush(ctx context.Context) error {
+// flush marks the acknowledged rows published (markChunks) and only then
+// counts them as done in the tracker, releasing their s.sem tokens. Rows
+// that are not yet visible to other sessions (visibility.go) are given back
+// to the tracker for the next flush: their transactions, and every later
+// one, stay unconfirmed, so the slot never advances past a row that is not
+// marked. The fault points fire around the UPDATEs when there is something
+// to mark. markDone and the fault point after the UPDATEs happen under
+// markMu, which sendStatus also takes to read the confirmable LSN: a status
+// update never confirms rows whose RelayAfterAckBeforeConfirm fired. It
+// returns how many rows it counted done.
+func (s *session) flush(ctx context.Context) (int, error) {
 	rows := s.tr.takeAcked()
 	if len(rows) == 0 {
-		return nil
+		return 0, nil
 	}
 	if err := s.cfg.Faults.Err(fault.RelayBeforeMarkPublished); err != nil {
-		return fmt.Errorf("mark %d outbox rows published: %w", len(rows), err)
+		return 0, fmt.Errorf("mark %d outbox rows published: %w", len(rows), err)
 	}
 	uctx, cancel := context.WithTimeout(ctx, updateTimeout)
 	defer cancel()
-	if err := s.markChunks(uctx, rows); err != nil {
-		return err
+	done, retry, err := s.markChunks(uctx, rows)
+	if err != nil {
+		return 0, err
 	}
 	s.markMu.Lock()
 	defer s.markMu.Unlock()
-	s.tr.markDone(rows)
+	s.tr.markDone(done)
+	s.tr.requeue(retry)
 	if err := s.cfg.Faults.Err(fault.RelayAfterAckBeforeConfirm); err != nil {
 		err = fmt.Errorf("confirm lsn %s: %w", s.tr.confirmable(), err)
 		if s.markErr == nil {
 			s.markErr = err
 		}
-		return err
+		return 0, err
 	}
-	for range rows {
+	for range done {
 		<-s.sem
 	}
 	s.updateGauges()
-	return nil
+	return len(done), nil
 }
 
 // minMarkChunk is the fewest rows an UPDATE of a flush that is split
 // across MarkConcurrency connections gets.
 const minMarkChunk = 100
 
+// invisibleWarnAfter is how long a row may stay invisible before the
+// relay warns (a synchronous standby that does not confirm holds every
+// commit invisible).
+const invisibleWarnAfter = 5 * time.Second
+
 // markChunks runs the published_at UPDATEs of rows: chunks of at most
 // FlushMaxRecords rows, up to MarkConcurrency of them at once on their own
 // connections. It returns after every UPDATE ended, with the first error.
-// Chunks that committed before another failed stay marked; the rows are not
+// A chunk whose UPDATE affected fewer rows than it holds is classified
+// (outbox.Classify): rows found marked or gone are done, rows not yet
+// visible (or visible only after the UPDATE) are returned in retry. On an
+// error, chunks that committed before another failed stay marked; no row is
 // counted done, so the slot does not move past them and a restarted relay
 // produces them again (the UPDATE skips rows already marked).
-func (s *session) markChunks(ctx context.Context, rows []ackedRow) error {
+func (s *session) markChunks(ctx context.Context, rows []ackedRow) (done, retry []ackedRow, err error) {
 	size := min(s.cfg.FlushMaxRecords, max(minMarkChunk, (len(rows)+s.cfg.MarkConcurrency-1)/s.cfg.MarkConcurrency))
 	var chunks [][]ackedRow
 	for start := 0; start < len(rows); start += size {
 		chunks = append(chunks, rows[start:min(start+size, len(rows))])
 	}
+	var mu sync.Mutex
 	mark := func(chunk []ackedRow) error {
 		ids := make([]string, len(chunk))
 		for i, row := range chunk {
 			ids[i] = row.outboxID
 		}
-		n, err := s.store.markPublished(ctx, ids)
-		if err == nil {
-			s.m.publishedMarked.Add(float64(n))
+		n, err := outbox.MarkPublished(ctx, s.pool, ids)
+		if err != nil {
+			return err
 		}
-		return err
+		s.m.publishedMarked.Add(float64(n))
+		if int(n) == len(chunk) {
+			mu.Lock()
+			done = append(done, chunk...)
+			mu.Unlock()
+			return nil
+		}
+		pending := make([]outbox.Pending, len(chunk))
+		for i, row := range chunk {
+			pending[i] = outbox.Pending{ID: row.outboxID, XID: row.xid}
+		}
+		st, err := outbox.Classify(ctx, s.pool, pending)
+		if err != nil {
+			return err
+		}
+		now := time.Now()
+		mu.Lock()
+		defer mu.Unlock()
+		for i, row := range chunk {
+			switch st[i] {
+			case outbox.Marked:
+				done = append(done, row)
+			case outbox.Gone:
+				s.m.outboxRowsGone.Inc()
+				s.log.WarnContext(ctx, "outbox row deleted after its commit before it was marked published; its event was published",
+					slog.String("outbox_id", row.outboxID), slog.Uint64("xid", uint64(row.xid)))
+				done = append(done, row)
+			default: // Unmarked, Invisible
+				s.m.outboxRowsInvisible.Inc()
+				if row.invisibleSince.IsZero() {
+					row.invisibleSince = now
+				} else if d := now.Sub(row.invisibleSince); d >= invisibleWarnAfter && d-invisibleWarnAfter < s.cfg.FlushInterval {
+					s.log.WarnContext(ctx, "a published outbox row is still not visible to other sessions; its commit may be waiting for a synchronous standby (the slot waits)",
+						slog.String("outbox_id", row.outboxID), slog.Uint64("xid", uint64(row.xid)), slog.Duration("invisible_for", d))
+				}
+				retry = append(retry, row)
+			}
+		}
+		return nil
 	}
 	if len(chunks) == 1 {
-		return mark(chunks[0])
+		if err := mark(chunks[0]); err != nil {
+			return nil, nil, err
+		}
+		return done, retry, nil
 	}
 	var g errgroup.Group
 	g.SetLimit(s.cfg.MarkConcurrency)
 	for _, chunk := range chunks {
 		g.Go(func() error { return mark(chunk) })
 	}
-	return g.Wait()
+	if err := g.Wait(); err != nil {
+		return nil, nil, err
+	}
+	return done, retry, nil
 }
 
 // markGuard is the state shared by the marker and the loop.

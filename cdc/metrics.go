@@ -8,16 +8,19 @@ import (
 
 // metrics are the converge_relay_* collectors (listed in doc.go).
 type metrics struct {
-	published        *prometheus.CounterVec
-	produceErrors    prometheus.Counter
-	hashMismatches   prometheus.Counter
-	commitToAck      prometheus.Histogram
-	confirmedLSN     prometheus.Gauge
-	slotLag          prometheus.Gauge
-	txnsInFlight     prometheus.Gauge
-	recordsInFlight  prometheus.Gauge
-	publishedMarked  prometheus.Counter
-	statusUpdatesOut prometheus.Counter
+	published       *prometheus.CounterVec
+	produceErrors   prometheus.Counter
+	hashMismatches  prometheus.Counter
+	commitToAck     prometheus.Histogram
+	confirmedLSN    prometheus.Gauge
+	slotLag         prometheus.Gauge
+	txnsInFlight    prometheus.Gauge
+	recordsInFlight prometheus.Gauge
+	publishedMarked prometheus.Counter
+
+	outboxRowsInvisible prometheus.Counter
+	outboxRowsGone      prometheus.Counter
+	statusUpdatesOut    prometheus.Counter
 
 	lastAckedLSN      prometheus.Gauge
 	slotRetained      prometheus.Gauge
@@ -104,13 +107,21 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 			Name: "converge_relay_outbox_rows_marked_published_total",
 			Help: "Outbox rows whose published_at the relay set (rows already marked by an earlier run are not counted).",
 		}),
+		outboxRowsInvisible: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "converge_relay_outbox_rows_not_yet_visible_total",
+			Help: "Times a flush found an acknowledged outbox row not yet visible to other sessions (its commit not yet visible, e.g. waiting for a synchronous standby); the row is marked at a later flush and the slot waits for it.",
+		}),
+		outboxRowsGone: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "converge_relay_outbox_rows_gone_total",
+			Help: "Acknowledged outbox rows found deleted after their commit before they could be marked published (their events were published).",
+		}),
 		statusUpdatesOut: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "converge_relay_status_updates_total",
 			Help: "Standby status updates sent to PostgreSQL.",
 		}),
 	}
 	for _, c := range []prometheus.Collector{m.published, m.produceErrors, m.hashMismatches, m.commitToAck,
-		m.confirmedLSN, m.slotLag, m.txnsInFlight, m.recordsInFlight, m.publishedMarked, m.statusUpdatesOut,
+		m.confirmedLSN, m.slotLag, m.txnsInFlight, m.recordsInFlight, m.publishedMarked, m.outboxRowsInvisible, m.outboxRowsGone, m.statusUpdatesOut,
 		m.lastAckedLSN, m.slotRetained, m.slotWALStatus, m.slotSampleErrors, m.heartbeatsEmitted, m.heartbeatErrors,
 		m.heartbeatRTT, m.heartbeatLastSeen} {
 		if err := reg.Register(c); err != nil {

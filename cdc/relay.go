@@ -14,6 +14,8 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/twmb/franz-go/pkg/kgo"
 
+	"github.com/converge-run/converge/internal/canon"
+	"github.com/converge-run/converge/internal/kafkalog"
 	"github.com/converge-run/converge/internal/kafkatopic"
 )
 
@@ -32,8 +34,8 @@ var (
 	// ErrSlotActive: another process streams from the slot (PostgreSQL
 	// allows one consumer per slot).
 	ErrSlotActive = errors.New("replication slot is active in another process")
-	// ErrInvalidRow: an outbox row cannot be relayed (undecodable column,
-	// payload that is not I-JSON). The relay stops rather than skip it.
+	// ErrInvalidRow: an outbox row cannot be relayed (undecodable column).
+	// The relay stops rather than skip it.
 	ErrInvalidRow = errors.New("invalid outbox row")
 	// ErrAlreadyRunning: Run was called while a Run of the same Relay is
 	// still going.
@@ -212,7 +214,7 @@ func (r *Relay) open(ctx context.Context) (_ *session, err error) {
 		kgo.ProducerLinger(5 * time.Millisecond),
 		kgo.MaxBufferedRecords(cfg.MaxBufferedRecords),
 		kgo.RecordDeliveryTimeout(cfg.DeliveryTimeout),
-		kgo.WithLogger(kgoLogger{cfg.Logger}),
+		kgo.WithLogger(kafkalog.New(cfg.Logger)),
 	}, cfg.KafkaOpts...)
 	if s.kcl, err = kgo.NewClient(opts...); err != nil {
 		return nil, fmt.Errorf("create kafka client: %w", err)
@@ -426,7 +428,7 @@ func (s *session) handleWAL(ctx context.Context, data []byte) error {
 		if s.inTxn {
 			return fmt.Errorf("pgoutput: Begin of xid %d inside a transaction", m.Xid)
 		}
-		s.txnSeq = s.tr.begin(m.CommitTime)
+		s.txnSeq = s.tr.begin(m.CommitTime, m.Xid)
 		s.inTxn = true
 	case *pglogrepl.InsertMessage:
 		if !s.inTxn {
@@ -463,14 +465,11 @@ func (s *session) produce(ctx context.Context, m *pglogrepl.InsertMessage) error
 	if err != nil {
 		return err
 	}
-	rec, sum, err := row.record(s.cfg.Topic)
-	if err != nil {
-		return err
-	}
-	if sum != row.payloadSHA256 {
+	rec, hashMatches := row.record(s.cfg.Topic)
+	if !hashMatches {
 		s.m.hashMismatches.Inc()
-		s.log.WarnContext(ctx, "outbox payload_sha256 differs from the canonical payload's hash; relaying with the column value",
-			slog.String("outbox_id", row.outboxID), slog.String("payload_sha256", row.payloadSHA256), slog.String("computed_sha256", sum))
+		s.log.WarnContext(ctx, "outbox payload_sha256 is not the SHA-256 of the stored payload; relaying it as it is (consumers refuse it)",
+			slog.String("outbox_id", row.outboxID), slog.String("payload_sha256", row.payloadSHA256), slog.String("computed_sha256", canon.SHA256Hex(row.payload)))
 	}
 	if err := s.acquire(ctx); err != nil {
 		return err
@@ -550,36 +549,4 @@ func (s *session) persistSlot(ctx context.Context) {
 		s.log.WarnContext(ctx, "could not mark the slot position for persistence; a restart may republish already acknowledged events",
 			slog.String("lsn", lsn.String()), slog.String("error", err.Error()))
 	}
-}
-
-// kgoLogger forwards franz-go's logs to slog.
-type kgoLogger struct{ l *slog.Logger }
-
-func (k kgoLogger) Level() kgo.LogLevel {
-	ctx := context.Background()
-	switch {
-	case k.l.Enabled(ctx, slog.LevelDebug):
-		return kgo.LogLevelDebug
-	case k.l.Enabled(ctx, slog.LevelWarn):
-		// franz-go's info logs (metadata, flushing) are routine: only
-		// shown when debug logging is on.
-		return kgo.LogLevelWarn
-	default:
-		return kgo.LogLevelError
-	}
-}
-
-func (k kgoLogger) Log(level kgo.LogLevel, msg string, keyvals ...any) {
-	var l slog.Level
-	switch level {
-	case kgo.LogLevelError:
-		l = slog.LevelError
-	case kgo.LogLevelWarn:
-		l = slog.LevelWarn
-	case kgo.LogLevelInfo:
-		l = slog.LevelInfo
-	default:
-		l = slog.LevelDebug
-	}
-	k.l.Log(context.Background(), l, "kafka: "+msg, keyvals...)
 }

@@ -169,21 +169,6 @@ func createSlot(ctx context.Context, repl *pgconn.PgConn, name string) (created 
 	}
 }
 
-// markPublished sets published_at and counts the attempt of the given outbox
-// rows that are not yet marked (seed section 4: mark published after the
-// broker's confirmation). Rows already marked (a republication after a
-// restart) are left as they are. It returns the rows updated.
-func (s *store) markPublished(ctx context.Context, outboxIDs []string) (int64, error) {
-	tag, err := s.pool.Exec(ctx, `
-UPDATE outbox_event
-SET published_at = now(), publish_attempts = publish_attempts + 1
-WHERE outbox_id = ANY($1) AND published_at IS NULL`, outboxIDs)
-	if err != nil {
-		return 0, fmt.Errorf("mark %d outbox rows published: %w", len(outboxIDs), err)
-	}
-	return tag.RowsAffected(), nil
-}
-
 // slotStats is the slot's position relative to the server's current WAL
 // insert position, from pg_replication_slots.
 type slotStats struct {

@@ -36,6 +36,7 @@ type tracker struct {
 
 // txnState is one decoded transaction.
 type txnState struct {
+	xid        uint32 // top-level transaction id (pgoutput Begin)
 	commitTime time.Time
 	endLSN     pglogrepl.LSN
 	committed  bool
@@ -45,10 +46,14 @@ type txnState struct {
 	done       int
 }
 
-// ackedRow is a row Kafka acknowledged: its transaction and outbox id.
+// ackedRow is a row Kafka acknowledged: its transaction (sequence number
+// and top-level xid) and outbox id. invisibleSince is set when a flush found
+// the row not yet visible to other sessions (see outbox.Classify).
 type ackedRow struct {
-	seq      uint64
-	outboxID string
+	seq            uint64
+	xid            uint32
+	outboxID       string
+	invisibleSince time.Time
 }
 
 // txnAcked reports a transaction whose rows are all acknowledged by Kafka and
@@ -74,14 +79,14 @@ func (t *tracker) txn(seq uint64) *txnState {
 	return t.txns[seq-t.firstSeq]
 }
 
-// begin tracks a new transaction (BeginMessage) and returns its sequence
-// number.
-func (t *tracker) begin(commitTime time.Time) uint64 {
+// begin tracks a new transaction (BeginMessage of top-level transaction
+// xid) and returns its sequence number.
+func (t *tracker) begin(commitTime time.Time, xid uint32) uint64 {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	seq := t.nextSeq
 	t.nextSeq++
-	t.txns = append(t.txns, &txnState{commitTime: commitTime})
+	t.txns = append(t.txns, &txnState{commitTime: commitTime, xid: xid})
 	return seq
 }
 
@@ -100,7 +105,7 @@ func (t *tracker) ack(seq uint64, outboxID string) txnAcked {
 	defer t.mu.Unlock()
 	x := t.txn(seq)
 	x.acked++
-	t.acked = append(t.acked, ackedRow{seq: seq, outboxID: outboxID})
+	t.acked = append(t.acked, ackedRow{seq: seq, xid: x.xid, outboxID: outboxID})
 	a := x.ackedResult()
 	a.pending = len(t.acked)
 	return a
@@ -155,8 +160,21 @@ func (t *tracker) takeAcked() []ackedRow {
 	return rows
 }
 
+// requeue gives back acknowledged rows that a flush could not count done
+// (not yet visible to other sessions): the next flush takes them again,
+// before the rows acknowledged since. Their transactions stay unconfirmed.
+func (t *tracker) requeue(rows []ackedRow) {
+	if len(rows) == 0 {
+		return
+	}
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	t.acked = append(rows[:len(rows):len(rows)], t.acked...)
+}
+
 // markDone counts rows as done: call it only after their published_at update
-// committed. It advances the confirmable LSN.
+// committed (or after they were found already marked, or gone). It advances
+// the confirmable LSN.
 func (t *tracker) markDone(rows []ackedRow) {
 	t.mu.Lock()
 	defer t.mu.Unlock()

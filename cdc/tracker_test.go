@@ -23,9 +23,13 @@ func ack(txn int, id string) trackerOp { return trackerOp{kind: "ack", txn: txn,
 func commit(txn int, lsn pglogrepl.LSN) trackerOp {
 	return trackerOp{kind: "commit", txn: txn, lsn: lsn}
 }
-func fail(txn int) trackerOp           { return trackerOp{kind: "fail", txn: txn} }
-func abandon(txn int) trackerOp        { return trackerOp{kind: "abandon", txn: txn} }
-func flush() trackerOp                 { return trackerOp{kind: "flush"} }
+func fail(txn int) trackerOp    { return trackerOp{kind: "fail", txn: txn} }
+func abandon(txn int) trackerOp { return trackerOp{kind: "abandon", txn: txn} }
+func flush() trackerOp          { return trackerOp{kind: "flush"} }
+
+// flushExcept marks every acknowledged row done except id, which the flush
+// found not yet visible and gives back (tracker.requeue).
+func flushExcept(id string) trackerOp  { return trackerOp{kind: "flushExcept", id: id} }
 func want(lsn pglogrepl.LSN) trackerOp { return trackerOp{kind: "want", lsn: lsn} }
 
 func TestTracker(t *testing.T) {
@@ -101,6 +105,16 @@ func TestTracker(t *testing.T) {
 			},
 		},
 		{
+			name: "a row not yet visible holds its transaction and every later one until a flush marks it",
+			ops: []trackerOp{
+				begin(0), add(0, "a"), add(0, "b"), commit(0, 100),
+				begin(1), add(1, "c"), commit(1, 200),
+				ack(0, "a"), ack(0, "b"), ack(1, "c"), flushExcept("b"), want(start),
+				flushExcept("b"), want(start), // still not visible: given back again
+				flush(), want(200),
+			},
+		},
+		{
 			name: "the confirmable LSN never moves back",
 			ops: []trackerOp{
 				begin(0), commit(0, 5), want(start),
@@ -118,7 +132,7 @@ func TestTracker(t *testing.T) {
 					if op.txn != len(seqs) {
 						t.Fatalf("op %d: begin txn %d out of order", i, op.txn)
 					}
-					seqs = append(seqs, tr.begin(time.Now()))
+					seqs = append(seqs, tr.begin(time.Now(), 0))
 				case "add":
 					tr.add(seqs[op.txn])
 				case "ack":
@@ -131,6 +145,20 @@ func TestTracker(t *testing.T) {
 					tr.fail(seqs[op.txn], nil)
 				case "flush":
 					tr.markDone(tr.takeAcked())
+				case "flushExcept":
+					var done, back []ackedRow
+					for _, r := range tr.takeAcked() {
+						if r.outboxID == op.id {
+							back = append(back, r)
+						} else {
+							done = append(done, r)
+						}
+					}
+					tr.markDone(done)
+					tr.requeue(back)
+					if tr.pending() != len(back) {
+						t.Fatalf("op %d: pending = %d after requeue, want %d", i, tr.pending(), len(back))
+					}
 				case "want":
 					if got := tr.confirmable(); got != op.lsn {
 						t.Fatalf("op %d: confirmable = %s, want %s", i, got, op.lsn)
@@ -150,7 +178,7 @@ func TestTrackerAckedAndStats(t *testing.T) {
 	commitTime := time.Now().Add(-time.Second)
 
 	// Last ack after the commit completes the transaction.
-	s0 := tr.begin(commitTime)
+	s0 := tr.begin(commitTime, 0)
 	tr.add(s0)
 	tr.add(s0)
 	if a := tr.commit(s0, 100); a.ok {
@@ -164,7 +192,7 @@ func TestTrackerAckedAndStats(t *testing.T) {
 	}
 
 	// Commit after the last ack completes the transaction.
-	s1 := tr.begin(commitTime)
+	s1 := tr.begin(commitTime, 0)
 	tr.add(s1)
 	if a := tr.ack(s1, "c"); a.ok {
 		t.Fatal("ack before commit reported the transaction acknowledged")
@@ -188,7 +216,7 @@ func TestTrackerAckedAndStats(t *testing.T) {
 		t.Fatalf("confirmable = %s, want %s", got, pglogrepl.LSN(200))
 	}
 	// Sequence numbers keep counting after the prefix was popped.
-	s2 := tr.begin(commitTime)
+	s2 := tr.begin(commitTime, 0)
 	if s2 != s1+1 {
 		t.Fatalf("seq = %d, want %d", s2, s1+1)
 	}

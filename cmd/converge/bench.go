@@ -7,7 +7,7 @@ import (
 	"strings"
 	"time"
 
-	"github.com/converge-run/converge/internal/bench"
+	"github.com/converge-run/converge/cmd/converge/internal/bench"
 )
 
 // BenchCmd runs every stage against its physical limit (make bench).

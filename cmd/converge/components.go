@@ -18,12 +18,12 @@ import (
 	"golang.org/x/sync/errgroup"
 
 	"github.com/converge-run/converge/cdc"
+	"github.com/converge-run/converge/cmd/converge/internal/submit"
 	"github.com/converge-run/converge/consumers/deadletter"
 	"github.com/converge-run/converge/consumers/reconciler"
 	"github.com/converge-run/converge/consumers/worker"
 	"github.com/converge-run/converge/internal/artifact"
 	"github.com/converge-run/converge/internal/kafkametrics"
-	"github.com/converge-run/converge/internal/submit"
 	"github.com/converge-run/converge/projections/taskview"
 	"github.com/converge-run/converge/schemas"
 	"github.com/converge-run/converge/services/api"
@@ -194,6 +194,7 @@ func (c *RelayCmd) Run(env *runEnv) error {
 type WorkerCmd struct {
 	Services
 	Pipeline
+	WorkerTuning
 	MetricsAddr
 }
 
@@ -210,7 +211,7 @@ func (c *WorkerCmd) Run(env *runEnv) error {
 	}
 	reg := newRegistry()
 	w, err := worker.New(worker.Config{Pool: pool, Brokers: c.KafkaBrokers, Topic: c.Topic, ArtifactStore: store,
-		Logger: env.log, Registerer: reg, Faults: env.faults,
+		Logger: env.log, Registerer: reg, Faults: env.faults, VisibilityTimeout: c.WorkerVisibilityTimeout,
 		KafkaOpts: []kgo.Opt{kafkametrics.ClientMetrics(reg, "worker")}})
 	if err != nil {
 		return err

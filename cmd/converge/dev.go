@@ -15,10 +15,12 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/twmb/franz-go/pkg/kfake"
 
+	"github.com/converge-run/converge/cmd/converge/internal/pipeline"
+	"github.com/converge-run/converge/cmd/converge/internal/submit"
+	"github.com/converge-run/converge/consumers/worker"
+	"github.com/converge-run/converge/internal/devbroker"
 	"github.com/converge-run/converge/internal/localpg"
 	"github.com/converge-run/converge/internal/localredis"
-	"github.com/converge-run/converge/internal/pipeline"
-	"github.com/converge-run/converge/internal/submit"
 )
 
 //go:embed examples/*.json
@@ -29,6 +31,7 @@ var examples embed.FS
 type DevCmd struct {
 	Services
 	Pipeline
+	WorkerTuning
 	DataDir     string `env:"CONVERGE_DATA_DIR" default:".converge" help:"Directory of the embedded services' data (PostgreSQL cluster, Kafka log, Redis, artifacts)."`
 	PGPort      int    `name:"pg-port" env:"CONVERGE_DEV_PG_PORT" default:"54329" help:"Port of the embedded PostgreSQL."`
 	KafkaPort   int    `env:"CONVERGE_DEV_KAFKA_PORT" default:"19092" help:"Port of the embedded Kafka-protocol broker (kfake)."`
@@ -65,6 +68,7 @@ func (c *DevCmd) Run(env *runEnv) error {
 		dbURL = pg.URL("converge")
 	}
 
+	reg := newRegistry()
 	brokers := c.KafkaBrokers
 	if len(brokers) == 0 {
 		opts := []kfake.Opt{kfake.NumBrokers(1), kfake.Ports(c.KafkaPort), kfake.DataDir(filepath.Join(dataDir, "kafka")),
@@ -72,12 +76,15 @@ func (c *DevCmd) Run(env *runEnv) error {
 		if !c.KafkaNoSync {
 			opts = append(opts, kfake.SyncWrites())
 		}
-		kc, err := kfake.NewCluster(opts...)
+		// kfake plus a reaper of consumer-group members whose process is
+		// gone (issue 9): a `converge worker` killed mid-join against
+		// this broker would otherwise wedge the group for minutes.
+		kb, err := devbroker.Start(devbroker.Config{Opts: opts, Logger: log.With("component", "devbroker"), Registerer: reg})
 		if err != nil {
 			return fmt.Errorf("embedded Kafka broker on port %d: %w", c.KafkaPort, err)
 		}
-		defer kc.Close()
-		brokers = kc.ListenAddrs()
+		defer kb.Close()
+		brokers = kb.ListenAddrs()
 	}
 
 	redisURL := c.RedisURL
@@ -103,7 +110,8 @@ func (c *DevCmd) Run(env *runEnv) error {
 	cfg := pipeline.Config{
 		DatabaseURL: dbURL, Brokers: brokers, RedisURL: redisURL, ArtifactDir: artifactDir,
 		Topic: c.Topic, Partitions: c.TopicPartitions, SlotName: c.SlotName, PublicationName: c.PublicationName,
-		Listener: ln, MaxBodyBytes: c.MaxBodyBytes, Faults: env.faults, Logger: log,
+		Listener: ln, MaxBodyBytes: c.MaxBodyBytes, Faults: env.faults, Logger: log, Registry: reg,
+		Worker: worker.Config{VisibilityTimeout: c.WorkerVisibilityTimeout},
 		Ready: func(addr string) {
 			fmt.Printf(`
 converge is running (Ctrl-C stops it cleanly)

@@ -20,9 +20,9 @@ import (
 	"github.com/jackc/pglogrepl"
 	"github.com/jackc/pgx/v5"
 
+	"github.com/converge-run/converge/cmd/converge/internal/submit"
 	"github.com/converge-run/converge/internal/localpg"
 	"github.com/converge-run/converge/internal/localredis"
-	"github.com/converge-run/converge/internal/submit"
 	"github.com/converge-run/converge/internal/testenv"
 )
 

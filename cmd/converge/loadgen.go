@@ -6,7 +6,7 @@ import (
 	"os"
 	"time"
 
-	"github.com/converge-run/converge/internal/loadgen"
+	"github.com/converge-run/converge/cmd/converge/internal/loadgen"
 )
 
 // LoadgenCmd submits create requests at a fixed rate (open model) or with N

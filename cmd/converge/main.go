@@ -16,6 +16,7 @@ import (
 	"os/signal"
 	"strings"
 	"syscall"
+	"time"
 
 	"github.com/alecthomas/kong"
 
@@ -45,6 +46,11 @@ type Pipeline struct {
 	ArtifactDir     string `env:"CONVERGE_ARTIFACT_DIR" help:"Artifact store directory (default: <data-dir>/artifacts for dev, required otherwise)."`
 	MaxBodyBytes    int64  `env:"CONVERGE_MAX_BODY_BYTES" default:"8388608" help:"Largest accepted POST /v1/tasks body in bytes (larger: 413)."`
 	HTTPAddr        string `name:"http-addr" env:"CONVERGE_HTTP_ADDR" default:"127.0.0.1:8080" help:"API listen address (also serves /metrics)."`
+}
+
+// WorkerTuning are the worker settings an operator may change.
+type WorkerTuning struct {
+	WorkerVisibilityTimeout time.Duration `env:"CONVERGE_WORKER_VISIBILITY_TIMEOUT" default:"30s" help:"How long the worker retries a record whose task it cannot see yet (its transaction committed but is not visible yet, e.g. waiting for a synchronous standby) before it dead-letters it as TASK_NOT_FOUND."`
 }
 
 // CLI is the command line.

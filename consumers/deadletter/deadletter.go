@@ -14,7 +14,9 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/twmb/franz-go/pkg/kgo"
 
-	"github.com/converge-run/converge/consumers/worker"
+	"github.com/converge-run/converge/internal/inbox"
+	"github.com/converge-run/converge/internal/outbox"
+	"github.com/converge-run/converge/internal/task"
 	"github.com/converge-run/converge/internal/taskevent"
 	"github.com/converge-run/converge/projections/taskview"
 )
@@ -103,7 +105,7 @@ func FromRecord(r *kgo.Record) DeadLetter {
 	d := DeadLetter{Key: r.Key, Value: r.Value, DLQPartition: r.Partition, DLQOffset: r.Offset, Headers: []Header{}}
 	h := map[string]string{}
 	for _, kv := range r.Headers {
-		if strings.HasPrefix(kv.Key, worker.HeaderDLQPrefix) {
+		if strings.HasPrefix(kv.Key, taskevent.HeaderDLQPrefix) {
 			h[kv.Key] = string(kv.Value)
 			continue
 		}
@@ -117,34 +119,34 @@ func FromRecord(r *kgo.Record) DeadLetter {
 		k := string(r.Key)
 		d.TaskID = &k
 	}
-	part, perr := strconv.ParseInt(h[worker.HeaderDLQOriginalPart], 10, 32)
-	off, oerr := strconv.ParseInt(h[worker.HeaderDLQOriginalOffset], 10, 64)
-	if h[worker.HeaderDLQOriginalTopic] == "" || perr != nil || oerr != nil || part < 0 || off < 0 {
+	part, perr := strconv.ParseInt(h[taskevent.HeaderDLQOriginalPart], 10, 32)
+	off, oerr := strconv.ParseInt(h[taskevent.HeaderDLQOriginalOffset], 10, 64)
+	if h[taskevent.HeaderDLQOriginalTopic] == "" || perr != nil || oerr != nil || part < 0 || off < 0 {
 		d.OriginTopic, d.OriginPartition, d.OriginOffset = r.Topic, r.Partition, r.Offset
-		d.ErrorClass, d.ErrorCode, d.ErrorMessage = worker.ClassDeterministic, CodeHeadersMissing, "record without dlq-* origin headers"
+		d.ErrorClass, d.ErrorCode, d.ErrorMessage = taskevent.ClassDeterministic, CodeHeadersMissing, "record without dlq-* origin headers"
 		d.Attempts, d.ProcessorVersion = 1, "unknown"
 		d.FirstFailureAt, d.LastFailureAt = r.Timestamp.UTC(), r.Timestamp.UTC()
 		return d
 	}
-	d.OriginTopic, d.OriginPartition, d.OriginOffset = h[worker.HeaderDLQOriginalTopic], int32(part), off
-	d.ConsumerGroup = h[worker.HeaderDLQConsumerGroup]
-	d.ErrorClass = h[worker.HeaderDLQErrorClass]
-	if d.ErrorClass != worker.ClassRetryable {
-		d.ErrorClass = worker.ClassDeterministic
+	d.OriginTopic, d.OriginPartition, d.OriginOffset = h[taskevent.HeaderDLQOriginalTopic], int32(part), off
+	d.ConsumerGroup = h[taskevent.HeaderDLQConsumerGroup]
+	d.ErrorClass = h[taskevent.HeaderDLQErrorClass]
+	if d.ErrorClass != taskevent.ClassRetryable {
+		d.ErrorClass = taskevent.ClassDeterministic
 	}
-	d.ErrorCode = h[worker.HeaderDLQErrorCode]
+	d.ErrorCode = h[taskevent.HeaderDLQErrorCode]
 	if d.ErrorCode == "" {
-		d.ErrorCode = worker.CodeUnclassified
+		d.ErrorCode = taskevent.CodeUnclassified
 	}
-	d.ErrorMessage = h[worker.HeaderDLQErrorMessage]
-	d.Attempts, _ = strconv.Atoi(h[worker.HeaderDLQAttempts])
+	d.ErrorMessage = h[taskevent.HeaderDLQErrorMessage]
+	d.Attempts, _ = strconv.Atoi(h[taskevent.HeaderDLQAttempts])
 	d.Attempts = max(d.Attempts, 1)
-	d.ProcessorVersion = h[worker.HeaderDLQProcessorVersion]
+	d.ProcessorVersion = h[taskevent.HeaderDLQProcessorVersion]
 	if d.ProcessorVersion == "" {
 		d.ProcessorVersion = "unknown"
 	}
-	d.FirstFailureAt = parseTime(h[worker.HeaderDLQFirstFailureAt], r.Timestamp)
-	d.LastFailureAt = parseTime(h[worker.HeaderDLQLastFailureAt], r.Timestamp)
+	d.FirstFailureAt = parseTime(h[taskevent.HeaderDLQFirstFailureAt], r.Timestamp)
+	d.LastFailureAt = parseTime(h[taskevent.HeaderDLQLastFailureAt], r.Timestamp)
 	return d
 }
 
@@ -170,7 +172,7 @@ type Config struct {
 	MaxReplays int
 	// DefaultGroup is the worker's consumer group (inbox consumer_name)
 	// used for dead letters that do not name one. Defaults to
-	// worker.DefaultGroup.
+	// taskevent.DefaultWorkerGroup.
 	DefaultGroup string
 	// Cache, when set, is invalidated for a re-opened task after the
 	// commit. Optional: the TaskRedriveRequested event written with the
@@ -193,7 +195,7 @@ func (c *Config) setDefaults() {
 		c.MaxReplays = DefaultMaxReplays
 	}
 	if c.DefaultGroup == "" {
-		c.DefaultGroup = worker.DefaultGroup
+		c.DefaultGroup = taskevent.DefaultWorkerGroup
 	}
 	if c.Logger == nil {
 		c.Logger = slog.Default()
@@ -343,29 +345,31 @@ func (s *Service) replay(ctx context.Context, id int64, req Request) (Result, st
 		if group == "" {
 			group = s.cfg.DefaultGroup
 		}
+		// Locks in the order every worker transaction takes (inbox, task,
+		// effect, outbox), so a replay and a delivery never deadlock.
 		if d.MessageID != nil {
-			if err := lockInbox(ctx, tx, group, *d.MessageID); err != nil {
+			if _, err := inbox.LockIfExists(ctx, tx, group, *d.MessageID); err != nil {
 				return err
 			}
 		}
-		var task *taskState
+		var cur *taskevent.Task
 		if d.TaskID != nil {
-			t, found, err := lockTask(ctx, tx, *d.TaskID)
+			t, found, err := task.Lock(ctx, tx, *d.TaskID)
 			if err != nil {
 				return err
 			}
 			if found {
-				task = &t
+				cur = &t
 			}
 		}
 		// The task decides first, whatever the dead letter's state: a task
 		// completed (by another route) or failed for another reason leaves
 		// nothing to replay, and the dead letter is resolved — a refused one
 		// too, so that it stops waiting for a person.
-		failedHere := task != nil && task.Status == taskevent.StatusFailed && task.Code != nil && *task.Code == d.ErrorCode
-		if task != nil && taskevent.Terminal(task.Status) && !failedHere {
+		failedHere := cur != nil && cur.Status == taskevent.StatusFailed && cur.TerminalErrorCode != nil && *cur.TerminalErrorCode == d.ErrorCode
+		if cur != nil && taskevent.Terminal(cur.Status) && !failedHere {
 			res.Outcome, res.State = OutcomeNoop, StateResolved
-			res.Message = terminalMessage(*d.TaskID, *task)
+			res.Message = terminalMessage(*d.TaskID, *cur)
 			return recordReplay(ctx, tx, id, StateResolved, 0, req.By, req.Reason, res.Message)
 		}
 		subject := limitSubject(d)
@@ -389,20 +393,24 @@ func (s *Service) replay(ctx context.Context, id int64, req Request) (Result, st
 			return recordReplay(ctx, tx, id, StateRefused, 0, req.By, req.Reason, res.Message)
 		}
 		if failedHere {
-			t, ok, err := reopenTask(ctx, tx, *d.TaskID, task.Version)
+			c, err := task.ReopenIfFailed(ctx, tx, *d.TaskID, cur.Version)
 			if err != nil {
 				return err
 			}
-			if !ok {
+			if !c.Applied {
 				return fmt.Errorf("task %s changed while locked", *d.TaskID)
 			}
-			if _, err := insertRedrive(ctx, tx, t); err != nil {
+			// The TaskRedriveRequested event of the re-opening (seed 4: in
+			// the transaction of the change): the projector writes the
+			// queued view from it, the worker drives the task from it like
+			// from TaskCreated.
+			if _, err := outbox.Insert(ctx, tx, taskevent.TypeTaskRedriveRequested, c.Task); err != nil {
 				return err
 			}
 			res.TaskReopened, reopened = true, *d.TaskID
 		}
 		if d.MessageID != nil {
-			if _, err := resetInbox(ctx, tx, group, *d.MessageID); err != nil {
+			if _, err := inbox.ResetFailed(ctx, tx, group, *d.MessageID); err != nil {
 				return err
 			}
 		}
@@ -443,12 +451,12 @@ func limitSubject(d DeadLetter) string {
 
 // terminalMessage explains why a dead letter of a task that is terminal for
 // another reason than the dead letter has nothing to replay.
-func terminalMessage(taskID string, t taskState) string {
+func terminalMessage(taskID string, t taskevent.Task) string {
 	if t.Status == taskevent.StatusCompleted {
 		return fmt.Sprintf("task %s is already completed; nothing to replay", taskID)
 	}
-	if t.Code != nil {
-		return fmt.Sprintf("task %s %s with %s, not because of this dead letter; nothing to replay", taskID, t.Status, *t.Code)
+	if t.TerminalErrorCode != nil {
+		return fmt.Sprintf("task %s %s with %s, not because of this dead letter; nothing to replay", taskID, t.Status, *t.TerminalErrorCode)
 	}
 	return fmt.Sprintf("task %s is already %s, not because of this dead letter; nothing to replay", taskID, t.Status)
 }

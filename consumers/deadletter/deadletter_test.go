@@ -109,7 +109,7 @@ VALUES ($1, $2, 0, 'TaskCreated', $3, $4, now())`, ev.EventID, taskID, string(va
 			}
 			_, err := tx.Exec(ctx, `
 INSERT INTO inbox_message (consumer_name, message_id, payload_sha256, state, result_json, completed_at)
-VALUES ($1, $2, $3, 'failed', jsonb_build_object('error_code', $4::text), now())`, worker.DefaultGroup, ev.EventID, vsum, code)
+VALUES ($1, $2, $3, 'failed', jsonb_build_object('error_code', $4::text), now())`, taskevent.DefaultWorkerGroup, ev.EventID, vsum, code)
 			return err
 		case taskevent.StatusCompleted:
 			_, err := tx.Exec(ctx, `
@@ -135,8 +135,8 @@ WHERE task_id = $1`, taskID, sum([]byte("x")))
 func (b *testBundle) park(t *testing.T, orig *kgo.Record, code string) int64 {
 	t.Helper()
 	now := time.Now().UTC()
-	rec := worker.DeadLetterRecord(orig, taskevent.DeadLetterTopic(b.kafka.Topic), worker.DefaultGroup, worker.ClassDeterministic,
-		code, "processing failed", 1, worker.DefaultProcessorVersion, now, now)
+	rec := taskevent.DeadLetterRecord(orig, taskevent.DeadLetter{Topic: taskevent.DeadLetterTopic(b.kafka.Topic), Group: taskevent.DefaultWorkerGroup,
+		Class: taskevent.ClassDeterministic, Code: code, Message: "processing failed", Attempts: 1, ProcessorVersion: worker.DefaultProcessorVersion, First: now, Last: now})
 	rec.Partition, rec.Offset, rec.Timestamp = orig.Partition, orig.Offset, now
 	d := FromRecord(rec)
 	inserted, err := b.svc.Store().Insert(context.Background(), d)
@@ -221,8 +221,8 @@ func TestInsertIsIdempotent(t *testing.T) {
 	b := setup(t)
 	_, orig := b.failedTask(t, worker.CodeInjectedProcessingError)
 	now := time.Now().UTC()
-	rec := worker.DeadLetterRecord(orig, taskevent.DeadLetterTopic(b.kafka.Topic), worker.DefaultGroup, worker.ClassDeterministic,
-		worker.CodeInjectedProcessingError, "boom", 1, worker.DefaultProcessorVersion, now, now)
+	rec := taskevent.DeadLetterRecord(orig, taskevent.DeadLetter{Topic: taskevent.DeadLetterTopic(b.kafka.Topic), Group: taskevent.DefaultWorkerGroup,
+		Class: taskevent.ClassDeterministic, Code: worker.CodeInjectedProcessingError, Message: "boom", Attempts: 1, ProcessorVersion: worker.DefaultProcessorVersion, First: now, Last: now})
 	for i, want := range []bool{true, false} {
 		rec.Offset = int64(10 + i) // a second dead-lettering lands at another dlq offset
 		inserted, err := b.svc.Store().Insert(context.Background(), FromRecord(rec))
@@ -239,12 +239,12 @@ func TestInsertIsIdempotent(t *testing.T) {
 	}
 	d := list[0]
 	if d.State != StateParked || d.ReplayCount != 0 || d.OriginTopic != b.kafka.Topic || d.OriginOffset != orig.Offset ||
-		d.ErrorCode != worker.CodeInjectedProcessingError || d.ConsumerGroup != worker.DefaultGroup || d.DLQOffset != 10 ||
+		d.ErrorCode != worker.CodeInjectedProcessingError || d.ConsumerGroup != taskevent.DefaultWorkerGroup || d.DLQOffset != 10 ||
 		d.MessageID == nil || d.TaskID == nil || *d.TaskID != string(orig.Key) {
 		t.Errorf("dead letter %+v", d)
 	}
 	for _, h := range d.Headers {
-		if strings.HasPrefix(h.Key, worker.HeaderDLQPrefix) {
+		if strings.HasPrefix(h.Key, taskevent.HeaderDLQPrefix) {
 			t.Errorf("stored original headers include %s", h.Key)
 		}
 	}
@@ -351,7 +351,7 @@ func TestReplayReopensTaskAndRepublishesOriginal(t *testing.T) {
 		t.Errorf("task %s v%d code %v, want queued v2 without code", status, version, code)
 	}
 	eventID, _ := headerValue(orig, taskevent.HeaderEventID)
-	if s := b.scalar(t, `SELECT state FROM inbox_message WHERE consumer_name = $1 AND message_id = $2`, worker.DefaultGroup, eventID); s != "processing" {
+	if s := b.scalar(t, `SELECT state FROM inbox_message WHERE consumer_name = $1 AND message_id = $2`, taskevent.DefaultWorkerGroup, eventID); s != "processing" {
 		t.Errorf("inbox row %v, want processing", s)
 	}
 	// The re-open is an event: the projector replaces the failed view.

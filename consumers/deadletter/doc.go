@@ -3,7 +3,11 @@
 // reconciler records every record of the dead-letter topic in the
 // dead_letter table (FromRecord, Store.Insert), and a person lists, inspects
 // and replays or resolves them (`converge dlq`, GET/POST
-// /v1/admin/dead-letters) through a Service. The SQL is in store.go.
+// /v1/admin/dead-letters) through a Service. The dead_letter table's SQL is
+// in store.go; the record format is internal/taskevent's (the dlq-* headers,
+// DeadLetterRecord), and the rows a replay changes in other aggregates (the
+// task re-opened, the inbox row reset, the re-drive event) are written by
+// their owners (internal/task, internal/inbox, internal/outbox).
 //
 // # Identity
 //

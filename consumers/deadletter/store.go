@@ -6,27 +6,16 @@ import (
 	"errors"
 	"fmt"
 
-	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 
-	"github.com/converge-run/converge/internal/taskevent"
+	"github.com/converge-run/converge/internal/dbpool"
 )
 
 // All SQL of the dead-letter store. State changes are compare-and-sets on
-// rows locked in the transaction (FOR UPDATE) or on their version.
-
-type querier interface {
-	Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error)
-	Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error)
-	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
-}
-
-var (
-	_ querier = pgx.Tx(nil)
-	_ querier = (*pgxpool.Pool)(nil)
-)
+// rows locked in the transaction (FOR UPDATE) or on their version. The
+// rows of other aggregates a replay changes (task, inbox, outbox) are
+// written through their owners (packages task, inbox, outbox).
 
 // Store reads and writes the dead_letter table.
 type Store struct {
@@ -116,7 +105,7 @@ func (s *Store) Get(ctx context.Context, id int64) (DeadLetter, error) {
 	return get(ctx, s.pool, id, "")
 }
 
-func get(ctx context.Context, q querier, id int64, lock string) (DeadLetter, error) {
+func get(ctx context.Context, q dbpool.Querier, id int64, lock string) (DeadLetter, error) {
 	d, err := scan(q.QueryRow(ctx, `SELECT `+columns+` FROM dead_letter WHERE dead_letter_id = $1 `+lock, id))
 	if errors.Is(err, pgx.ErrNoRows) {
 		return d, fmt.Errorf("dead letter %d: %w", id, ErrNotFound)
@@ -137,83 +126,6 @@ func (s *Store) Unresolved(ctx context.Context) (int, error) {
 }
 
 // taskState is what a replay needs of the dead letter's task.
-type taskState struct {
-	Status  string
-	Version int64
-	Code    *string
-}
-
-func lockTask(ctx context.Context, q querier, taskID string) (taskState, bool, error) {
-	var t taskState
-	err := q.QueryRow(ctx, `SELECT status, version, terminal_error_code FROM task WHERE task_id = $1 FOR UPDATE`, taskID).Scan(&t.Status, &t.Version, &t.Code)
-	if errors.Is(err, pgx.ErrNoRows) {
-		return t, false, nil
-	}
-	if err != nil {
-		return t, false, fmt.Errorf("lock task %s: %w", taskID, err)
-	}
-	return t, true, nil
-}
-
-// reopenTask moves a task failed at version back to queued (version+1, no
-// terminal error code, no artifact) and returns the task as re-opened;
-// found is false when it changed meanwhile.
-func reopenTask(ctx context.Context, q querier, taskID string, version int64) (taskevent.Task, bool, error) {
-	var t taskevent.Task
-	err := q.QueryRow(ctx, `
-UPDATE task SET status = 'queued', version = version + 1, terminal_error_code = NULL,
-  artifact_sha256 = NULL, artifact_size = NULL, completed_at = NULL, updated_at = now()
-WHERE task_id = $1 AND status = 'failed' AND version = $2
-RETURNING task_id, status, version, attempt, output_format, input_sha256, input_size,
-  artifact_sha256, artifact_size, terminal_error_code, created_at, updated_at, completed_at`, taskID, version).Scan(
-		&t.TaskID, &t.Status, &t.Version, &t.Attempt, &t.OutputFormat, &t.InputSHA256, &t.InputSize,
-		&t.ArtifactSHA256, &t.ArtifactSize, &t.TerminalErrorCode, &t.CreatedAt, &t.UpdatedAt, &t.CompletedAt)
-	if errors.Is(err, pgx.ErrNoRows) {
-		return t, false, nil
-	}
-	if err != nil {
-		return t, false, fmt.Errorf("reopen task %s: %w", taskID, err)
-	}
-	t.CreatedAt, t.UpdatedAt = t.CreatedAt.UTC(), t.UpdatedAt.UTC()
-	return t, true, nil
-}
-
-// insertRedrive writes the TaskRedriveRequested outbox event of a task
-// re-opened at t.Version (seed 4: in the transaction of the change). The
-// projector writes the queued view from it (its version is newer than the
-// failed view's); the worker drives the task from it like from
-// TaskCreated. It returns the event id.
-func insertRedrive(ctx context.Context, q querier, t taskevent.Task) (string, error) {
-	id, err := uuid.NewV7()
-	if err != nil {
-		return "", fmt.Errorf("new outbox id: %w", err)
-	}
-	ev := taskevent.Event{EventID: id.String(), EventType: taskevent.TypeTaskRedriveRequested, SchemaVersion: taskevent.SchemaVersion,
-		TaskID: t.TaskID, TaskVersion: t.Version, OccurredAt: t.UpdatedAt, Task: t}
-	value, sum, err := taskevent.Encode(&ev)
-	if err != nil {
-		return "", err
-	}
-	_, err = q.Exec(ctx, `
-INSERT INTO outbox_event (outbox_id, aggregate_id, aggregate_version, event_type, payload, payload_sha256)
-VALUES ($1, $2, $3, $4, $5, $6)`, ev.EventID, t.TaskID, t.Version, ev.EventType, string(value), sum)
-	if err != nil {
-		return "", fmt.Errorf("insert re-drive of re-opened task %s: %w", t.TaskID, err)
-	}
-	return ev.EventID, nil
-}
-
-// lockInbox locks the worker's inbox row of a message (when it exists)
-// before the task row, the order every worker transaction takes (inbox,
-// task, effect, outbox), so a replay and a delivery never deadlock.
-func lockInbox(ctx context.Context, q querier, consumer, messageID string) error {
-	_, err := q.Exec(ctx, `SELECT 1 FROM inbox_message WHERE consumer_name = $1 AND message_id = $2 FOR UPDATE`, consumer, messageID)
-	if err != nil {
-		return fmt.Errorf("lock inbox message %s: %w", messageID, err)
-	}
-	return nil
-}
-
 // lockTaskDeadLetters locks every dead letter of the task of dead letter
 // id — of its message when it names no task — in id order, so concurrent
 // replays never deadlock, and returns how many times they were replayed in
@@ -221,7 +133,7 @@ func lockInbox(ctx context.Context, q querier, consumer, messageID string) error
 // offsets, twice: the re-published original record and the
 // TaskRedriveRequested event the replay wrote (another message id), so
 // MaxReplays bounds the task, not one of its dead letters or messages.
-func lockTaskDeadLetters(ctx context.Context, q querier, id int64) (int, error) {
+func lockTaskDeadLetters(ctx context.Context, q dbpool.Querier, id int64) (int, error) {
 	var n int
 	err := q.QueryRow(ctx, `
 WITH m AS (SELECT task_id, message_id FROM dead_letter WHERE dead_letter_id = $1),
@@ -284,22 +196,10 @@ RETURNING d.dead_letter_id, d.task_id, c.state`, limit, ResolvedBy)
 	return out, nil
 }
 
-// resetInbox makes a failed inbox row processing again so that the
-// replayed message is processed, not taken as a duplicate.
-func resetInbox(ctx context.Context, q querier, consumer, messageID string) (bool, error) {
-	tag, err := q.Exec(ctx, `
-UPDATE inbox_message SET state = 'processing', result_json = NULL, completed_at = NULL, last_seen_at = now()
-WHERE consumer_name = $1 AND message_id = $2 AND state = 'failed'`, consumer, messageID)
-	if err != nil {
-		return false, fmt.Errorf("reset inbox message %s: %w", messageID, err)
-	}
-	return tag.RowsAffected() == 1, nil
-}
-
 // recordReplay writes the outcome of a replay (or resolve) request on a
 // locked dead letter: new state, replay_count + inc, who/when/why. The row
 // keeps the last request only; every request is also logged.
-func recordReplay(ctx context.Context, q querier, id int64, state string, inc int, by, reason, outcome string) error {
+func recordReplay(ctx context.Context, q dbpool.Querier, id int64, state string, inc int, by, reason, outcome string) error {
 	_, err := q.Exec(ctx, `
 UPDATE dead_letter SET state = $2, replay_count = replay_count + $3, last_replay_at = now(), last_replay_by = $4,
   last_replay_reason = $5, last_replay_outcome = $6, updated_at = now()

@@ -5,6 +5,12 @@
 // progress, idempotency records left in progress, unpublished outbox rows
 // and stale Redis views; and it records dead letters.
 //
+// It writes no table itself: each aggregate's rules — compare-and-set
+// transitions, tokens, read-back verification, the compensation protocol —
+// are stated once by its owner (internal/ledger, internal/inbox,
+// internal/task, internal/outbox, services/api/idempotency); this package
+// decides when to apply them.
+//
 // # Effects
 //
 // An effect stays started or unknown when the worker crashed or timed out
@@ -26,14 +32,12 @@
 // unfinished effect with its own attempt and token, so this is the
 // constraint's last line of defence, not the common path.)
 //
-// An effect in compensation_required past the deadline is compensated (seed
-// 8): a ledger row of kind artifact.hide with token
-// "compensation-for-<effect_id>" is written first (or found: the worker
-// writes it before its own attempt); the store is OBSERVED first — a hide
-// that timed out after it happened (fault.ArtifactHideTimeoutAfterCommit)
-// is found done and recorded verified without hiding again
-// ("compensation_observed"); otherwise the object is hidden, the hide is
-// verified by observing the token gone, and the effect becomes compensated.
+// An effect in compensation_required past the deadline is compensated
+// (ledger.Compensate, seed 8): its own artifact.hide ledger entry, the store
+// observed first — a hide that timed out after it happened
+// (fault.ArtifactHideTimeoutAfterCommit) is found done and recorded verified
+// without hiding again ("compensation_observed") — then the effect becomes
+// compensated.
 //
 // # Other scans (each bounded by BatchSize per pass)
 //

@@ -15,14 +15,14 @@ import (
 
 	"github.com/converge-run/converge/internal/artifact"
 	"github.com/converge-run/converge/internal/dbpool"
+	"github.com/converge-run/converge/internal/ledger"
 	"github.com/converge-run/converge/internal/taskevent"
 	"github.com/converge-run/converge/projections/taskview"
 )
 
 // CodeArtifactVerificationFailed is the effect error code of an artifact
-// whose stored object does not match its ledger request (seed 7.1); the
-// worker uses the same code.
-const CodeArtifactVerificationFailed = "ARTIFACT_VERIFICATION_FAILED"
+// whose stored object does not match its ledger request (seed 7.1).
+const CodeArtifactVerificationFailed = ledger.CodeVerificationFailed
 
 // Action kinds, the kind label of converge_reconciler_actions_total.
 const (
@@ -79,7 +79,7 @@ const (
 // CodeArtifactSuperseded is the effect error code of an artifact that
 // matched its request but was not verified because another effect of the
 // same task is; it is compensated (hidden).
-const CodeArtifactSuperseded = "ARTIFACT_SUPERSEDED"
+const CodeArtifactSuperseded = ledger.CodeSuperseded
 
 // Config configures a Reconciler. Zero values take the defaults noted.
 type Config struct {
@@ -342,20 +342,20 @@ func (r *Reconciler) Pass(ctx context.Context) (Result, error) {
 }
 
 func (r *Reconciler) pass(ctx context.Context, res *Result) error {
-	unresolved, err := staleEffects(ctx, r.pool, kindArtifactPut, []string{stateStarted, stateUnknown}, r.cfg.EffectDeadline, r.cfg.BatchSize)
+	unresolved, err := ledger.Stale(ctx, r.pool, ledger.KindArtifactPut, []ledger.State{ledger.Started, ledger.Unknown}, r.cfg.EffectDeadline, r.cfg.BatchSize)
 	if err != nil {
 		return err
 	}
 	for _, e := range unresolved {
 		res.Examined++
-		action := r.resolve(ctx, e)
+		action, observed := r.resolve(ctx, e)
 		r.count(res, action)
 		if action == ActionSuperseded {
-			e.State = stateCompensationRequired
+			e.State, e.ObservedSHA256 = ledger.CompensationRequired, observed
 			r.count(res, r.compensate(ctx, e))
 		}
 	}
-	pending, err := staleEffects(ctx, r.pool, kindArtifactPut, []string{stateCompensationRequired}, r.cfg.EffectDeadline, r.cfg.BatchSize)
+	pending, err := ledger.Stale(ctx, r.pool, ledger.KindArtifactPut, []ledger.State{ledger.CompensationRequired}, r.cfg.EffectDeadline, r.cfg.BatchSize)
 	if err != nil {
 		return err
 	}
@@ -390,122 +390,83 @@ func (r *Reconciler) count(res *Result, action string) {
 }
 
 // resolve observes the store for an effect whose outcome is not known and
-// records what it sees, by compare-and-set. It returns the action taken.
-func (r *Reconciler) resolve(ctx context.Context, e effect) string {
-	log := r.log.With(slog.String("effect_id", e.EffectID), slog.String("state", e.State))
+// records what it sees, by compare-and-set (ledger.Verify decides whether
+// the object matches). It returns the action taken and the SHA-256 observed.
+func (r *Reconciler) resolve(ctx context.Context, e ledger.Effect) (string, *string) {
+	log := r.log.With(slog.String("effect_id", e.EffectID), slog.String("state", string(e.State)))
 	obs, err := r.store.Observe(e.Token)
-	var to string
-	var observed, code *string
+	var to ledger.State
+	var observed *string
 	switch {
 	case errors.Is(err, artifact.ErrNotFound):
-		to = statePlanned
+		to = ledger.Planned
 	case err != nil:
 		log.WarnContext(ctx, "observe artifact", slog.Any("err", err))
-		return ActionError
-	case matches(obs, e):
-		to, observed = stateVerified, &obs.SHA256
+		return ActionError, nil
+	case ledger.Verify(obs, e):
+		to, observed = ledger.Verified, &obs.SHA256
 	default:
-		c := CodeArtifactVerificationFailed
-		to, observed, code = stateCompensationRequired, &obs.SHA256, &c
+		to, observed = ledger.CompensationRequired, &obs.SHA256
 	}
 	if r.beforeRepair != nil {
 		r.beforeRepair(ctx, e.EffectID)
 	}
-	ok, err := setState(ctx, r.pool, e.EffectID, e.State, to, observed, code)
-	if to == stateVerified && oneVerifiedViolation(err) {
+	var ok bool
+	switch to {
+	case ledger.Planned:
+		ok, err = ledger.MarkPlanned(ctx, r.pool, e.EffectID, e.State)
+	case ledger.Verified:
+		ok, err = ledger.MarkVerified(ctx, r.pool, e.EffectID, e.State, observed)
+	default:
+		ok, err = ledger.RequireCompensation(ctx, r.pool, e.EffectID, e.State, observed, CodeArtifactVerificationFailed)
+	}
+	if to == ledger.Verified && ledger.OneVerifiedViolation(err) {
 		// Another effect of the task is verified: this artifact is one too
 		// many; mark it for compensation instead (pass hides it).
-		c := CodeArtifactSuperseded
-		ok, err = setState(ctx, r.pool, e.EffectID, e.State, stateCompensationRequired, observed, &c)
+		ok, err = ledger.RequireCompensation(ctx, r.pool, e.EffectID, e.State, observed, CodeArtifactSuperseded)
 		if err != nil {
 			log.WarnContext(ctx, "repair superseded effect", slog.Any("err", err))
-			return ActionError
+			return ActionError, nil
 		}
 		if !ok {
-			return ActionSkipped
+			return ActionSkipped, nil
 		}
 		log.WarnContext(ctx, "effect superseded: another artifact of the task is verified; compensating")
-		return ActionSuperseded
+		return ActionSuperseded, observed
 	}
 	if err != nil {
 		log.WarnContext(ctx, "repair effect", slog.Any("err", err))
-		return ActionError
+		return ActionError, nil
 	}
 	if !ok {
-		log.InfoContext(ctx, "effect changed concurrently; left alone", slog.String("wanted", to))
-		return ActionSkipped
+		log.InfoContext(ctx, "effect changed concurrently; left alone", slog.String("wanted", string(to)))
+		return ActionSkipped, nil
 	}
-	log.InfoContext(ctx, "effect repaired", slog.String("new_state", to))
+	log.InfoContext(ctx, "effect repaired", slog.String("new_state", string(to)))
 	switch to {
-	case stateVerified:
-		return ActionVerified
-	case statePlanned:
-		return ActionPlanned
+	case ledger.Verified:
+		return ActionVerified, observed
+	case ledger.Planned:
+		return ActionPlanned, observed
 	}
-	return ActionCompensationRequired
+	return ActionCompensationRequired, observed
 }
 
-// matches is the read-back check of seed 7.1: the object's metadata names
-// the effect's task and attempt, and the stored bytes have the request's
-// size and SHA-256.
-func matches(obs artifact.Observation, e effect) bool {
-	return obs.Meta.TaskID == e.TaskID && obs.Meta.Attempt == e.Attempt &&
-		obs.Size == e.RequestSize && obs.SHA256 == e.RequestSHA256 &&
-		obs.Meta.Size == e.RequestSize && obs.Meta.SHA256 == e.RequestSHA256
-}
-
-// compensate hides the object of a compensation_required effect under its
-// own ledger entry and marks the effect compensated (seed 8).
-func (r *Reconciler) compensate(ctx context.Context, e effect) string {
+// compensate undoes the object of a compensation_required effect under its
+// own ledger entry and marks the effect compensated (ledger.Compensate, seed
+// 8).
+func (r *Reconciler) compensate(ctx context.Context, e ledger.Effect) string {
 	log := r.log.With(slog.String("effect_id", e.EffectID))
-	sha := e.RequestSHA256
-	if e.ObservedSHA256 != nil {
-		sha = *e.ObservedSHA256
-	}
-	hideID, hideState, err := planHide(ctx, r.pool, e, sha)
+	c, err := ledger.Compensate(ctx, r.pool, r.store, e, e.RequestSize)
 	if err != nil {
-		log.WarnContext(ctx, "plan compensation", slog.Any("err", err))
+		log.WarnContext(ctx, "compensate effect", slog.Any("err", err))
 		return ActionError
 	}
-	observed := false
-	if hideState != stateVerified {
-		// Observe first (seed 14, "compensation times out"): a hide that
-		// timed out may have happened; it is verified, not blindly redone.
-		_, err := r.store.Head(e.Token)
-		switch {
-		case errors.Is(err, artifact.ErrNotFound):
-			observed = true
-		case err != nil:
-			log.WarnContext(ctx, "observe artifact before hide", slog.Any("err", err))
-			return ActionError
-		default:
-			if err := r.store.Hide(e.Token); err != nil {
-				log.WarnContext(ctx, "hide artifact", slog.Any("err", err))
-				return ActionError
-			}
-			if _, err := r.store.Head(e.Token); !errors.Is(err, artifact.ErrNotFound) {
-				log.WarnContext(ctx, "artifact still readable after hide", slog.Any("err", err))
-				return ActionError
-			}
-		}
-		if _, err := setState(ctx, r.pool, hideID, hideState, stateVerified, nil, nil); err != nil {
-			log.WarnContext(ctx, "record compensation", slog.Any("err", err))
-			return ActionError
-		}
-	}
-	if r.beforeRepair != nil {
-		r.beforeRepair(ctx, e.EffectID)
-	}
-	ok, err := setState(ctx, r.pool, e.EffectID, stateCompensationRequired, stateCompensated, nil, nil)
-	if err != nil {
-		log.WarnContext(ctx, "record compensation", slog.Any("err", err))
-		return ActionError
-	}
-	if !ok {
+	if !c.Applied {
 		return ActionSkipped
 	}
-	log.InfoContext(ctx, "effect compensated", slog.String("compensation_id", hideID), slog.Bool("hide_observed", observed))
-	if observed {
+	log.InfoContext(ctx, "effect compensated", slog.String("compensation_id", c.HideID), slog.Bool("hide_observed", c.Observed))
+	if c.Observed {
 		return ActionCompensationObserved
 	}
 	return ActionCompensated

@@ -10,11 +10,11 @@ import (
 	"testing"
 	"time"
 
-	"github.com/google/uuid"
 	"github.com/prometheus/client_golang/prometheus"
 	dto "github.com/prometheus/client_model/go"
 
 	"github.com/converge-run/converge/internal/artifact"
+	"github.com/converge-run/converge/internal/ledger"
 	"github.com/converge-run/converge/internal/testenv"
 )
 
@@ -47,47 +47,26 @@ func sum(b []byte) string {
 	return hex.EncodeToString(s[:])
 }
 
-// effectFor inserts a running task (attempt 1) and its artifact.put effect
+// effectFor creates a running task (attempt 1) and its artifact.put effect
 // in state, last updated age ago, with data as the effect's request, and
 // returns the effect's token.
-func (b *testBundle) effectFor(t *testing.T, state string, data []byte, age time.Duration) string {
+func (b *testBundle) effectFor(t *testing.T, state ledger.State, data []byte, age time.Duration) string {
 	t.Helper()
-	ctx := context.Background()
-	taskID := "task-" + uuid.NewString()
-	token := artifact.Token(taskID, 1)
-	_, err := b.db.Pool.Exec(ctx, `
-INSERT INTO task (task_id, request_fingerprint, status, version, attempt, output_format, input_sha256, input_size)
-VALUES ($1, $2, 'running', 1, 1, 'jcs', $2, $3)`, taskID, sum(data), len(data))
-	if err != nil {
-		t.Fatal(err)
-	}
-	_, err = b.db.Pool.Exec(ctx, `
-INSERT INTO effect_ledger (effect_id, task_id, attempt, effect_kind, idempotency_token, target_identity, state,
-  request_sha256, request_size, updated_at)
-VALUES ($1, $2, 1, 'artifact.put', $1, 'artifact://' || $1, $3, $4, $5, now() - make_interval(secs => $6))`,
-		token, taskID, state, sum(data), len(data), age.Seconds())
-	if err != nil {
-		t.Fatal(err)
-	}
-	return token
+	c := testenv.MustCreateTask(t, b.db.Pool, data)
+	running := testenv.MustStartTask(t, b.db.Pool, c.Task.TaskID)
+	return testenv.MustPlanEffect(t, b.db.Pool, running, state, data, age).Token
 }
 
 type row struct {
-	state    string
+	state    ledger.State
 	observed *string
 	code     *string
 }
 
-func (b *testBundle) effect(t *testing.T, kind, token string) row {
+func (b *testBundle) effect(t *testing.T, kind ledger.Kind, token string) row {
 	t.Helper()
-	var r row
-	err := b.db.Pool.QueryRow(context.Background(), `
-SELECT state, observed_result_sha256, error_code FROM effect_ledger WHERE effect_kind = $1 AND idempotency_token = $2`,
-		kind, token).Scan(&r.state, &r.observed, &r.code)
-	if err != nil {
-		t.Fatalf("read effect %s: %v", token, err)
-	}
-	return r
+	e := testenv.RequireEffect(t, b.db.Pool, kind, token)
+	return row{state: e.State, observed: e.ObservedSHA256, code: e.ErrorCode}
 }
 
 func (b *testBundle) put(t *testing.T, token string, attempt int, data []byte) {
@@ -112,15 +91,15 @@ func TestPassResolvesStaleEffects(t *testing.T) {
 	old := time.Hour
 	data := []byte(`{"a":1}`)
 
-	present := b.effectFor(t, stateStarted, data, old)
+	present := b.effectFor(t, ledger.Started, data, old)
 	b.put(t, present, 1, data)
-	absent := b.effectFor(t, stateUnknown, data, old)
-	wrongBytes := b.effectFor(t, stateStarted, data, old)
+	absent := b.effectFor(t, ledger.Unknown, data, old)
+	wrongBytes := b.effectFor(t, ledger.Started, data, old)
 	b.put(t, wrongBytes, 1, []byte(`{"a":2}`))
-	wrongAttempt := b.effectFor(t, stateUnknown, data, old)
+	wrongAttempt := b.effectFor(t, ledger.Unknown, data, old)
 	b.put(t, wrongAttempt, 2, data)
-	fresh := b.effectFor(t, stateStarted, data, 0)
-	done := b.effectFor(t, stateVerified, data, old)
+	fresh := b.effectFor(t, ledger.Started, data, 0)
+	done := b.effectFor(t, ledger.Verified, data, old)
 
 	res, err := b.r.Pass(context.Background())
 	if err != nil {
@@ -130,22 +109,22 @@ func TestPassResolvesStaleEffects(t *testing.T) {
 	if res != want {
 		t.Errorf("Pass = %+v, want %+v", res, want)
 	}
-	if e := b.effect(t, kindArtifactPut, present); e.state != stateVerified || e.observed == nil || *e.observed != sum(data) {
+	if e := b.effect(t, ledger.KindArtifactPut, present); e.state != ledger.Verified || e.observed == nil || *e.observed != sum(data) {
 		t.Errorf("present: %+v, want verified with observed hash", e)
 	}
-	if e := b.effect(t, kindArtifactPut, absent); e.state != statePlanned || e.observed != nil {
+	if e := b.effect(t, ledger.KindArtifactPut, absent); e.state != ledger.Planned || e.observed != nil {
 		t.Errorf("absent: %+v, want planned", e)
 	}
 	for _, tok := range []string{wrongBytes, wrongAttempt} {
-		e := b.effect(t, kindArtifactPut, tok)
-		if e.state != stateCompensationRequired || e.code == nil || *e.code != CodeArtifactVerificationFailed || e.observed == nil {
+		e := b.effect(t, ledger.KindArtifactPut, tok)
+		if e.state != ledger.CompensationRequired || e.code == nil || *e.code != CodeArtifactVerificationFailed || e.observed == nil {
 			t.Errorf("%s: %+v, want compensation_required with code and observed hash", tok, e)
 		}
 	}
-	if e := b.effect(t, kindArtifactPut, fresh); e.state != stateStarted {
+	if e := b.effect(t, ledger.KindArtifactPut, fresh); e.state != ledger.Started {
 		t.Errorf("fresh effect touched: %+v", e)
 	}
-	if e := b.effect(t, kindArtifactPut, done); e.state != stateVerified || e.observed != nil {
+	if e := b.effect(t, ledger.KindArtifactPut, done); e.state != ledger.Verified || e.observed != nil {
 		t.Errorf("verified effect touched: %+v", e)
 	}
 	for kind, n := range map[string]float64{ActionVerified: 1, ActionPlanned: 1, ActionCompensationRequired: 2, ActionSkipped: 0, ActionError: 0} {
@@ -168,10 +147,10 @@ func TestPassResolvesStaleEffects(t *testing.T) {
 		t.Errorf("compensation pass = %+v, %v; want 2 compensated", res, err)
 	}
 	for _, tok := range []string{wrongBytes, wrongAttempt} {
-		if e := b.effect(t, kindArtifactPut, tok); e.state != stateCompensated {
+		if e := b.effect(t, ledger.KindArtifactPut, tok); e.state != ledger.Compensated {
 			t.Errorf("%s: %s, want compensated", tok, e.state)
 		}
-		if h := b.effect(t, "artifact.hide", "compensation-for-"+tok); h.state != stateVerified {
+		if h := b.effect(t, "artifact.hide", "compensation-for-"+tok); h.state != ledger.Verified {
 			t.Errorf("hide of %s: %s, want verified", tok, h.state)
 		}
 		if _, err := b.store.Head(tok); !errors.Is(err, artifact.ErrNotFound) {
@@ -188,7 +167,7 @@ func TestPassIsCompareAndSet(t *testing.T) {
 	t.Parallel()
 	b := setup(t, Config{})
 	data := []byte(`[1,2]`)
-	absent := b.effectFor(t, stateStarted, data, time.Hour)
+	absent := b.effectFor(t, ledger.Started, data, time.Hour)
 	// While the pass observes the store (and finds nothing), the worker
 	// writes the artifact and records the effect verified.
 	b.r.beforeRepair = func(ctx context.Context, effectID string) {
@@ -204,7 +183,7 @@ func TestPassIsCompareAndSet(t *testing.T) {
 	if res != (Result{Examined: 1, Skipped: 1}) {
 		t.Errorf("Pass = %+v, want 1 skipped", res)
 	}
-	if e := b.effect(t, kindArtifactPut, absent); e.state != stateVerified || e.observed == nil || *e.observed != sum(data) {
+	if e := b.effect(t, ledger.KindArtifactPut, absent); e.state != ledger.Verified || e.observed == nil || *e.observed != sum(data) {
 		t.Errorf("effect %+v, want the concurrent verified state kept", e)
 	}
 	if got := b.actions(ActionSkipped); got != 1 {
@@ -216,7 +195,7 @@ func TestPassIsBounded(t *testing.T) {
 	t.Parallel()
 	b := setup(t, Config{BatchSize: 2})
 	for i := 0; i < 5; i++ {
-		b.effectFor(t, stateStarted, []byte(`{}`), time.Hour+time.Duration(i)*time.Minute)
+		b.effectFor(t, ledger.Started, []byte(`{}`), time.Hour+time.Duration(i)*time.Minute)
 	}
 	for i, want := range []int{2, 2, 1, 0} {
 		res, err := b.r.Pass(context.Background())
@@ -233,13 +212,13 @@ func TestRunRepairsAndStops(t *testing.T) {
 	t.Parallel()
 	b := setup(t, Config{Interval: 20 * time.Millisecond})
 	data := []byte(`"x"`)
-	tok := b.effectFor(t, stateUnknown, data, time.Hour)
+	tok := b.effectFor(t, ledger.Unknown, data, time.Hour)
 	b.put(t, tok, 1, data)
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
 	go func() { done <- b.r.Run(ctx) }()
 	testenv.Eventually(t, 10*time.Second, "effect verified by Run", func() bool {
-		return b.effect(t, kindArtifactPut, tok).state == stateVerified
+		return b.effect(t, ledger.KindArtifactPut, tok).state == ledger.Verified
 	})
 	cancel()
 	select {
@@ -275,7 +254,7 @@ func TestPassSupersedesSecondVerifiedArtifact(t *testing.T) {
 	b := setup(t, Config{EffectDeadline: time.Minute})
 	ctx := context.Background()
 	data := []byte(`{"one":"artifact"}`)
-	first := b.effectFor(t, stateVerified, data, time.Hour)
+	first := b.effectFor(t, ledger.Verified, data, time.Hour)
 	b.put(t, first, 1, data)
 	taskID := first[:len(first)-len(".attempt-1")]
 	second := artifact.Token(taskID, 2)
@@ -291,8 +270,8 @@ VALUES ($1, $2, 2, 'artifact.put', $1, 'artifact://' || $1, 'unknown', $3, $4, n
 	}
 	// The constraint, not a prior SELECT, decides.
 	_, err := b.db.Pool.Exec(ctx, `UPDATE effect_ledger SET state = 'verified' WHERE effect_id = $1`, second)
-	if !oneVerifiedViolation(err) {
-		t.Fatalf("second verified effect: %v, want a violation of %s", err, oneVerifiedIndex)
+	if !ledger.OneVerifiedViolation(err) {
+		t.Fatalf("second verified effect: %v, want a violation of %s", err, ledger.OneVerifiedIndex)
 	}
 
 	res, err := b.r.Pass(ctx)
@@ -302,16 +281,16 @@ VALUES ($1, $2, 2, 'artifact.put', $1, 'artifact://' || $1, 'unknown', $3, $4, n
 	if want := (Result{Examined: 1, Superseded: 1, Compensated: 1}); res != want {
 		t.Errorf("Pass = %+v, want %+v", res, want)
 	}
-	if e := b.effect(t, kindArtifactPut, second); e.state != stateCompensated || e.code == nil || *e.code != CodeArtifactSuperseded {
+	if e := b.effect(t, ledger.KindArtifactPut, second); e.state != ledger.Compensated || e.code == nil || *e.code != CodeArtifactSuperseded {
 		t.Errorf("second effect %+v, want compensated with %s", e, CodeArtifactSuperseded)
 	}
-	if h := b.effect(t, "artifact.hide", "compensation-for-"+second); h.state != stateVerified {
+	if h := b.effect(t, "artifact.hide", "compensation-for-"+second); h.state != ledger.Verified {
 		t.Errorf("hide of the second artifact: %s, want verified", h.state)
 	}
 	if _, err := b.store.Head(second); !errors.Is(err, artifact.ErrNotFound) {
 		t.Errorf("second artifact readable: %v", err)
 	}
-	if e := b.effect(t, kindArtifactPut, first); e.state != stateVerified {
+	if e := b.effect(t, ledger.KindArtifactPut, first); e.state != ledger.Verified {
 		t.Errorf("first effect %s, want verified", e.state)
 	}
 	if _, err := b.store.Head(first); err != nil {

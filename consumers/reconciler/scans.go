@@ -8,8 +8,12 @@ import (
 	"github.com/redis/go-redis/v9"
 
 	"github.com/converge-run/converge/consumers/deadletter"
+	"github.com/converge-run/converge/internal/inbox"
+	"github.com/converge-run/converge/internal/outbox"
+	"github.com/converge-run/converge/internal/task"
 	"github.com/converge-run/converge/internal/taskevent"
 	"github.com/converge-run/converge/projections/taskview"
+	"github.com/converge-run/converge/services/api/idempotency"
 )
 
 // scans runs the scans after the effect scans (see Pass). A failing scan
@@ -55,7 +59,7 @@ func (r *Reconciler) act(res *Result, kind string, n *int) {
 // repair. Rows of tasks still queued or running are left to scanTasks,
 // which re-drives the task; a redelivery resumes the processing row.
 func (r *Reconciler) scanInbox(ctx context.Context, res *Result) error {
-	rows, err := staleInbox(ctx, r.pool, r.cfg.InboxLease, r.cfg.BatchSize)
+	rows, err := inbox.Stales(ctx, r.pool, r.cfg.InboxLease, r.cfg.BatchSize)
 	if err != nil {
 		return err
 	}
@@ -63,7 +67,7 @@ func (r *Reconciler) scanInbox(ctx context.Context, res *Result) error {
 		if in.TaskStatus == nil || !taskevent.Terminal(*in.TaskStatus) {
 			continue
 		}
-		ok, err := releaseInbox(ctx, r.pool, in, *in.TaskStatus)
+		ok, err := inbox.Release(ctx, r.pool, in, *in.TaskStatus)
 		switch {
 		case err != nil:
 			r.log.WarnContext(ctx, "release inbox row", slog.String("message_id", in.MessageID), slog.Any("err", err))
@@ -84,7 +88,7 @@ func (r *Reconciler) scanInbox(ctx context.Context, res *Result) error {
 // version (a task that moved meanwhile is skipped). The outbox's unique
 // (task, version, type) allows one re-drive per task version.
 func (r *Reconciler) scanTasks(ctx context.Context, res *Result) error {
-	tasks, err := stuckTasks(ctx, r.pool, r.cfg.TaskDeadline, r.cfg.BatchSize)
+	tasks, err := task.Stuck(ctx, r.pool, r.cfg.TaskDeadline, r.cfg.BatchSize)
 	if err != nil {
 		return err
 	}
@@ -111,7 +115,7 @@ func (r *Reconciler) scanTasks(ctx context.Context, res *Result) error {
 // API writes both in one transaction, so none was created) is deleted so
 // that the client's retry with the same key creates the task.
 func (r *Reconciler) scanIdempotency(ctx context.Context, res *Result) error {
-	recs, err := expiredIdempotency(ctx, r.pool, r.cfg.BatchSize)
+	recs, err := idempotency.Expired(ctx, r.pool, r.cfg.BatchSize)
 	if err != nil {
 		return err
 	}
@@ -135,7 +139,7 @@ func (r *Reconciler) scanIdempotency(ctx context.Context, res *Result) error {
 // OutboxThreshold (gauges and a warning); the relay publishes them, the
 // reconciler never does.
 func (r *Reconciler) scanOutbox(ctx context.Context, res *Result) error {
-	n, age, err := unpublishedOutbox(ctx, r.pool, r.cfg.OutboxThreshold)
+	n, age, err := outbox.Unpublished(ctx, r.pool, r.cfg.OutboxThreshold)
 	if err != nil {
 		return err
 	}
@@ -180,7 +184,7 @@ func (r *Reconciler) scanCache(ctx context.Context, res *Result) error {
 	if r.cache == nil {
 		return nil
 	}
-	tasks, err := tasksAfter(ctx, r.pool, r.cacheCursor, r.cfg.BatchSize)
+	tasks, err := task.After(ctx, r.pool, r.cacheCursor, r.cfg.BatchSize)
 	if err != nil {
 		return err
 	}

@@ -12,6 +12,8 @@ import (
 	"github.com/converge-run/converge/consumers/deadletter"
 	"github.com/converge-run/converge/internal/artifact"
 	"github.com/converge-run/converge/internal/fault"
+	"github.com/converge-run/converge/internal/ledger"
+	"github.com/converge-run/converge/internal/testenv"
 )
 
 // A compensation whose hide timed out after it happened (seed 14) is
@@ -22,14 +24,13 @@ func TestCompensationTimeoutReconciledByObservation(t *testing.T) {
 	b := setup(t, Config{EffectDeadline: time.Second})
 	ctx := context.Background()
 	data := []byte(`{"a":1}`)
-	tok := b.effectFor(t, stateCompensationRequired, data, time.Hour)
+	tok := b.effectFor(t, ledger.CompensationRequired, data, time.Hour)
 	b.put(t, tok, 1, data)
 	// The worker's compensation: ledger row first, then a hide that
 	// happens but times out.
-	var e effect
-	e.EffectID, e.TaskID, e.Attempt, e.TargetIdentity, e.RequestSize = tok, tok[:len(tok)-len(".attempt-1")], 1, "artifact://"+tok, int64(len(data))
-	if _, state, err := planHide(ctx, b.db.Pool, e, sum(data)); err != nil || state != "started" {
-		t.Fatalf("plan hide: %s %v", state, err)
+	e := testenv.RequireEffect(t, b.db.Pool, ledger.KindArtifactPut, tok)
+	if h, _, err := ledger.Plan(ctx, b.db.Pool, ledger.NewCompensation(e, sum(data), int64(len(data)))); err != nil || h.State != ledger.Started {
+		t.Fatalf("plan hide: %s %v", h.State, err)
 	}
 	faults := &fault.Set{}
 	if err := faults.Arm(fault.ArtifactHideTimeoutAfterCommit, fault.ActionError, 0); err != nil {
@@ -49,10 +50,10 @@ func TestCompensationTimeoutReconciledByObservation(t *testing.T) {
 	if res.Compensated != 1 || res.CompensationsObserved != 1 || res.Errors != 0 {
 		t.Errorf("pass = %+v, want 1 compensation observed", res)
 	}
-	if got := b.effect(t, kindArtifactPut, tok).state; got != stateCompensated {
+	if got := b.effect(t, ledger.KindArtifactPut, tok).state; got != ledger.Compensated {
 		t.Errorf("effect %s, want compensated", got)
 	}
-	if got := b.effect(t, "artifact.hide", "compensation-for-"+tok).state; got != stateVerified {
+	if got := b.effect(t, "artifact.hide", "compensation-for-"+tok).state; got != ledger.Verified {
 		t.Errorf("hide %s, want verified", got)
 	}
 	if got := b.actions(ActionCompensationObserved); got != 1 {
@@ -68,9 +69,9 @@ func TestScansRedriveReleaseResolve(t *testing.T) {
 	t.Parallel()
 	b := setup(t, Config{TaskDeadline: time.Minute, InboxLease: time.Minute, OutboxThreshold: time.Minute})
 	ctx := context.Background()
-	stuck := b.effectFor(t, stateVerified, []byte(`1`), 0)
+	stuck := b.effectFor(t, ledger.Verified, []byte(`1`), 0)
 	stuckTask := stuck[:len(stuck)-len(".attempt-1")]
-	done := b.effectFor(t, stateVerified, []byte(`2`), 0)
+	done := b.effectFor(t, ledger.Verified, []byte(`2`), 0)
 	doneTask := done[:len(done)-len(".attempt-1")]
 	exec := func(sql string, args ...any) {
 		t.Helper()
@@ -81,7 +82,7 @@ func TestScansRedriveReleaseResolve(t *testing.T) {
 	exec(`UPDATE task SET status = 'queued', updated_at = now() - interval '1 hour' WHERE task_id = $1`, stuckTask)
 	exec(`UPDATE task SET status = 'failed', terminal_error_code = 'X' WHERE task_id = $1`, doneTask)
 	exec(`INSERT INTO outbox_event (outbox_id, aggregate_id, aggregate_version, event_type, payload, payload_sha256, created_at)
-VALUES ('ev-done', $1, 0, 'TaskCreated', '{}', $2, now() - interval '1 hour')`, doneTask, sum([]byte("x")))
+VALUES ('ev-done', $1, 1, 'TaskFailed', '{}', $2, now() - interval '1 hour')`, doneTask, sum([]byte("x")))
 	exec(`INSERT INTO inbox_message (consumer_name, message_id, payload_sha256, state, last_seen_at)
 VALUES ('converge-worker', 'ev-done', $1, 'processing', now() - interval '1 hour')`, sum([]byte("x")))
 	exec(`INSERT INTO idempotency_record (scope, idempotency_key, request_fingerprint, state, locked_until, expires_at)
@@ -96,7 +97,7 @@ VALUES ('s', 'k-expired', $1, 'in_progress', now() - interval '1 minute', now() 
 	}
 	var typ string
 	var version int64
-	if err := b.db.Pool.QueryRow(ctx, `SELECT event_type, aggregate_version FROM outbox_event WHERE aggregate_id = $1`, stuckTask).Scan(&typ, &version); err != nil || typ != "TaskRedriveRequested" || version != 1 {
+	if err := b.db.Pool.QueryRow(ctx, `SELECT event_type, aggregate_version FROM outbox_event WHERE aggregate_id = $1 AND event_type <> 'TaskCreated'`, stuckTask).Scan(&typ, &version); err != nil || typ != "TaskRedriveRequested" || version != 1 {
 		t.Errorf("re-drive event %s v%d (%v)", typ, version, err)
 	}
 	var state string
@@ -119,9 +120,9 @@ func TestScanResolvesDeadLettersOfCompletedTasks(t *testing.T) {
 	t.Parallel()
 	b := setup(t, Config{})
 	ctx := context.Background()
-	done := b.effectFor(t, stateVerified, []byte(`1`), 0)
+	done := b.effectFor(t, ledger.Verified, []byte(`1`), 0)
 	doneTask := done[:len(done)-len(".attempt-1")]
-	failed := b.effectFor(t, stateVerified, []byte(`2`), 0)
+	failed := b.effectFor(t, ledger.Verified, []byte(`2`), 0)
 	failedTask := failed[:len(failed)-len(".attempt-1")]
 	if _, err := b.db.Pool.Exec(ctx, `UPDATE task SET status = 'failed', terminal_error_code = 'X' WHERE task_id = $1`, failedTask); err != nil {
 		t.Fatal(err)

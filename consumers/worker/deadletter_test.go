@@ -2,7 +2,6 @@ package worker
 
 import (
 	"context"
-	"strings"
 	"testing"
 	"time"
 
@@ -85,15 +84,15 @@ func TestPoisonMessageIsDeadLettered(t *testing.T) {
 		t.Errorf("event-id header %q", got)
 	}
 	want := map[string]string{
-		HeaderDLQOriginalTopic: b.kafka.Topic, HeaderDLQConsumerGroup: DefaultGroup, HeaderDLQErrorClass: ClassDeterministic,
-		HeaderDLQErrorCode: CodeInjectedProcessingError, HeaderDLQAttempts: "1", HeaderDLQProcessorVersion: DefaultProcessorVersion,
+		taskevent.HeaderDLQOriginalTopic: b.kafka.Topic, taskevent.HeaderDLQConsumerGroup: DefaultGroup, taskevent.HeaderDLQErrorClass: taskevent.ClassDeterministic,
+		taskevent.HeaderDLQErrorCode: CodeInjectedProcessingError, taskevent.HeaderDLQAttempts: "1", taskevent.HeaderDLQProcessorVersion: DefaultProcessorVersion,
 	}
 	for k, v := range want {
 		if got, n := header(d, k); got != v || n != 1 {
 			t.Errorf("header %s = %q (%d times), want %q once", k, got, n, v)
 		}
 	}
-	for _, k := range []string{HeaderDLQOriginalPart, HeaderDLQOriginalOffset, HeaderDLQErrorMessage, HeaderDLQFirstFailureAt, HeaderDLQLastFailureAt} {
+	for _, k := range []string{taskevent.HeaderDLQOriginalPart, taskevent.HeaderDLQOriginalOffset, taskevent.HeaderDLQErrorMessage, taskevent.HeaderDLQFirstFailureAt, taskevent.HeaderDLQLastFailureAt} {
 		if got, n := header(d, k); got == "" || n != 1 {
 			t.Errorf("header %s = %q (%d times)", k, got, n)
 		}
@@ -129,34 +128,10 @@ func TestRetriesExhaustedAreDeadLettered(t *testing.T) {
 	if len(recs) != 1 {
 		t.Fatalf("%d dead letters", len(recs))
 	}
-	if cl, _ := header(recs[0], HeaderDLQErrorClass); cl != ClassRetryable {
+	if cl, _ := header(recs[0], taskevent.HeaderDLQErrorClass); cl != taskevent.ClassRetryable {
 		t.Errorf("class %q", cl)
 	}
-	if a, _ := header(recs[0], HeaderDLQAttempts); a != "3" {
+	if a, _ := header(recs[0], taskevent.HeaderDLQAttempts); a != "3" {
 		t.Errorf("attempts %q", a)
-	}
-}
-
-// Re-dead-lettering replaces the dlq-* headers and keeps the earliest first
-// failure.
-func TestDeadLetterRecordReplacesHeaders(t *testing.T) {
-	t.Parallel()
-	t0 := time.Date(2025, 1, 1, 0, 0, 0, 0, time.UTC)
-	r := &kgo.Record{Topic: "t", Partition: 2, Offset: 7, Key: []byte("k"), Value: []byte("v"),
-		Headers: []kgo.RecordHeader{{Key: "event-id", Value: []byte("e1")}}}
-	once := DeadLetterRecord(r, "t.dlq", "g", ClassDeterministic, "C1", "boom", 1, "p1", t0, t0)
-	once.Topic, once.Partition, once.Offset = "t", 3, 9 // consumed again from t
-	twice := DeadLetterRecord(once, "t.dlq", "g", ClassRetryable, "C2", strings.Repeat("x", 5000), 4, "p2", t0.Add(time.Hour), t0.Add(2*time.Hour))
-	if len(twice.Headers) != len(once.Headers) {
-		t.Fatalf("headers grew from %d to %d", len(once.Headers), len(twice.Headers))
-	}
-	for k, v := range map[string]string{"event-id": "e1", HeaderDLQErrorCode: "C2", HeaderDLQOriginalPart: "3", HeaderDLQOriginalOffset: "9",
-		HeaderDLQAttempts: "4", HeaderDLQFirstFailureAt: t0.Format(time.RFC3339Nano)} {
-		if got, n := header(twice, k); got != v || n != 1 {
-			t.Errorf("%s = %q (%d), want %q", k, got, n, v)
-		}
-	}
-	if m, _ := header(twice, HeaderDLQErrorMessage); len(m) != maxErrorMessage {
-		t.Errorf("message of %d bytes, want %d", len(m), maxErrorMessage)
 	}
 }

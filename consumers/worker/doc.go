@@ -60,26 +60,16 @@
 //
 // # Offsets and order
 //
-// Records of one partition are processed in order, by one goroutine per
-// assigned partition (started on the partition's first records); the poll
-// loop hands each partition's records of a poll to its goroutine and polls
-// again, so a slow partition does not hold up the others. At most
-// Concurrency records of all partitions are in process at once. The poll
-// loop never waits for a partition: when a partition's queue reaches 2 ×
-// MaxPollRecords records, fetching it is paused (the client drops what it
-// buffered for it and fetches it again from the same offset) until the
-// queue is below MaxPollRecords. After each batch a partition's goroutine marks the offset after
-// its last record whose outcome is durable (the transaction recording it
-// committed), and one committer commits the marked offsets synchronously,
-// one commit at a time; they are also committed in OnPartitionsRevoked and
-// at shutdown. Rebalances are blocked only while a poll is handed out
-// (BlockRebalanceOnPoll); OnPartitionsRevoked (and OnPartitionsLost) first
-// stops the goroutines of the partitions that go — each finishes the
-// attempt in process (within AttemptTimeout) — and waits for them, then
-// commits (on revoke) and forgets their offsets, so a commit never covers a
-// partition the member no longer owns and no record of it is processed
-// after it is given up. Records still queued for it are dropped; the next
-// owner fetches them again from the committed offset.
+// The worker is a handler of internal/consumergroup, which states the rules
+// once: records of a partition in order, one goroutine per partition,
+// offsets committed only after the transaction recording each record's
+// outcome, revoke/loss/shutdown handling. On top of it the worker processes
+// at most Concurrency records of all partitions at once.
+//
+// The aggregates' rules live with their owners: the inbox in
+// internal/inbox, the task transitions in internal/task, the effect ledger
+// (tokens, read-back verification, compensation) in internal/ledger, the
+// outbox in internal/outbox. This package composes them into transactions.
 //
 // Round trips: the intake transaction starts the task, reads the document
 // and the live effect in one batch, and writes and reads the effect's
@@ -87,6 +77,18 @@
 // effect in one batch before the outbox insert.
 //
 // # Errors
+//
+// Commit visibility (issue 9): an event on the topic proves its transaction
+// committed, not that this session sees it yet (PostgreSQL flushes the
+// commit record, and the relay streams it, before the committing backend
+// leaves the proc array; a synchronous standby that does not confirm widens
+// the window at will). A task not found, or found at a version older than
+// the event's, is therefore never taken as proof: the error wraps
+// ErrNotYetVisible and the record is retried in place (backoff capped at 1s)
+// until VisibilityTimeout has passed since the record was produced (or first
+// failed), and only then dead-lettered (TASK_NOT_FOUND,
+// TASK_VERSION_CONFLICT); the dead-letter transaction then leaves the task
+// alone even when it sees it by then.
 //
 // Retryable decides, once, what happens to a failed attempt. Retryable
 // errors (database unavailable, deadlines, store I/O, concurrent changes,
@@ -108,7 +110,8 @@
 //     result_json {"error_code": ...}; when the record passed the contract
 //     checks and its task exists and is not terminal, the task -> failed
 //     (compare-and-set on version) with terminal_error_code = the code, and
-//     a TaskFailed outbox event;
+//     a TaskFailed outbox event (not for an error wrapping
+//     ErrNotYetVisible: the task is left for the reconciler's re-drive);
 //  3. only then is the offset committed ("dead_lettered").
 //
 // A crash between 1 and 3 dead-letters the record again on redelivery; the

@@ -14,20 +14,19 @@ import (
 // "error_code", task.terminal_error_code, effect_ledger.error_code). Never
 // rename one.
 const (
-	// CodeInvalidEvent: the record value is not a task event (taskevent.Decode).
-	CodeInvalidEvent = "INVALID_EVENT"
-	// CodePayloadHashMismatch: the payload-sha256 header is missing or is not
-	// the SHA-256 of the value.
-	CodePayloadHashMismatch = "PAYLOAD_HASH_MISMATCH"
-	// CodeEventIDMismatch: the event-id header is missing or differs from the
-	// value's event_id.
-	CodeEventIDMismatch = "EVENT_ID_MISMATCH"
-	// CodeKeyMismatch: the record key is not the event's task id.
-	CodeKeyMismatch = "KEY_MISMATCH"
+	// CodeInvalidEvent, CodePayloadHashMismatch, CodeEventIDMismatch,
+	// CodeKeyMismatch: the record breaks the task-events contract
+	// (taskevent.CheckRecord).
+	CodeInvalidEvent        = taskevent.CodeInvalidEvent
+	CodePayloadHashMismatch = taskevent.CodePayloadHashMismatch
+	CodeEventIDMismatch     = taskevent.CodeEventIDMismatch
+	CodeKeyMismatch         = taskevent.CodeKeyMismatch
 	// CodeEventTypeMismatch: the event-type header says TaskCreated, the value
 	// another type.
 	CodeEventTypeMismatch = "EVENT_TYPE_MISMATCH"
-	// CodeTaskNotFound: the event names a task that does not exist.
+	// CodeTaskNotFound: the event names a task that does not exist, or
+	// whose creating transaction stayed invisible for VisibilityTimeout
+	// (see ErrNotYetVisible).
 	CodeTaskNotFound = "TASK_NOT_FOUND"
 	// CodeTaskInputNotFound: the task has no task_input row.
 	CodeTaskInputNotFound = "TASK_INPUT_NOT_FOUND"
@@ -50,7 +49,7 @@ const (
 	// message made on purpose).
 	CodeInjectedProcessingError = "INJECTED_PROCESSING_ERROR"
 	// CodeUnclassified: a deterministic error without a code of its own.
-	CodeUnclassified = "UNCLASSIFIED"
+	CodeUnclassified = taskevent.CodeUnclassified
 )
 
 // DeterministicError is a processing error that recurs on every attempt
@@ -64,6 +63,18 @@ type DeterministicError struct {
 func (e *DeterministicError) Error() string { return e.Code + ": " + e.Err.Error() }
 func (e *DeterministicError) Unwrap() error { return e.Err }
 
+// ErrNotYetVisible is wrapped by a deterministic error whose cause may be
+// only that the event's transaction is not yet visible to this session
+// (TASK_NOT_FOUND). An event on the topic proves its transaction committed:
+// the relay decodes a transaction once its commit record is flushed, but
+// PostgreSQL makes its rows visible to other sessions only when the
+// committing backend leaves the proc array — later, and with a synchronous
+// standby only after the standby confirmed (issue 9). Such an error is
+// retried in place with backoff until Config.VisibilityTimeout has passed
+// since the record was produced (or first failed, whichever is earlier), and
+// only then dead-lettered; the retries do not count against MaxAttempts.
+var ErrNotYetVisible = errors.New("not visible (yet) to this session")
+
 // errConcurrentChange: a compare-and-set found the row changed by someone
 // else (another delivery, the reconciler); the attempt is retried and
 // re-reads the current state.
@@ -74,7 +85,8 @@ var errConcurrentChange = errors.New("concurrent change")
 // record, after a backoff, partition order preserved) rather than recorded
 // as a deterministic failure and skipped.
 //
-// Deterministic (false): *DeterministicError, *canon.Error,
+// Deterministic (false): *DeterministicError (one wrapping ErrNotYetVisible
+// is retried until VisibilityTimeout, see processRecord), *canon.Error,
 // taskevent.ErrInvalidEvent, artifact.ErrInvalidToken, and PostgreSQL errors
 // of class 22 (data exception) and 23 (integrity constraint violation),
 // which depend on the record's data. Everything else is retryable: network

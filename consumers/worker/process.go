@@ -2,7 +2,6 @@ package worker
 
 import (
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -13,6 +12,10 @@ import (
 	"github.com/converge-run/converge/internal/artifact"
 	"github.com/converge-run/converge/internal/canon"
 	"github.com/converge-run/converge/internal/fault"
+	"github.com/converge-run/converge/internal/inbox"
+	"github.com/converge-run/converge/internal/ledger"
+	"github.com/converge-run/converge/internal/outbox"
+	"github.com/converge-run/converge/internal/task"
 	"github.com/converge-run/converge/internal/taskevent"
 )
 
@@ -53,24 +56,15 @@ func headers(r *kgo.Record) map[string]string {
 	return h
 }
 
-// verifyRecord checks a record against the contract of package taskevent:
-// payload hash header, decodable value, event id header, key.
+// verifyRecord checks a record against the contract of package taskevent
+// (taskevent.CheckRecord); a breach is deterministic, with its code.
 func verifyRecord(r *kgo.Record, hdr map[string]string) (*taskevent.Event, error) {
-	if sum := canon.SHA256Hex(r.Value); hdr[taskevent.HeaderPayloadSHA256] != sum {
-		return nil, &DeterministicError{Code: CodePayloadHashMismatch,
-			Err: fmt.Errorf("header %q, value hashes to %s", hdr[taskevent.HeaderPayloadSHA256], sum)}
+	ev, err := taskevent.CheckRecord(r.Key, r.Value, hdr)
+	var ce *taskevent.ContractError
+	if errors.As(err, &ce) {
+		return nil, &DeterministicError{Code: ce.Code, Err: ce.Err}
 	}
-	ev, err := taskevent.Decode(r.Value)
-	if err != nil {
-		return nil, &DeterministicError{Code: CodeInvalidEvent, Err: err}
-	}
-	if id := hdr[taskevent.HeaderEventID]; id != ev.EventID {
-		return nil, &DeterministicError{Code: CodeEventIDMismatch, Err: fmt.Errorf("header %q, value %q", id, ev.EventID)}
-	}
-	if string(r.Key) != ev.TaskID {
-		return nil, &DeterministicError{Code: CodeKeyMismatch, Err: fmt.Errorf("key %q, task %q", r.Key, ev.TaskID)}
-	}
-	return ev, nil
+	return ev, err
 }
 
 // job is one TaskCreated delivery being processed.
@@ -79,7 +73,7 @@ type job struct {
 	ev       *taskevent.Event
 	sha      string // payload SHA-256 (the inbox's payload hash)
 	task     taskevent.Task
-	effect   effectRow
+	effect   ledger.Effect
 	planned  bool   // this delivery inserted the effect row
 	artifact []byte // canonical bytes, the effect's request
 }
@@ -101,7 +95,7 @@ func (w *Worker) process(ctx context.Context, r *kgo.Record, ev *taskevent.Event
 		return outcome, nil
 	}
 	if j.planned {
-		w.m.effects.WithLabelValues(kindArtifactPut, effectStarted).Inc()
+		w.m.effects.WithLabelValues(string(ledger.KindArtifactPut), string(ledger.Started)).Inc()
 	}
 	return w.execute(ctx, j)
 }
@@ -112,25 +106,25 @@ func (w *Worker) process(ctx context.Context, r *kgo.Record, ev *taskevent.Event
 // means the delivery is finished (duplicate, conflict, failed transform).
 func (w *Worker) intake(ctx context.Context, tx pgx.Tx, j *job) (string, error) {
 	group, ev := w.cfg.Group, j.ev
-	inserted, err := insertInbox(ctx, tx, group, ev.EventID, j.sha)
+	inserted, err := inbox.Register(ctx, tx, group, ev.EventID, j.sha)
 	if err != nil {
 		return "", err
 	}
 	if !inserted {
-		row, err := lockInbox(ctx, tx, group, ev.EventID)
+		row, err := inbox.Lock(ctx, tx, group, ev.EventID)
 		if err != nil {
 			return "", err
 		}
 		if row.PayloadSHA256 != j.sha {
 			w.log.ErrorContext(ctx, "message id reused with a different payload", slog.String("event_id", ev.EventID),
 				slog.String("stored_sha256", row.PayloadSHA256), slog.String("payload_sha256", j.sha))
-			return OutcomeConflict, insertInboxConflict(ctx, tx, conflictRecord{Consumer: group, MessageID: ev.EventID,
-				PayloadSHA256: j.sha, StoredSHA256: row.PayloadSHA256, Topic: j.rec.Topic, Partition: j.rec.Partition, Offset: j.rec.Offset})
+			return OutcomeConflict, inbox.InsertConflict(ctx, tx, inbox.Delivery{Consumer: group, MessageID: ev.EventID,
+				PayloadSHA256: j.sha, Topic: j.rec.Topic, Partition: j.rec.Partition, Offset: j.rec.Offset}, row.PayloadSHA256)
 		}
-		if err := touchInbox(ctx, tx, group, ev.EventID); err != nil {
+		if err := inbox.Touch(ctx, tx, group, ev.EventID); err != nil {
 			return "", err
 		}
-		if row.State != inboxProcessing {
+		if row.State != inbox.Processing {
 			return OutcomeDuplicate, nil
 		}
 		// processing: an earlier delivery stopped mid-way; resume it (the
@@ -138,50 +132,65 @@ func (w *Worker) intake(ctx context.Context, tx pgx.Tx, j *job) (string, error) 
 	}
 	// The common case, a queued task, reads the document and the live
 	// effect in the round trip that starts the task.
-	task, ok, in, err := startTaskWithInputs(ctx, tx, ev.TaskID, ev.TaskVersion)
-	if err != nil {
+	var (
+		started             task.Changed
+		doc                 []byte
+		docFound, liveFound bool
+		live                ledger.Effect
+	)
+	b := &pgx.Batch{}
+	task.QueueStartIfQueued(b, ev.TaskID, ev.TaskVersion, &started)
+	task.QueueDocument(b, ev.TaskID, &doc, &docFound)
+	ledger.QueueLive(b, ev.TaskID, &live, &liveFound)
+	if err := tx.SendBatch(ctx, b).Close(); err != nil {
 		return "", err
 	}
-	if !ok {
+	t := started.Task
+	if !started.Applied {
 		var found bool
-		task, found, err = getTask(ctx, tx, ev.TaskID)
+		t, found, err = task.Get(ctx, tx, ev.TaskID)
 		switch {
 		case err != nil:
 			return "", err
 		case !found:
-			return "", &DeterministicError{Code: CodeTaskNotFound, Err: fmt.Errorf("task %s", ev.TaskID)}
-		case task.Status == taskevent.StatusRunning:
+			// Not found may mean not visible yet (ErrNotYetVisible).
+			return "", &DeterministicError{Code: CodeTaskNotFound, Err: fmt.Errorf("task %s: %w", ev.TaskID, ErrNotYetVisible)}
+		case t.Version < ev.TaskVersion:
+			// The event's transaction wrote this version (a dead-letter
+			// replay re-opening the task): what this session sees is
+			// older, so that transaction is not visible yet either.
+			return "", &DeterministicError{Code: CodeTaskVersionConflict,
+				Err: fmt.Errorf("task %s is %s at version %d, event version %d: %w", t.TaskID, t.Status, t.Version, ev.TaskVersion, ErrNotYetVisible)}
+		case t.Status == taskevent.StatusRunning:
 			// resumed below with the task's current attempt
-		case taskevent.Terminal(task.Status):
-			if _, err := finishInbox(ctx, tx, group, ev.EventID, inboxCompleted,
-				map[string]any{"task_version": task.Version, "task_status": task.Status}); err != nil {
+		case taskevent.Terminal(t.Status):
+			if _, err := inbox.Finish(ctx, tx, group, ev.EventID, inbox.Completed,
+				map[string]any{"task_version": t.Version, "task_status": t.Status}); err != nil {
 				return "", err
 			}
 			return OutcomeDuplicate, nil
 		default:
 			return "", &DeterministicError{Code: CodeTaskVersionConflict,
-				Err: fmt.Errorf("task %s is %s at version %d, event version %d", task.TaskID, task.Status, task.Version, ev.TaskVersion)}
+				Err: fmt.Errorf("task %s is %s at version %d, event version %d", t.TaskID, t.Status, t.Version, ev.TaskVersion)}
 		}
-	}
-	j.task = task
-	if !ok {
-		// resumed: read what the batch read for a task that started
-		if in.doc, in.docFound, err = getDocument(ctx, tx, task.TaskID); err != nil {
+		// resumed: the batch's reads were made before the start did not
+		// apply; read them again in this transaction
+		if doc, docFound, err = task.Document(ctx, tx, t.TaskID); err != nil {
 			return "", err
 		}
-		if in.live, in.liveFound, err = liveEffect(ctx, tx, task.TaskID); err != nil {
+		if live, liveFound, err = ledger.Live(ctx, tx, t.TaskID); err != nil {
 			return "", err
 		}
 	}
-	doc, found := in.doc, in.docFound
-	if !found {
-		return "", &DeterministicError{Code: CodeTaskInputNotFound, Err: fmt.Errorf("task %s", task.TaskID)}
+	j.task = t
+	if !docFound {
+		return "", &DeterministicError{Code: CodeTaskInputNotFound, Err: fmt.Errorf("task %s", t.TaskID)}
 	}
 	out, err := canon.Transform(doc)
 	if err != nil {
 		var ce *canon.Error
 		if !errors.As(err, &ce) {
-			return "", fmt.Errorf("canonicalize task %s: %w", task.TaskID, err)
+			return "", fmt.Errorf("canonicalize task %s: %w", t.TaskID, err)
 		}
 		// The API validated the document, so this means the validation and
 		// the transform disagree; the result is the same every time.
@@ -197,18 +206,16 @@ func (w *Worker) intake(ctx context.Context, tx pgx.Tx, j *job) (string, error) 
 	// own attempt and token (seed 7: retry with the same token) instead of
 	// writing a second artifact under a new token, which the reconciler
 	// could verify next to the first.
-	attempt := task.Attempt
-	if in.liveFound {
-		attempt = in.live.Attempt
+	attempt := t.Attempt
+	if liveFound {
+		attempt = live.Attempt
 	}
-	token := artifact.Token(task.TaskID, attempt)
-	want := effectRow{EffectID: token, TaskID: task.TaskID, Attempt: attempt, Kind: kindArtifactPut, Token: token,
-		TargetIdentity: "artifact://" + token, State: effectStarted, RequestSHA256: canon.SHA256Hex(out), RequestSize: int64(len(out))}
-	eff, planned, err := planEffect(ctx, tx, want)
+	want := ledger.NewPut(t.TaskID, attempt, canon.SHA256Hex(out), int64(len(out)))
+	eff, planned, err := ledger.Plan(ctx, tx, want)
 	if err != nil {
 		return "", err
 	}
-	if eff.RequestSHA256 != want.RequestSHA256 || eff.RequestSize != want.RequestSize || eff.TaskID != task.TaskID {
+	if eff.RequestSHA256 != want.RequestSHA256 || eff.RequestSize != want.RequestSize || eff.TaskID != t.TaskID {
 		return "", &DeterministicError{Code: CodeEffectRequestMismatch,
 			Err: fmt.Errorf("effect %s records request %s (%d bytes), computed %s (%d bytes)", eff.EffectID, eff.RequestSHA256, eff.RequestSize, want.RequestSHA256, want.RequestSize)}
 	}
@@ -222,26 +229,22 @@ func (w *Worker) intake(ctx context.Context, tx pgx.Tx, j *job) (string, error) 
 func (w *Worker) execute(ctx context.Context, j *job) (string, error) {
 	eff := j.effect
 	switch eff.State {
-	case effectVerified:
+	case ledger.Verified:
 		sha := eff.RequestSHA256
 		if eff.ObservedSHA256 != nil {
 			sha = *eff.ObservedSHA256
 		}
-		return w.complete(ctx, j, effectVerified, sha, eff.RequestSize)
-	case effectCompensationRequired, effectCompensated, effectFailed:
+		return w.complete(ctx, j, ledger.Verified, sha, eff.RequestSize)
+	case ledger.CompensationRequired, ledger.Compensated, ledger.Failed:
 		// An earlier delivery or the reconciler found the effect bad; finish
 		// the task as failed (and the compensation, if still required).
 		code := CodeArtifactVerificationFailed
 		if eff.ErrorCode != nil {
 			code = *eff.ErrorCode
 		}
-		outcome, err := w.fail(ctx, j, eff.State, eff.State, nil, code)
-		if err == nil && eff.State == effectCompensationRequired {
-			sha := eff.RequestSHA256
-			if eff.ObservedSHA256 != nil {
-				sha = *eff.ObservedSHA256
-			}
-			w.compensate(ctx, eff, sha, eff.RequestSize)
+		outcome, err := w.fail(ctx, j, "", nil, code)
+		if err == nil && eff.State == ledger.CompensationRequired {
+			w.compensate(ctx, eff, eff.RequestSize)
 		}
 		return outcome, err
 	}
@@ -251,7 +254,9 @@ func (w *Worker) execute(ctx context.Context, j *job) (string, error) {
 	case err == nil:
 		// present: resolved by observation, never written twice (seed 13.3)
 	case errors.Is(err, artifact.ErrInvalidToken):
-		return w.fail(ctx, j, from, effectFailed, nil, CodeArtifactTokenInvalid)
+		return w.fail(ctx, j, ledger.Failed, func(tx pgx.Tx) (bool, error) {
+			return ledger.MarkFailed(ctx, tx, eff.EffectID, from, CodeArtifactTokenInvalid)
+		}, CodeArtifactTokenInvalid)
 	case errors.Is(err, artifact.ErrNotFound):
 		_, perr := w.store.Put(eff.Token, j.task.TaskID, eff.Attempt, j.artifact)
 		switch {
@@ -260,15 +265,15 @@ func (w *Worker) execute(ctx context.Context, j *job) (string, error) {
 		case errors.Is(perr, artifact.ErrTimeout):
 			// A timeout is not "did not happen" (seed 7): record unknown,
 			// then resolve by observing the same token.
-			ok, err := setEffectState(ctx, w.pool, eff.EffectID, from, effectUnknown, nil, nil)
+			ok, err := ledger.MarkUnknown(ctx, w.pool, eff.EffectID, from)
 			if err != nil {
 				return "", err
 			}
 			if !ok {
 				return "", fmt.Errorf("effect %s: %w", eff.EffectID, errConcurrentChange)
 			}
-			w.m.effects.WithLabelValues(kindArtifactPut, effectUnknown).Inc()
-			from = effectUnknown
+			w.m.effects.WithLabelValues(string(ledger.KindArtifactPut), string(ledger.Unknown)).Inc()
+			from = ledger.Unknown
 		default:
 			return "", fmt.Errorf("put artifact %s: %w", eff.Token, perr)
 		}
@@ -276,21 +281,21 @@ func (w *Worker) execute(ctx context.Context, j *job) (string, error) {
 		return "", fmt.Errorf("head artifact %s: %w", eff.Token, err)
 	}
 	obs, err := w.store.Observe(eff.Token)
-	if errors.Is(err, artifact.ErrNotFound) {
+	if err != nil {
 		// Absent after the write (or after a timeout that did not commit):
 		// retry with the same token.
 		return "", fmt.Errorf("read back artifact %s: %w", eff.Token, err)
 	}
-	if err != nil {
-		return "", fmt.Errorf("read back artifact %s: %w", eff.Token, err)
-	}
-	if !Verified(obs, j.task.TaskID, eff.Attempt, eff.RequestSize, eff.RequestSHA256) {
+	if !ledger.Verify(obs, eff) {
 		w.log.ErrorContext(ctx, "artifact verification failed", slog.String("task_id", j.task.TaskID), slog.String("token", eff.Token),
 			slog.String("expected_sha256", eff.RequestSHA256), slog.String("observed_sha256", obs.SHA256),
 			slog.Int64("expected_size", eff.RequestSize), slog.Int64("observed_size", obs.Size))
-		outcome, err := w.fail(ctx, j, from, effectCompensationRequired, &obs.SHA256, CodeArtifactVerificationFailed)
+		outcome, err := w.fail(ctx, j, ledger.CompensationRequired, func(tx pgx.Tx) (bool, error) {
+			return ledger.RequireCompensation(ctx, tx, eff.EffectID, from, &obs.SHA256, CodeArtifactVerificationFailed)
+		}, CodeArtifactVerificationFailed)
 		if err == nil {
-			w.compensate(ctx, eff, obs.SHA256, obs.Size)
+			eff.State, eff.ObservedSHA256 = ledger.CompensationRequired, &obs.SHA256
+			w.compensate(ctx, eff, obs.Size)
 		}
 		return outcome, err
 	}
@@ -300,29 +305,21 @@ func (w *Worker) execute(ctx context.Context, j *job) (string, error) {
 	return w.complete(ctx, j, from, obs.SHA256, obs.Size)
 }
 
-// Verified reports whether an artifact read back is the one expected: same
-// task id and attempt in its metadata, and the bytes actually stored have
-// the expected size and SHA-256 (seed 7.1).
-func Verified(obs artifact.Observation, taskID string, attempt int, size int64, sha string) bool {
-	return obs.Meta.TaskID == taskID && obs.Meta.Attempt == attempt &&
-		obs.Size == size && obs.SHA256 == sha && obs.Meta.Size == size && obs.Meta.SHA256 == sha
-}
-
 // complete is the completion transaction (seed 10): inbox -> completed,
 // task running -> completed, effect -> verified, TaskCompleted outbox event.
 // Every transaction of the worker touches rows in the order inbox, task,
 // effect, outbox, so concurrent deliveries of one message do not deadlock.
-func (w *Worker) complete(ctx context.Context, j *job, from, sha string, size int64) (string, error) {
+func (w *Worker) complete(ctx context.Context, j *job, from ledger.State, sha string, size int64) (string, error) {
 	var t taskevent.Task
 	err := pgx.BeginFunc(ctx, w.pool, func(tx pgx.Tx) error {
 		var err error
 		if t, err = w.completeInTx(ctx, tx, j, from, sha, size); err != nil {
 			return err
 		}
-		_, err = insertOutbox(ctx, tx, taskevent.TypeTaskCompleted, t)
+		_, err = outbox.Insert(ctx, tx, taskevent.TypeTaskCompleted, t)
 		return err
 	})
-	if OneVerifiedViolation(err) {
+	if ledger.OneVerifiedViolation(err) {
 		// Another effect of the task was verified meanwhile (an earlier
 		// attempt's, by the reconciler): retry; the next intake completes
 		// the task with that one, and the reconciler hides this artifact.
@@ -331,8 +328,8 @@ func (w *Worker) complete(ctx context.Context, j *job, from, sha string, size in
 	if err != nil {
 		return "", err
 	}
-	if from != effectVerified {
-		w.m.effects.WithLabelValues(kindArtifactPut, effectVerified).Inc()
+	if from != ledger.Verified {
+		w.m.effects.WithLabelValues(string(ledger.KindArtifactPut), string(ledger.Verified)).Inc()
 	}
 	if t.CompletedAt != nil {
 		w.m.endToEnd.Observe(t.CompletedAt.Sub(t.CreatedAt).Seconds())
@@ -346,65 +343,59 @@ func (w *Worker) complete(ctx context.Context, j *job, from, sha string, size in
 // the inbox processing -> completed, the task running -> completed and the
 // effect from -> verified (unless already verified); any of them not
 // applying is errConcurrentChange (and the transaction is rolled back).
-func (w *Worker) completeInTx(ctx context.Context, tx pgx.Tx, j *job, from, sha string, size int64) (taskevent.Task, error) {
-	raw, err := json.Marshal(map[string]any{"task_version": j.task.Version + 1, "artifact_sha256": sha})
-	if err != nil {
-		return taskevent.Task{}, fmt.Errorf("encode inbox result: %w", err)
-	}
+func (w *Worker) completeInTx(ctx context.Context, tx pgx.Tx, j *job, from ledger.State, sha string, size int64) (taskevent.Task, error) {
+	var (
+		finished, verified bool
+		completed          task.Changed
+	)
 	b := &pgx.Batch{}
-	b.Queue(sqlFinishInbox, w.cfg.Group, j.ev.EventID, inboxCompleted, string(raw))
-	b.Queue(sqlCompleteTask, j.task.TaskID, j.task.Version, sha, size)
-	if from != effectVerified {
-		b.Queue(sqlSetEffectState, j.effect.EffectID, from, effectVerified, &sha, (*string)(nil))
+	if err := inbox.QueueFinish(b, w.cfg.Group, j.ev.EventID, inbox.Completed,
+		map[string]any{"task_version": j.task.Version + 1, "artifact_sha256": sha}, &finished); err != nil {
+		return taskevent.Task{}, err
 	}
-	br := tx.SendBatch(ctx, b)
-	defer br.Close()
-	tag, err := br.Exec()
-	if err != nil {
-		return taskevent.Task{}, fmt.Errorf("finish inbox message %s as %s: %w", j.ev.EventID, inboxCompleted, err)
+	task.QueueCompleteIfRunning(b, j.task.TaskID, j.task.Version, sha, size, &completed)
+	if from != ledger.Verified {
+		ledger.QueueMarkVerified(b, j.effect.EffectID, from, &sha, &verified)
 	}
-	if tag.RowsAffected() != 1 {
+	if err := tx.SendBatch(ctx, b).Close(); err != nil {
+		return taskevent.Task{}, fmt.Errorf("complete task %s: %w", j.task.TaskID, err)
+	}
+	switch {
+	case !finished:
 		return taskevent.Task{}, fmt.Errorf("inbox message %s left processing: %w", j.ev.EventID, errConcurrentChange)
+	case !completed.Applied:
+		return taskevent.Task{}, fmt.Errorf("task %s left running/v%d: %w", j.task.TaskID, j.task.Version, errConcurrentChange)
+	case from != ledger.Verified && !verified:
+		return taskevent.Task{}, fmt.Errorf("effect %s left %s: %w", j.effect.EffectID, from, errConcurrentChange)
 	}
-	t, ok, err := oneTask(br.QueryRow(), "complete task "+j.task.TaskID)
-	if err != nil {
-		return t, err
-	}
-	if !ok {
-		return t, fmt.Errorf("task %s left running/v%d: %w", j.task.TaskID, j.task.Version, errConcurrentChange)
-	}
-	if from != effectVerified {
-		tag, err := br.Exec()
-		if err != nil {
-			return t, fmt.Errorf("effect %s %s -> %s: %w", j.effect.EffectID, from, effectVerified, err)
-		}
-		if tag.RowsAffected() != 1 {
-			return t, fmt.Errorf("effect %s left %s: %w", j.effect.EffectID, from, errConcurrentChange)
-		}
-	}
-	if err := br.Close(); err != nil {
-		return t, fmt.Errorf("complete task %s: %w", j.task.TaskID, err)
-	}
-	return t, nil
+	return completed.Task, nil
 }
 
 // fail is the failure transaction: inbox -> failed, task running -> failed
-// with code, effect from -> to (when they differ) with the observed hash
-// and code, TaskFailed outbox event.
-func (w *Worker) fail(ctx context.Context, j *job, from, to string, observed *string, code string) (string, error) {
+// with code, the delivery's effect moved to state to by move (when move is
+// not nil; its not applying is errConcurrentChange), TaskFailed outbox event.
+func (w *Worker) fail(ctx context.Context, j *job, to ledger.State, move func(pgx.Tx) (bool, error), code string) (string, error) {
 	err := pgx.BeginFunc(ctx, w.pool, func(tx pgx.Tx) error {
-		return w.failInTx(ctx, tx, j, code, func() error {
-			if from == to {
+		var effect func() error
+		if move != nil {
+			effect = func() error {
+				ok, err := move(tx)
+				if err != nil {
+					return err
+				}
+				if !ok {
+					return fmt.Errorf("effect %s left %s: %w", j.effect.EffectID, j.effect.State, errConcurrentChange)
+				}
 				return nil
 			}
-			return w.moveEffect(ctx, tx, j, from, to, observed, &code)
-		})
+		}
+		return w.failInTx(ctx, tx, j, code, effect)
 	})
 	if err != nil {
 		return "", err
 	}
-	if from != to {
-		w.m.effects.WithLabelValues(kindArtifactPut, to).Inc()
+	if move != nil {
+		w.m.effects.WithLabelValues(string(ledger.KindArtifactPut), string(to)).Inc()
 	}
 	return OutcomeFailed, nil
 }
@@ -413,14 +404,18 @@ func (w *Worker) fail(ctx context.Context, j *job, from, to string, observed *st
 // code, runs effect (when not nil), and writes the TaskFailed outbox event,
 // in tx.
 func (w *Worker) failInTx(ctx context.Context, tx pgx.Tx, j *job, code string, effect func() error) error {
-	if err := w.finishInbox(ctx, tx, j, inboxFailed, map[string]any{"task_version": j.task.Version + 1, "error_code": code}); err != nil {
-		return err
-	}
-	t, ok, err := failTask(ctx, tx, j.task.TaskID, j.task.Version, code)
+	ok, err := inbox.Finish(ctx, tx, w.cfg.Group, j.ev.EventID, inbox.Failed, map[string]any{"task_version": j.task.Version + 1, "error_code": code})
 	if err != nil {
 		return err
 	}
 	if !ok {
+		return fmt.Errorf("inbox message %s left processing: %w", j.ev.EventID, errConcurrentChange)
+	}
+	c, err := task.FailIfRunning(ctx, tx, j.task.TaskID, j.task.Version, code)
+	if err != nil {
+		return err
+	}
+	if !c.Applied {
 		return fmt.Errorf("task %s left running/v%d: %w", j.task.TaskID, j.task.Version, errConcurrentChange)
 	}
 	if effect != nil {
@@ -428,82 +423,28 @@ func (w *Worker) failInTx(ctx context.Context, tx pgx.Tx, j *job, code string, e
 			return err
 		}
 	}
-	if _, err := insertOutbox(ctx, tx, taskevent.TypeTaskFailed, t); err != nil {
+	if _, err := outbox.Insert(ctx, tx, taskevent.TypeTaskFailed, c.Task); err != nil {
 		return err
 	}
-	w.log.WarnContext(ctx, "task failed", slog.String("task_id", t.TaskID), slog.Int64("version", t.Version), slog.String("code", code))
+	w.log.WarnContext(ctx, "task failed", slog.String("task_id", c.Task.TaskID), slog.Int64("version", c.Task.Version), slog.String("code", code))
 	return nil
 }
 
-// finishInbox moves the delivery's inbox row processing -> state, or fails
-// with errConcurrentChange.
-func (w *Worker) finishInbox(ctx context.Context, tx pgx.Tx, j *job, state string, result any) error {
-	ok, err := finishInbox(ctx, tx, w.cfg.Group, j.ev.EventID, state, result)
-	if err != nil {
-		return err
+// compensate hides an artifact that failed verification (ledger.Compensate,
+// seed 8). A failure leaves the effect compensation_required for the
+// reconciler; it is logged, not returned, because the task's outcome is
+// already durable.
+func (w *Worker) compensate(ctx context.Context, eff ledger.Effect, observedSize int64) {
+	c, err := ledger.Compensate(ctx, w.pool, w.store, eff, observedSize)
+	if c.HidePlanned {
+		w.m.effects.WithLabelValues(string(ledger.KindArtifactHide), string(ledger.Started)).Inc()
 	}
-	if !ok {
-		return fmt.Errorf("inbox message %s left processing: %w", j.ev.EventID, errConcurrentChange)
+	if c.HideVerified {
+		w.m.effects.WithLabelValues(string(ledger.KindArtifactHide), string(ledger.Verified)).Inc()
 	}
-	return nil
-}
-
-// moveEffect moves the delivery's effect from -> to, or fails with
-// errConcurrentChange.
-func (w *Worker) moveEffect(ctx context.Context, tx pgx.Tx, j *job, from, to string, observed, code *string) error {
-	ok, err := setEffectState(ctx, tx, j.effect.EffectID, from, to, observed, code)
-	if err != nil {
-		return err
+	if c.Applied {
+		w.m.effects.WithLabelValues(string(ledger.KindArtifactPut), string(ledger.Compensated)).Inc()
 	}
-	if !ok {
-		return fmt.Errorf("effect %s left %s: %w", j.effect.EffectID, from, errConcurrentChange)
-	}
-	return nil
-}
-
-// compensate hides an artifact that failed verification (seed 8): a ledger
-// row of kind artifact.hide with token "compensation-for-<effect_id>" is
-// written first, then the store hides the object, the hide is verified by
-// observing that the token is gone, and the original effect moves
-// compensation_required -> compensated. A failure leaves the effect in
-// compensation_required for the reconciler; it is logged, not returned,
-// because the task's outcome is already durable.
-func (w *Worker) compensate(ctx context.Context, eff effectRow, observedSHA string, observedSize int64) {
-	hide := effectRow{EffectID: "compensation-for-" + eff.EffectID, TaskID: eff.TaskID, Attempt: eff.Attempt, Kind: kindArtifactHide,
-		Token: "compensation-for-" + eff.EffectID, TargetIdentity: eff.TargetIdentity, State: effectStarted,
-		RequestSHA256: observedSHA, RequestSize: observedSize}
-	err := func() error {
-		h, planned, err := planEffect(ctx, w.pool, hide)
-		if err != nil {
-			return err
-		}
-		if planned {
-			w.m.effects.WithLabelValues(kindArtifactHide, effectStarted).Inc()
-		}
-		if h.State != effectVerified {
-			if err := w.store.Hide(eff.Token); err != nil {
-				return err
-			}
-			if _, err := w.store.Head(eff.Token); !errors.Is(err, artifact.ErrNotFound) {
-				return fmt.Errorf("artifact %s still readable after hide (%v)", eff.Token, err)
-			}
-			ok, err := setEffectState(ctx, w.pool, h.EffectID, h.State, effectVerified, nil, nil)
-			if err != nil {
-				return err
-			}
-			if ok {
-				w.m.effects.WithLabelValues(kindArtifactHide, effectVerified).Inc()
-			}
-		}
-		ok, err := setEffectState(ctx, w.pool, eff.EffectID, effectCompensationRequired, effectCompensated, nil, nil)
-		if err != nil {
-			return err
-		}
-		if ok {
-			w.m.effects.WithLabelValues(kindArtifactPut, effectCompensated).Inc()
-		}
-		return nil
-	}()
 	if err != nil {
 		w.log.ErrorContext(ctx, "compensation incomplete; left to the reconciler", slog.String("effect_id", eff.EffectID), slog.Any("err", err))
 	}

@@ -7,7 +7,6 @@ import (
 	"net"
 	"os"
 	"testing"
-	"time"
 
 	"github.com/jackc/pgx/v5/pgconn"
 
@@ -55,21 +54,6 @@ func TestRetryable(t *testing.T) {
 			if got := ErrorCode(tc.err); got != tc.code {
 				t.Errorf("%s: ErrorCode = %q, want %q", tc.name, got, tc.code)
 			}
-		}
-	}
-}
-
-func TestBackoff(t *testing.T) {
-	t.Parallel()
-	min, max := 10*time.Millisecond, time.Second
-	for n := 0; n < 100; n++ {
-		d := backoff(min, max, n)
-		ceil := max
-		if n < 7 {
-			ceil = min << n
-		}
-		if d < ceil/2 || d > ceil {
-			t.Fatalf("attempt %d: backoff %s outside [%s, %s]", n, d, ceil/2, ceil)
 		}
 	}
 }

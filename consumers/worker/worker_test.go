@@ -27,6 +27,10 @@ import (
 	"github.com/converge-run/converge/internal/canon"
 	"github.com/converge-run/converge/internal/corpus"
 	"github.com/converge-run/converge/internal/fault"
+	"github.com/converge-run/converge/internal/inbox"
+	"github.com/converge-run/converge/internal/ledger"
+	"github.com/converge-run/converge/internal/outbox"
+	"github.com/converge-run/converge/internal/task"
 	"github.com/converge-run/converge/internal/taskevent"
 	"github.com/converge-run/converge/internal/testenv"
 )
@@ -44,6 +48,9 @@ type testBundle struct {
 	admin    *kadm.Client
 	// maxAttempts of the workers started; 0: 1000.
 	maxAttempts int
+	// visibilityTimeout of the workers started; 0: 300ms (a task that is
+	// not found is dead-lettered soon).
+	visibilityTimeout time.Duration
 }
 
 // setup creates the bundle; storeFaults are armed in the artifact store.
@@ -74,9 +81,13 @@ func (b *testBundle) start(t *testing.T, faults *fault.Set, opts ...kgo.Opt) *ru
 	if maxAttempts == 0 {
 		maxAttempts = 1000 // tests of in-place retries never dead-letter
 	}
+	visibility := b.visibilityTimeout
+	if visibility == 0 {
+		visibility = 300 * time.Millisecond
+	}
 	w, err := New(Config{
-		MaxAttempts: maxAttempts,
-		Pool:        b.db.Pool, Brokers: b.kafka.Brokers, ArtifactStore: b.store, Faults: faults, KafkaOpts: opts,
+		MaxAttempts: maxAttempts, VisibilityTimeout: visibility,
+		Pool: b.db.Pool, Brokers: b.kafka.Brokers, ArtifactStore: b.store, Faults: faults, KafkaOpts: opts,
 		Logger:          slog.New(slog.NewTextHandler(t.Output(), &slog.HandlerOptions{Level: slog.LevelWarn})),
 		Registerer:      prometheus.NewRegistry(),
 		RetryBackoffMin: 10 * time.Millisecond, RetryBackoffMax: 100 * time.Millisecond,
@@ -133,23 +144,37 @@ type created struct {
 // transaction, as the API does, and returns the record to produce.
 func createTask(t *testing.T, pool *pgxpool.Pool, doc []byte) created {
 	t.Helper()
+	var c created
+	err := pgx.BeginFunc(context.Background(), pool, func(tx pgx.Tx) error {
+		var err error
+		c, err = createTaskIn(tx, doc)
+		return err
+	})
+	if err != nil {
+		t.Fatalf("create task: %v", err)
+	}
+	return c
+}
+
+// createTaskIn writes what createTask does in tx, which the caller commits.
+func createTaskIn(tx pgx.Tx, doc []byte) (created, error) {
 	ctx := context.Background()
 	taskID := "task-" + uuid.NewString()
 	in := sha256.Sum256(doc)
 	fp := sha256.Sum256(append([]byte("document-transform:"), doc...))
 	var c created
-	err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
-		task, err := scanTask(tx.QueryRow(ctx, `
+	err := func() error {
+		task, err := task.Scan(tx.QueryRow(ctx, `
 INSERT INTO task (task_id, request_fingerprint, status, version, attempt, output_format, input_sha256, input_size)
 VALUES ($1, $2, 'queued', 0, 0, 'jcs', $3, $4)
-RETURNING `+taskColumns, taskID, hex.EncodeToString(fp[:]), hex.EncodeToString(in[:]), len(doc)))
+RETURNING `+task.Columns, taskID, hex.EncodeToString(fp[:]), hex.EncodeToString(in[:]), len(doc)))
 		if err != nil {
 			return err
 		}
 		if _, err := tx.Exec(ctx, `INSERT INTO task_input (task_id, document) VALUES ($1, $2)`, taskID, doc); err != nil {
 			return err
 		}
-		ev, err := insertOutbox(ctx, tx, taskevent.TypeTaskCreated, task)
+		ev, err := outbox.Insert(ctx, tx, taskevent.TypeTaskCreated, task)
 		if err != nil {
 			return err
 		}
@@ -159,11 +184,8 @@ RETURNING `+taskColumns, taskID, hex.EncodeToString(fp[:]), hex.EncodeToString(i
 		}
 		c = created{taskID: taskID, ev: ev, value: value, sum: sum}
 		return nil
-	})
-	if err != nil {
-		t.Fatalf("create task: %v", err)
-	}
-	return c
+	}()
+	return c, err
 }
 
 // record builds a task-events record with the contract's headers.
@@ -190,7 +212,7 @@ func (b *testBundle) produce(t *testing.T, recs ...*kgo.Record) {
 
 func (b *testBundle) task(t *testing.T, id string) taskevent.Task {
 	t.Helper()
-	task, found, err := getTask(context.Background(), b.db.Pool, id)
+	task, found, err := task.Get(context.Background(), b.db.Pool, id)
 	if err != nil || !found {
 		t.Fatalf("read task %s: found=%v err=%v", id, found, err)
 	}
@@ -212,17 +234,13 @@ func (b *testBundle) scalar(t *testing.T, sql string, args ...any) any {
 	return v
 }
 
-func (b *testBundle) effect(t *testing.T, kind, token string) effectRow {
+func (b *testBundle) effect(t *testing.T, kind ledger.Kind, token string) ledger.Effect {
 	t.Helper()
-	var r effectRow
-	err := b.db.Pool.QueryRow(context.Background(), `
-SELECT effect_id, state, request_sha256, request_size, observed_result_sha256, error_code
-FROM effect_ledger WHERE effect_kind = $1 AND idempotency_token = $2`, kind, token).Scan(
-		&r.EffectID, &r.State, &r.RequestSHA256, &r.RequestSize, &r.ObservedSHA256, &r.ErrorCode)
-	if err != nil {
-		t.Fatalf("read effect %s %s: %v", kind, token, err)
+	e, found, err := ledger.Get(context.Background(), b.db.Pool, kind, token)
+	if err != nil || !found {
+		t.Fatalf("read effect %s %s: found=%v err=%v", kind, token, found, err)
 	}
-	return r
+	return e
 }
 
 // objects counts the committed objects of a task in the store directory.
@@ -285,10 +303,7 @@ func (b *testBundle) committedTotal(t *testing.T) int64 {
 func TestHappyPath(t *testing.T) {
 	t.Parallel()
 	b := setup(t, nil)
-	inputs, err := corpus.Glob("jcs/input/*.json")
-	if err != nil || len(inputs) == 0 {
-		t.Fatalf("corpus: %v (%d files)", err, len(inputs))
-	}
+	inputs := corpus.Files(t, "jcs/input/*.json", 1)
 	var tasks []created
 	want := map[string][]byte{}
 	for _, in := range inputs {
@@ -332,11 +347,11 @@ func TestHappyPath(t *testing.T) {
 		if meta.SHA256 != *task.ArtifactSHA256 || meta.Size != *task.ArtifactSize {
 			t.Errorf("task %s: artifact meta %+v, task sha %s size %d", c.taskID, meta, *task.ArtifactSHA256, *task.ArtifactSize)
 		}
-		e := b.effect(t, kindArtifactPut, token)
-		if e.State != effectVerified || e.ObservedSHA256 == nil || *e.ObservedSHA256 != e.RequestSHA256 {
+		e := b.effect(t, ledger.KindArtifactPut, token)
+		if e.State != ledger.Verified || e.ObservedSHA256 == nil || *e.ObservedSHA256 != e.RequestSHA256 {
 			t.Errorf("task %s effect: %+v, want verified with observed == request", c.taskID, e)
 		}
-		if s := b.scalar(t, `SELECT state FROM inbox_message WHERE consumer_name = $1 AND message_id = $2`, DefaultGroup, c.ev.EventID); s != inboxCompleted {
+		if s := b.scalar(t, `SELECT state FROM inbox_message WHERE consumer_name = $1 AND message_id = $2`, DefaultGroup, c.ev.EventID); s != string(inbox.Completed) {
 			t.Errorf("task %s inbox state %v, want completed", c.taskID, s)
 		}
 		var payload, sum string
@@ -358,7 +373,7 @@ WHERE aggregate_id = $1 AND event_type = 'TaskCompleted' AND aggregate_version =
 	if got := rw.count(OutcomeProcessed); got != float64(len(tasks)) {
 		t.Errorf("processed = %v, want %d", got, len(tasks))
 	}
-	if got := counterValue(rw.w.m.effects.WithLabelValues(kindArtifactPut, effectVerified)); got != float64(len(tasks)) {
+	if got := counterValue(rw.w.m.effects.WithLabelValues(string(ledger.KindArtifactPut), string(ledger.Verified))); got != float64(len(tasks)) {
 		t.Errorf("verified transitions = %v, want %d", got, len(tasks))
 	}
 }
@@ -465,7 +480,7 @@ func TestCrashAfterArtifactWriteNewInstance(t *testing.T) {
 	if err != nil || !again.CreatedAt.Equal(first.CreatedAt) {
 		t.Errorf("object rewritten: first %v, now %v (%v)", first.CreatedAt, again.CreatedAt, err)
 	}
-	if e := b.effect(t, kindArtifactPut, token); e.State != effectVerified {
+	if e := b.effect(t, ledger.KindArtifactPut, token); e.State != ledger.Verified {
 		t.Errorf("effect %s, want verified", e.State)
 	}
 	if task := b.task(t, c.taskID); task.Version != 2 || task.Attempt != 1 {
@@ -498,7 +513,7 @@ func TestCrashAfterArtifactWriteRetriedInPlace(t *testing.T) {
 	if n := b.objects(t, c.taskID); n != 1 {
 		t.Errorf("%d objects, want 1", n)
 	}
-	if e := b.effect(t, kindArtifactPut, artifact.Token(c.taskID, 1)); e.State != effectVerified {
+	if e := b.effect(t, ledger.KindArtifactPut, artifact.Token(c.taskID, 1)); e.State != ledger.Verified {
 		t.Errorf("effect %s, want verified", e.State)
 	}
 }
@@ -517,11 +532,11 @@ func TestStoreTimeoutResolvedByObservation(t *testing.T) {
 	if storeFaults.Fired(fault.ArtifactPutTimeoutAfterCommit) != 1 {
 		t.Fatalf("timeout fault fired %d times, want 1", storeFaults.Fired(fault.ArtifactPutTimeoutAfterCommit))
 	}
-	if got := counterValue(rw.w.m.effects.WithLabelValues(kindArtifactPut, effectUnknown)); got != 1 {
+	if got := counterValue(rw.w.m.effects.WithLabelValues(string(ledger.KindArtifactPut), string(ledger.Unknown))); got != 1 {
 		t.Errorf("transitions to unknown = %v, want 1", got)
 	}
-	e := b.effect(t, kindArtifactPut, artifact.Token(c.taskID, 1))
-	if e.State != effectVerified || e.ObservedSHA256 == nil || *e.ObservedSHA256 != e.RequestSHA256 {
+	e := b.effect(t, ledger.KindArtifactPut, artifact.Token(c.taskID, 1))
+	if e.State != ledger.Verified || e.ObservedSHA256 == nil || *e.ObservedSHA256 != e.RequestSHA256 {
 		t.Errorf("effect %+v, want verified by observation", e)
 	}
 	if n := b.objects(t, c.taskID); n != 1 {
@@ -549,12 +564,12 @@ func TestCorruptArtifactFailsTaskAndCompensates(t *testing.T) {
 		t.Errorf("task %+v, want failed/v2 with %s", task, CodeArtifactVerificationFailed)
 	}
 	token := artifact.Token(c.taskID, 1)
-	testenv.Eventually(t, waitFor, "effect compensated", func() bool { return b.effect(t, kindArtifactPut, token).State == effectCompensated })
-	e := b.effect(t, kindArtifactPut, token)
+	testenv.Eventually(t, waitFor, "effect compensated", func() bool { return b.effect(t, ledger.KindArtifactPut, token).State == ledger.Compensated })
+	e := b.effect(t, ledger.KindArtifactPut, token)
 	if e.ErrorCode == nil || *e.ErrorCode != CodeArtifactVerificationFailed || e.ObservedSHA256 == nil || *e.ObservedSHA256 == e.RequestSHA256 {
 		t.Errorf("effect %+v, want error code and a different observed hash", e)
 	}
-	if h := b.effect(t, kindArtifactHide, "compensation-for-"+token); h.State != effectVerified {
+	if h := b.effect(t, ledger.KindArtifactHide, "compensation-for-"+token); h.State != ledger.Verified {
 		t.Errorf("hide effect %s, want verified", h.State)
 	}
 	if _, err := b.store.Head(token); !errors.Is(err, artifact.ErrNotFound) {
@@ -745,7 +760,7 @@ VALUES ($1, $2, 1, 'artifact.put', $1, 'artifact://' || $1, 'planned', $3, $4)`,
 	if task := b.task(t, c.taskID); task.Version != 2 || task.Attempt != 1 {
 		t.Errorf("task v%d attempt %d, want v2 attempt 1", task.Version, task.Attempt)
 	}
-	if e := b.effect(t, kindArtifactPut, token); e.State != effectVerified {
+	if e := b.effect(t, ledger.KindArtifactPut, token); e.State != ledger.Verified {
 		t.Errorf("effect %s, want verified", e.State)
 	}
 	if n := b.objects(t, c.taskID); n != 1 {

@@ -22,12 +22,6 @@
 // the writer intended, so read-back verification (Observe) detects stored
 // bytes that differ from it.
 //
-// Stores written by earlier versions keep two files per object,
-// objects/<token>.meta (the JSON Meta, the commit point) and
-// objects/<token>.<sha256>.data (the bytes). Head, Open and Observe read that
-// layout when objects/<token>.obj does not exist, Hide hides both layouts,
-// and Put finds such an object through Head. Put never writes it.
-//
 // Head, Open and Observe observe an object by token (the "HEAD
 // artifact/effect-42" of seed section 7), which is how unknown outcomes are
 // resolved.
@@ -45,7 +39,6 @@ import (
 	"path/filepath"
 	"regexp"
 	"slices"
-	"strings"
 	"time"
 
 	"github.com/converge-run/converge/internal/fault"
@@ -288,49 +281,13 @@ func (s *Store) Head(token string) (Meta, error) {
 	}
 	o, err := s.openObject(token, make([]byte, headBuf))
 	if errors.Is(err, os.ErrNotExist) {
-		return s.headLegacy(token)
+		return Meta{}, ErrNotFound
 	}
 	if err != nil {
 		return Meta{}, fmt.Errorf("artifact head %s: %w", token, err)
 	}
 	o.f.Close()
 	return o.meta, nil
-}
-
-// headLegacy reads the Meta of token from the two-file layout.
-func (s *Store) headLegacy(token string) (Meta, error) {
-	b, err := os.ReadFile(s.path("objects", token, ".meta"))
-	if errors.Is(err, os.ErrNotExist) {
-		return Meta{}, ErrNotFound
-	}
-	if err != nil {
-		return Meta{}, fmt.Errorf("artifact head %s: %w", token, err)
-	}
-	var m Meta
-	if err := json.Unmarshal(b, &m); err != nil {
-		return Meta{}, fmt.Errorf("artifact head %s: corrupt meta: %w", token, err)
-	}
-	return m, nil
-}
-
-// openLegacy opens the bytes of token in the two-file layout.
-func (s *Store) openLegacy(token string) (*os.File, Meta, error) {
-	m, err := s.headLegacy(token)
-	if err != nil {
-		return nil, Meta{}, err
-	}
-	f, err := os.Open(s.legacyDataPath(token, m.SHA256))
-	if errors.Is(err, os.ErrNotExist) {
-		return nil, Meta{}, ErrNotFound
-	}
-	if err != nil {
-		return nil, Meta{}, fmt.Errorf("artifact open %s: %w", token, err)
-	}
-	return f, m, nil
-}
-
-func (s *Store) legacyDataPath(token, sha string) string {
-	return filepath.Join(s.root, "objects", token+"."+sha+".data")
 }
 
 // Open returns the committed object's bytes as a stream and its Meta. The
@@ -342,7 +299,7 @@ func (s *Store) Open(token string) (io.ReadSeekCloser, Meta, error) {
 	}
 	o, err := s.openObject(token, make([]byte, headBuf))
 	if errors.Is(err, os.ErrNotExist) {
-		return s.openLegacy(token)
+		return nil, Meta{}, ErrNotFound
 	}
 	if err != nil {
 		return nil, Meta{}, fmt.Errorf("artifact open %s: %w", token, err)
@@ -378,22 +335,14 @@ func (s *Store) Observe(token string) (Observation, error) {
 		return Observation{}, fmt.Errorf("%w: %q", ErrInvalidToken, token)
 	}
 	buf := make([]byte, readBuf)
-	var (
-		f    *os.File
-		m    Meta
-		read []byte
-	)
 	o, err := s.openObject(token, buf)
 	switch {
-	case err == nil:
-		f, m, read = o.f, o.meta, o.read
 	case errors.Is(err, os.ErrNotExist):
-		if f, m, err = s.openLegacy(token); err != nil {
-			return Observation{}, err
-		}
-	default:
+		return Observation{}, ErrNotFound
+	case err != nil:
 		return Observation{}, fmt.Errorf("artifact read back %s: %w", token, err)
 	}
+	f, m, read := o.f, o.meta, o.read
 	defer f.Close()
 	h := sha256.New()
 	h.Write(read)
@@ -413,8 +362,8 @@ func (s *Store) Observe(token string) (Observation, error) {
 }
 
 // Hide moves a committed object out of the readable set (a compensation,
-// seed section 8): objects/<token>.obj, and the files of an object of the
-// two-file layout, go to hidden/ under the same names. Hiding an object that
+// seed section 8): objects/<token>.obj goes to hidden/ under the same name.
+// Hiding an object that
 // is already hidden or absent is not an error: the call is idempotent.
 // Fault point: artifact.hide-timeout-after-commit (ErrTimeout after hiding).
 func (s *Store) Hide(token string) error {
@@ -422,9 +371,6 @@ func (s *Store) Hide(token string) error {
 		return fmt.Errorf("%w: %q", ErrInvalidToken, token)
 	}
 	if err := s.hideFile(token + objExt); err != nil {
-		return fmt.Errorf("artifact hide %s: %w", token, err)
-	}
-	if err := s.hideLegacy(token); err != nil {
 		return fmt.Errorf("artifact hide %s: %w", token, err)
 	}
 	if err := syncDir(filepath.Join(s.root, "hidden")); err != nil {
@@ -447,38 +393,6 @@ func (s *Store) hideFile(name string) error {
 		return nil
 	}
 	return err
-}
-
-// hideLegacy hides an object of the two-file layout: the meta file first
-// (once it is gone the object no longer exists for readers), then its data
-// files. When neither objects/ nor hidden/ holds the meta file there is no
-// such object, and the objects folder is not listed.
-func (s *Store) hideLegacy(token string) error {
-	meta := token + ".meta"
-	err := os.Rename(filepath.Join(s.root, "objects", meta), filepath.Join(s.root, "hidden", meta))
-	if errors.Is(err, os.ErrNotExist) {
-		// Absent, or hidden by an earlier call that may have stopped
-		// before moving the data files.
-		if _, serr := os.Lstat(filepath.Join(s.root, "hidden", meta)); errors.Is(serr, os.ErrNotExist) {
-			return nil
-		}
-	} else if err != nil {
-		return err
-	}
-	// <token>.<64 hex digits>.data: a token holds no glob metacharacters,
-	// and the fixed-length digest keeps another token that extends this one
-	// ("t" and "t.x") out of the match.
-	pattern := token + "." + strings.Repeat("[0-9a-f]", sha256.Size*2) + ".data"
-	datas, err := filepath.Glob(filepath.Join(s.root, "objects", pattern))
-	if err != nil {
-		return err
-	}
-	for _, d := range datas {
-		if err := s.hideFile(filepath.Base(d)); err != nil {
-			return err
-		}
-	}
-	return nil
 }
 
 // Token returns the idempotency token of the artifact-writing effect of a

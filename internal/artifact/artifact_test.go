@@ -346,24 +346,6 @@ func TestHeadAbsent(t *testing.T) {
 	}
 }
 
-// TestHeadCorruptMeta: a corrupt meta file of the two-file layout.
-func TestHeadCorruptMeta(t *testing.T) {
-	t.Parallel()
-	b := setup(t, nil)
-	p := filepath.Join(b.store.Root(), "objects", "tok.meta")
-	if err := os.WriteFile(p, []byte("{not json"), 0o644); err != nil {
-		t.Fatal(err)
-	}
-	_, err := b.store.Head("tok")
-	if err == nil || errors.Is(err, artifact.ErrNotFound) {
-		t.Errorf("Head of corrupt meta: err = %v, want a non-NotFound error", err)
-	}
-	// Put must not overwrite what it cannot read.
-	if _, err := b.store.Put("tok", "t", 1, []byte("x")); err == nil {
-		t.Error("Put over corrupt meta: want error")
-	}
-}
-
 func TestHide(t *testing.T) {
 	t.Parallel()
 	b := setup(t, nil)
@@ -526,23 +508,6 @@ func TestDataWithoutMetaDoesNotExist(t *testing.T) {
 	}
 }
 
-// TestMetaWithoutDataIsNotFoundOnOpen: a meta file of the two-file layout
-// whose data file is missing.
-func TestMetaWithoutDataIsNotFoundOnOpen(t *testing.T) {
-	t.Parallel()
-	b := setup(t, nil)
-	writeLegacy(t, b.store, "objects", legacyMeta("tok", "t", 1, []byte("x")), nil)
-	if _, err := b.store.Head("tok"); err != nil {
-		t.Fatalf("Head: %v", err)
-	}
-	if _, _, err := b.store.Open("tok"); !errors.Is(err, artifact.ErrNotFound) {
-		t.Errorf("Open: err = %v, want ErrNotFound", err)
-	}
-	if _, err := b.store.Observe("tok"); !errors.Is(err, artifact.ErrNotFound) {
-		t.Errorf("Observe: err = %v, want ErrNotFound", err)
-	}
-}
-
 func TestNoTempFilesLeft(t *testing.T) {
 	t.Parallel()
 	b := setup(t, nil)
@@ -676,31 +641,6 @@ func TestConcurrentPutDifferentContent(t *testing.T) {
 		if got := dirNames(t, b.store, "tmp"); len(got) != 0 {
 			t.Fatalf("round %d: tmp has leftovers: %v", round, got)
 		}
-	}
-}
-
-// legacyMeta is the Meta the previous version wrote for data.
-func legacyMeta(token, taskID string, attempt int, data []byte) artifact.Meta {
-	return artifact.Meta{Token: token, TaskID: taskID, Attempt: attempt, Size: int64(len(data)), SHA256: sha(data),
-		CreatedAt: time.Date(2026, 11, 1, 12, 0, 0, 0, time.UTC)}
-}
-
-// writeLegacy writes an object of the previous, two-file layout into one of
-// the store's folders as the previous version did: <token>.meta, and
-// <token>.<sha256>.data unless data is nil.
-func writeLegacy(t *testing.T, st *artifact.Store, dir string, m artifact.Meta, data []byte) {
-	t.Helper()
-	if data != nil {
-		if err := os.WriteFile(filepath.Join(st.Root(), dir, m.Token+"."+m.SHA256+".data"), data, 0o644); err != nil {
-			t.Fatal(err)
-		}
-	}
-	mb, err := json.Marshal(m)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := os.WriteFile(filepath.Join(st.Root(), dir, m.Token+".meta"), mb, 0o644); err != nil {
-		t.Fatal(err)
 	}
 }
 
@@ -882,122 +822,6 @@ func TestOpenDataOnly(t *testing.T) {
 	http.ServeContent(rec, req, "", time.Time{}, r)
 	if rec.Code != http.StatusPartialContent || rec.Body.String() != "345" || rec.Header().Get("Content-Range") != "bytes 3-5/10" {
 		t.Errorf("ServeContent range: %d %q %v", rec.Code, rec.Body.String(), rec.Header())
-	}
-}
-
-// TestLegacyLayout: an object of the previous two-file layout is found by
-// Head, Open and Observe, decides a Put of its token, and is hidden by Hide.
-func TestLegacyLayout(t *testing.T) {
-	t.Parallel()
-	b := setup(t, nil)
-	data := []byte(`{"legacy":true}`)
-	want := legacyMeta("tok-old", "task-1", 2, data)
-	writeLegacy(t, b.store, "objects", want, data)
-
-	h, err := b.store.Head("tok-old")
-	if err != nil || h != want {
-		t.Fatalf("Head = %+v, %v; want %+v", h, err, want)
-	}
-	r, m, err := b.store.Open("tok-old")
-	if err != nil {
-		t.Fatalf("Open: %v", err)
-	}
-	if got := readAll(t, r); !bytes.Equal(got, data) || m != want {
-		t.Errorf("Open = %q %+v", got, m)
-	}
-	if pos, err := r.Seek(0, io.SeekEnd); err != nil || pos != int64(len(data)) {
-		t.Errorf("Seek(0, End) = %d, %v", pos, err)
-	}
-	r.Close()
-	obs, err := b.store.Observe("tok-old")
-	if err != nil || obs.Meta != want || obs.SHA256 != sha(data) || obs.Size != int64(len(data)) {
-		t.Errorf("Observe = %+v, %v", obs, err)
-	}
-
-	// Put of the same content: the old Meta, nothing written.
-	again, err := b.store.Put("tok-old", "task-1", 2, data)
-	if err != nil || again != want {
-		t.Errorf("idempotent Put = %+v, %v; want %+v", again, err, want)
-	}
-	if _, err := b.store.Put("tok-old", "task-1", 2, []byte("other")); !errors.Is(err, artifact.ErrTokenConflict) {
-		t.Errorf("conflicting Put: err = %v, want ErrTokenConflict", err)
-	}
-	oldNames := []string{dataName("tok-old", data), "tok-old.meta"}
-	if got := dirNames(t, b.store, "objects"); !slices.Equal(got, oldNames) {
-		t.Errorf("objects = %v, want %v", got, oldNames)
-	}
-
-	// A new-layout object next to it is unaffected, and both layouts
-	// coexist in one store.
-	if _, err := b.store.Put("tok-new", "task-2", 1, []byte("new")); err != nil {
-		t.Fatal(err)
-	}
-	if err := b.store.Hide("tok-old"); err != nil {
-		t.Fatalf("Hide: %v", err)
-	}
-	for _, err := range []error{
-		func() error { _, err := b.store.Head("tok-old"); return err }(),
-		func() error { _, _, err := b.store.Open("tok-old"); return err }(),
-		func() error { _, err := b.store.Observe("tok-old"); return err }(),
-	} {
-		if !errors.Is(err, artifact.ErrNotFound) {
-			t.Errorf("after Hide: err = %v, want ErrNotFound", err)
-		}
-	}
-	if got := dirNames(t, b.store, "hidden"); !slices.Equal(got, oldNames) {
-		t.Errorf("hidden = %v, want %v", got, oldNames)
-	}
-	if got := dirNames(t, b.store, "objects"); !slices.Equal(got, []string{"tok-new.obj"}) {
-		t.Errorf("objects = %v, want only tok-new.obj", got)
-	}
-	if err := b.store.Hide("tok-old"); err != nil {
-		t.Errorf("second Hide: %v", err)
-	}
-	// After the hide the token is free again, in the new layout.
-	if _, err := b.store.Put("tok-old", "task-1", 3, []byte("rewritten")); err != nil {
-		t.Errorf("Put after Hide: %v", err)
-	}
-}
-
-// TestHideLegacy: Hide of the two-file layout finishes a hide that stopped
-// between the meta and the data file, leaves the files of a token that
-// extends the hidden one alone, and hides both layouts of one token.
-func TestHideLegacy(t *testing.T) {
-	t.Parallel()
-	b := setup(t, nil)
-	// "tok" was hidden up to its meta file; its data file is still there.
-	tokData := []byte("tok's bytes")
-	writeLegacy(t, b.store, "hidden", legacyMeta("tok", "t", 1, tokData), nil)
-	if err := os.WriteFile(filepath.Join(b.store.Root(), "objects", dataName("tok", tokData)), tokData, 0o644); err != nil {
-		t.Fatal(err)
-	}
-	// "tok.x" shares the prefix "tok." and stays.
-	longer := []byte("tok.x's bytes")
-	writeLegacy(t, b.store, "objects", legacyMeta("tok.x", "t", 1, longer), longer)
-	// "both" has an object in each layout.
-	writeLegacy(t, b.store, "objects", legacyMeta("both", "t", 1, []byte("old")), []byte("old"))
-	if _, err := b.store.Put("both", "t", 2, []byte("new")); !errors.Is(err, artifact.ErrTokenConflict) {
-		t.Fatalf("Put over the legacy object: err = %v, want ErrTokenConflict", err)
-	}
-	if err := os.WriteFile(filepath.Join(b.store.Root(), "objects", "both.obj"), []byte("{}\nnew"), 0o644); err != nil {
-		t.Fatal(err)
-	}
-
-	for _, tok := range []string{"tok", "both"} {
-		if err := b.store.Hide(tok); err != nil {
-			t.Fatalf("Hide(%s): %v", tok, err)
-		}
-	}
-	want := []string{"both.meta", "both.obj", dataName("both", []byte("old")), "tok.meta", dataName("tok", tokData)}
-	slices.Sort(want)
-	if got := dirNames(t, b.store, "hidden"); !slices.Equal(got, want) {
-		t.Errorf("hidden = %v, want %v", got, want)
-	}
-	if got, want := dirNames(t, b.store, "objects"), []string{dataName("tok.x", longer), "tok.x.meta"}; !slices.Equal(got, want) {
-		t.Errorf("objects = %v, want %v", got, want)
-	}
-	if obs, err := b.store.Observe("tok.x"); err != nil || obs.SHA256 != sha(longer) {
-		t.Errorf("Observe(tok.x) = %+v, %v", obs, err)
 	}
 }
 

@@ -179,3 +179,54 @@ func Headers(eventID, eventType string, version int64, payloadSHA256 string) [Nu
 		{HeaderContentType, "application/json"},
 	}
 }
+
+// Stable codes of records that break the contract (ContractError.Code).
+const (
+	// CodeInvalidEvent: the value is not a task event (Decode).
+	CodeInvalidEvent = "INVALID_EVENT"
+	// CodePayloadHashMismatch: the payload-sha256 header is missing or is
+	// not the SHA-256 of the value.
+	CodePayloadHashMismatch = "PAYLOAD_HASH_MISMATCH"
+	// CodeEventIDMismatch: the event-id header is missing or differs from
+	// the value's event_id.
+	CodeEventIDMismatch = "EVENT_ID_MISMATCH"
+	// CodeKeyMismatch: the record key is not the event's task id.
+	CodeKeyMismatch = "KEY_MISMATCH"
+)
+
+// ContractError is a record that breaks the contract of this package: it is
+// never processed (the same record fails the same way every time).
+type ContractError struct {
+	// Code is one of the Code* constants above.
+	Code string
+	Err  error
+}
+
+func (e *ContractError) Error() string { return e.Code + ": " + e.Err.Error() }
+func (e *ContractError) Unwrap() error { return e.Err }
+
+// CheckRecord checks a task-events record against the contract, as every
+// consumer must before it trusts the value (seed 13.4: a payload that does
+// not match its identity is not processed): the payload-sha256 header is
+// present and is the SHA-256 of the value, the value decodes (Decode), the
+// event-id header is the value's event_id and the key is its task id. The
+// error is a *ContractError (wrapping ErrInvalidEvent for a value that does
+// not decode). headers maps header names to values (the last of repeated
+// names).
+func CheckRecord(key, value []byte, headers map[string]string) (*Event, error) {
+	if sum := canon.SHA256Hex(value); headers[HeaderPayloadSHA256] != sum {
+		return nil, &ContractError{Code: CodePayloadHashMismatch,
+			Err: fmt.Errorf("header %q, value hashes to %s", headers[HeaderPayloadSHA256], sum)}
+	}
+	ev, err := Decode(value)
+	if err != nil {
+		return nil, &ContractError{Code: CodeInvalidEvent, Err: err}
+	}
+	if id := headers[HeaderEventID]; id != ev.EventID {
+		return nil, &ContractError{Code: CodeEventIDMismatch, Err: fmt.Errorf("header %q, value %q", id, ev.EventID)}
+	}
+	if string(key) != ev.TaskID {
+		return nil, &ContractError{Code: CodeKeyMismatch, Err: fmt.Errorf("key %q, task %q", key, ev.TaskID)}
+	}
+	return ev, nil
+}

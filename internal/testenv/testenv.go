@@ -26,6 +26,7 @@ import (
 	"os"
 	"path/filepath"
 	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -36,6 +37,7 @@ import (
 	"github.com/redis/go-redis/v9"
 	"github.com/twmb/franz-go/pkg/kfake"
 	"github.com/twmb/franz-go/pkg/kgo"
+	"go.uber.org/goleak"
 
 	"github.com/converge-run/converge/internal/localpg"
 	"github.com/converge-run/converge/internal/localredis"
@@ -60,7 +62,9 @@ var (
 
 const templateDB = "converge_template"
 
-// Main runs the tests and stops the processes the harness started.
+// Main runs the tests, fails the binary when goroutines leaked (goleak, as
+// every River package's TestMain does), and stops the processes the harness
+// started.
 func Main(m *testing.M) {
 	code := m.Run()
 	if pgCluster != nil {
@@ -72,7 +76,22 @@ func Main(m *testing.M) {
 	if redisServer != nil {
 		redisServer.Stop()
 	}
+	if code == 0 {
+		if err := goleak.Find(LeakOptions()...); err != nil {
+			fmt.Fprintf(os.Stderr, "goleak: goroutines leaked by the tests: %v\n", err)
+			code = 1
+		}
+	}
 	os.Exit(code)
+}
+
+// LeakOptions are the goroutines a test binary may leave behind without a
+// leak: none of converge's own.
+func LeakOptions() []goleak.Option {
+	return []goleak.Option{
+		// pgx's pools close their connections in the background after Close.
+		goleak.IgnoreTopFunction("github.com/jackc/puddle/v2.(*Pool).backgroundHealthCheck"),
+	}
 }
 
 // InCI reports whether CI=true: missing services fail instead of skipping.
@@ -326,3 +345,115 @@ func Eventually(t testing.TB, timeout time.Duration, msg string, cond func() boo
 
 // Itoa is strconv.Itoa, for building names in tests.
 func Itoa(i int) string { return strconv.Itoa(i) }
+
+// CommitHold is a PostgreSQL cluster of one test whose commits can be held
+// invisible: while held, a transaction's commit record is written, flushed
+// and decoded by logical replication (the relay streams it), but the
+// committing session waits for a synchronous standby that does not exist,
+// so no other session sees its rows until Release. This is the window
+// PostgreSQL always has between a commit's WAL flush and the backend leaving
+// the proc array, widened at will (issue 9). The cluster is the test's own,
+// so holding commits does not stall other tests.
+type CommitHold struct {
+	// DB is the test's migrated database on the private cluster.
+	DB       *DB
+	adminURL string
+}
+
+// NewCommitHold starts a private cluster (synchronous_commit on, fsync off)
+// with a migrated database, stopped when t ends.
+func NewCommitHold(t testing.TB) *CommitHold {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	dir, err := os.MkdirTemp("", "converge-pg-hold-")
+	if err != nil {
+		t.Fatal(err)
+	}
+	os.Chmod(dir, 0o755)
+	port, err := freePort()
+	if err != nil {
+		t.Fatal(err)
+	}
+	c, err := localpg.Start(ctx, localpg.Config{DataDir: filepath.Join(dir, "data"), Port: port,
+		Settings: map[string]string{"synchronous_commit": "on"}, Logger: slog.New(slog.DiscardHandler)})
+	if err != nil {
+		os.RemoveAll(dir)
+		unavailable(t, "PostgreSQL", err)
+	}
+	t.Cleanup(func() {
+		c.Stop()
+		os.RemoveAll(dir)
+	})
+	h := &CommitHold{adminURL: c.URL("postgres")}
+	admin, err := pgx.Connect(ctx, h.adminURL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer admin.Close(ctx)
+	if _, err := admin.Exec(ctx, "CREATE DATABASE held"); err != nil {
+		t.Fatal(err)
+	}
+	u := withDB(h.adminURL, "held")
+	pool, err := pgxpool.New(ctx, u)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(pool.Close)
+	// Cleanups run last-registered first: release held commits before the
+	// pool waits for its connections.
+	t.Cleanup(func() { _ = h.apply("''") })
+	if err := schemas.Migrate(ctx, pool); err != nil {
+		t.Fatal(err)
+	}
+	h.DB = &DB{URL: u, Name: "held", Pool: pool}
+	return h
+}
+
+// Hold makes every commit from now on wait, invisible, until Release
+// (synchronous_standby_names names a standby that never connects).
+// Transactions that wrote nothing, and rollbacks, do not wait.
+func (h *CommitHold) Hold(t testing.TB) { h.set(t, "'converge_no_such_standby'") }
+
+// Release lets the held commits finish and become visible.
+func (h *CommitHold) Release(t testing.TB) { h.set(t, "''") }
+
+func (h *CommitHold) set(t testing.TB, names string) {
+	t.Helper()
+	if err := h.apply(names); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// apply sets synchronous_standby_names and waits until a new session sees
+// the value.
+func (h *CommitHold) apply(names string) error {
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	admin, err := pgx.Connect(ctx, h.adminURL)
+	if err != nil {
+		return err
+	}
+	defer admin.Close(ctx)
+	if _, err := admin.Exec(ctx, "ALTER SYSTEM SET synchronous_standby_names = "+names); err != nil {
+		return err
+	}
+	if _, err := admin.Exec(ctx, "SELECT pg_reload_conf()"); err != nil {
+		return err
+	}
+	want := strings.Trim(names, "'")
+	for {
+		var v string
+		if err := admin.QueryRow(ctx, "SHOW synchronous_standby_names").Scan(&v); err != nil {
+			return err
+		}
+		if v == want {
+			return nil
+		}
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("synchronous_standby_names still %q, want %q", v, want)
+		case <-time.After(20 * time.Millisecond):
+		}
+	}
+}

@@ -11,6 +11,7 @@ import (
 	"net/http"
 	"strconv"
 
+	"github.com/converge-run/converge/internal/ledger"
 	"github.com/converge-run/converge/internal/taskevent"
 )
 
@@ -63,7 +64,7 @@ func (s *Server) handleGetArtifact(w http.ResponseWriter, r *http.Request) {
 	}
 	want := *t.ArtifactSHA256
 	token, err := s.store.verifiedArtifactToken(ctx, id)
-	if errors.Is(err, errNoVerifiedArtifact) {
+	if errors.Is(err, ledger.ErrNoVerifiedArtifact) {
 		err = &Error{Code: CodeArtifactUnavailable, Detail: "the completed task has no verified artifact", Err: err}
 	}
 	if err != nil {

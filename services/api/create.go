@@ -16,6 +16,7 @@ import (
 	"github.com/converge-run/converge/internal/canon"
 	"github.com/converge-run/converge/internal/fault"
 	"github.com/converge-run/converge/internal/taskevent"
+	"github.com/converge-run/converge/services/api/idempotency"
 )
 
 // PolicyVersion is the conversion policy version that enters every request
@@ -56,39 +57,7 @@ func taskLinks(id string) links {
 	return links{Self: taskPath(id), Artifact: taskPath(id) + "/artifact"}
 }
 
-func taskPath(id string) string { return "/v1/tasks/" + id }
-
-// createResponse is the 202 body of POST /v1/tasks.
-type createResponse struct {
-	TaskID       string `json:"task_id"`
-	Status       string `json:"status"`
-	Version      int64  `json:"version"`
-	InputSHA256  string `json:"input_sha256"`
-	OutputFormat string `json:"output_format"`
-	Links        links  `json:"links"`
-}
-
-// appendCreateResponse appends the RFC 8785 form of r to dst: members in
-// RFC 8785 order, strings quoted with RFC 8785's minimal escaping. The
-// response is stored in the idempotency record and replayed byte for byte;
-// TestCreateResponseIsCanonical checks it against canon.Transform.
-func appendCreateResponse(dst []byte, r *createResponse) []byte {
-	dst = append(dst, `{"input_sha256":`...)
-	dst, _ = jsontext.AppendQuote(dst, r.InputSHA256)
-	dst = append(dst, `,"links":{"artifact":`...)
-	dst, _ = jsontext.AppendQuote(dst, r.Links.Artifact)
-	dst = append(dst, `,"self":`...)
-	dst, _ = jsontext.AppendQuote(dst, r.Links.Self)
-	dst = append(dst, `},"output_format":`...)
-	dst, _ = jsontext.AppendQuote(dst, r.OutputFormat)
-	dst = append(dst, `,"status":`...)
-	dst, _ = jsontext.AppendQuote(dst, r.Status)
-	dst = append(dst, `,"task_id":`...)
-	dst, _ = jsontext.AppendQuote(dst, r.TaskID)
-	dst = append(dst, `,"version":`...)
-	dst = strconv.AppendInt(dst, r.Version, 10)
-	return append(dst, '}')
-}
+func taskPath(id string) string { return idempotency.TaskPath(id) }
 
 // handleCreate is POST /v1/tasks (seed sections 3 and 4): validate, then in
 // one transaction write the idempotency record, the task, its input and the
@@ -127,7 +96,8 @@ func (s *Server) handleCreate(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	inputSHA := canon.SHA256Hex(canonical)
-	k := createKey{Key: key, Fingerprint: Fingerprint(inputSHA, req.OutputFormat), TTL: s.cfg.IdempotencyTTL, Lease: s.cfg.IdempotencyLease}
+	k := idempotency.Key{Scope: idempotency.CreateScope, Key: key, Fingerprint: Fingerprint(inputSHA, req.OutputFormat),
+		TTL: s.cfg.IdempotencyTTL, Lease: s.cfg.IdempotencyLease}
 	build := func(now time.Time) (*newTask, error) {
 		return buildTask(now, req, inputSHA, int64(len(canonical)))
 	}
@@ -188,10 +158,7 @@ func buildTask(now time.Time, req *createRequest, inputSHA string, inputSize int
 	if err != nil {
 		return nil, err
 	}
-	resp := appendCreateResponse(make([]byte, 0, 320), &createResponse{
-		TaskID: t.TaskID, Status: t.Status, Version: t.Version, InputSHA256: inputSHA,
-		OutputFormat: t.OutputFormat, Links: taskLinks(t.TaskID),
-	})
+	resp := idempotency.CreatedResponse(t)
 	return &newTask{Task: t, Document: req.Document, OutboxID: ev.EventID, Payload: payload, PayloadSHA256: payloadSHA, Response: resp}, nil
 }
 
@@ -199,13 +166,13 @@ func buildTask(now time.Time, req *createRequest, inputSHA string, inputSize int
 // 3.1): a different fingerprint is 422 IDEMPOTENCY_KEY_REUSED_WITH_DIFFERENT_REQUEST;
 // the same fingerprint replays the stored response, or is 409 in progress
 // while no response is stored.
-func (s *Server) answerExisting(w http.ResponseWriter, r *http.Request, fingerprint string, rec *idemRecord) {
+func (s *Server) answerExisting(w http.ResponseWriter, r *http.Request, fingerprint string, rec *idempotency.Record) {
 	if rec.Fingerprint != fingerprint {
 		s.metrics.idempotency.WithLabelValues(idemKeyReused).Inc()
 		s.writeError(w, r, newError(CodeIdempotencyKeyReused, "this Idempotency-Key was first used with a different request; use a new key for a new task"))
 		return
 	}
-	if rec.State != stateSucceeded || rec.ResponseStatus == nil || rec.ResponseBody == nil || rec.TaskID == nil {
+	if rec.State != idempotency.Succeeded || rec.ResponseStatus == nil || rec.ResponseBody == nil || rec.TaskID == nil {
 		s.metrics.idempotency.WithLabelValues(idemInProg).Inc()
 		s.writeError(w, r, newError(CodeIdempotencyInProgress, "the first request with this Idempotency-Key is still in progress; retry later with the same key"))
 		return

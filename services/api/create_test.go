@@ -18,6 +18,7 @@ import (
 	"github.com/converge-run/converge/internal/fault"
 	"github.com/converge-run/converge/internal/taskevent"
 	"github.com/converge-run/converge/internal/testenv"
+	"github.com/converge-run/converge/services/api/idempotency"
 )
 
 func TestCreateReplayAndKeyReuse(t *testing.T) {
@@ -69,7 +70,7 @@ func TestCreateReplayAndKeyReuse(t *testing.T) {
 	var state string
 	var recTask string
 	var respStatus int
-	if err := b.db.Pool.QueryRow(ctx, `SELECT state, task_id, response_status FROM idempotency_record WHERE scope=$1 AND idempotency_key=$2`, createScope, key).
+	if err := b.db.Pool.QueryRow(ctx, `SELECT state, task_id, response_status FROM idempotency_record WHERE scope=$1 AND idempotency_key=$2`, idempotency.CreateScope, key).
 		Scan(&state, &recTask, &respStatus); err != nil || state != "succeeded" || recTask != id || respStatus != 202 {
 		t.Fatalf("idempotency record: %s %s %d %v", state, recTask, respStatus, err)
 	}
@@ -281,10 +282,7 @@ func TestCreateRejectsBadInput(t *testing.T) {
 func TestCreateJSONTestSuite(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
-	files, err := corpus.Glob("jsontestsuite/*.json")
-	if err != nil || len(files) == 0 {
-		t.Fatalf("corpus: %d files, %v", len(files), err)
-	}
+	files := corpus.Files(t, "jsontestsuite/*.json", 1)
 	accepted := 0
 	for i, f := range files {
 		name := filepath.Base(f)
@@ -326,10 +324,7 @@ func TestCreateJSONTestSuite(t *testing.T) {
 func TestCreateLargeRealWorldDocument(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
-	files, err := corpus.Glob("realworld/canada.json")
-	if err != nil || len(files) != 1 {
-		t.Fatalf("corpus: %v %v", files, err)
-	}
+	files := corpus.Files(t, "realworld/canada.json", 1)
 	doc, err := os.ReadFile(files[0])
 	if err != nil {
 		t.Fatal(err)
@@ -410,7 +405,7 @@ func TestCreateInProgressRecord(t *testing.T) {
 	fp := Fingerprint(canon.SHA256Hex([]byte(`{"a":1}`)), "jcs")
 	if _, err := b.db.Pool.Exec(ctx, `
 INSERT INTO idempotency_record (scope, idempotency_key, request_fingerprint, state, locked_until, expires_at)
-VALUES ($1, 'in-progress-1', $2, 'in_progress', now() + interval '30 seconds', now() + interval '1 day')`, createScope, fp); err != nil {
+VALUES ($1, 'in-progress-1', $2, 'in_progress', now() + interval '30 seconds', now() + interval '1 day')`, idempotency.CreateScope, fp); err != nil {
 		t.Fatal(err)
 	}
 	r := b.post(t, "in-progress-1", wrap(`{"a":1}`))
@@ -439,7 +434,7 @@ func TestCreateWaitsOnPrimaryKey(t *testing.T) {
 	defer tx.Rollback(ctx)
 	if _, err := tx.Exec(ctx, `
 INSERT INTO idempotency_record (scope, idempotency_key, request_fingerprint, state, locked_until, expires_at)
-VALUES ($1, 'pk-decides-1', $2, 'in_progress', now(), now() + interval '1 day')`, createScope, strings.Repeat("0", 64)); err != nil {
+VALUES ($1, 'pk-decides-1', $2, 'in_progress', now(), now() + interval '1 day')`, idempotency.CreateScope, strings.Repeat("0", 64)); err != nil {
 		t.Fatal(err)
 	}
 	done := make(chan *response, 1)

@@ -8,7 +8,8 @@ import (
 	"time"
 
 	"github.com/converge-run/converge/internal/canon"
-	"github.com/converge-run/converge/internal/loadgen"
+	"github.com/converge-run/converge/internal/docgen"
+	"github.com/converge-run/converge/services/api/idempotency"
 )
 
 var sinkFingerprint string
@@ -29,7 +30,7 @@ func BenchmarkFingerprint(b *testing.B) {
 // the envelope, canonicalize the document, fingerprint, build the task, its
 // TaskCreated event and the 202 body.
 func BenchmarkCreateCPU(b *testing.B) {
-	doc := loadgen.GenerateDocument(1, 1024)
+	doc := docgen.Document(1, 1024)
 	body := append(append([]byte(`{"output_format":"jcs","document":`), doc...), '}')
 	now := time.Now().UTC()
 	b.SetBytes(int64(len(body)))
@@ -82,6 +83,18 @@ func TestFingerprintIsCanonical(t *testing.T) {
 	}
 }
 
+// createResponse is the 202 body of POST /v1/tasks as schemas/openapi.yaml
+// describes it (TaskAccepted): the shape idempotency.AppendCreateResponse
+// writes directly.
+type createResponse struct {
+	TaskID       string `json:"task_id"`
+	Status       string `json:"status"`
+	Version      int64  `json:"version"`
+	InputSHA256  string `json:"input_sha256"`
+	OutputFormat string `json:"output_format"`
+	Links        links  `json:"links"`
+}
+
 func TestCreateResponseIsCanonical(t *testing.T) {
 	t.Parallel()
 	for _, r := range []createResponse{
@@ -89,8 +102,8 @@ func TestCreateResponseIsCanonical(t *testing.T) {
 		{TaskID: "x\"<>&\u2028", Status: "ü", Version: 1<<53 - 1, OutputFormat: "\x01", Links: taskLinks("x\"<>&\u2028")},
 	} {
 		want := genericCanonical(t, r)
-		if got := appendCreateResponse(nil, &r); !bytes.Equal(got, want) {
-			t.Errorf("appendCreateResponse:\n got  %s\n want %s", got, want)
+		if got := idempotency.AppendCreateResponse(nil, r.TaskID, r.Status, r.Version, r.InputSHA256, r.OutputFormat); !bytes.Equal(got, want) {
+			t.Errorf("AppendCreateResponse:\n got  %s\n want %s", got, want)
 		}
 	}
 }

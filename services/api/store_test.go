@@ -2,6 +2,7 @@ package api
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"net/http"
 	"net/http/httptest"
@@ -9,39 +10,46 @@ import (
 	"testing"
 	"time"
 
-	"github.com/converge-run/converge/internal/taskevent"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+
+	"github.com/converge-run/converge/internal/task"
+	"github.com/converge-run/converge/services/api/idempotency"
 )
 
 // TestCreateTaskGuardsTheRecord: the second batch of the create
-// transaction (record completion + task insert, task_input, outbox, COMMIT)
-// commits nothing when the idempotency record it completes is not ours and
-// in progress: the task is inserted only from the completed row, the
-// task_input foreign key then fails, and PostgreSQL skips the pipelined
-// COMMIT. The connection goes back to the pool usable.
+// transaction (task and task_input inserts, outbox insert, record
+// completion, COMMIT) commits nothing when the idempotency record it
+// completes is not ours and in progress: the completion fails (division by
+// zero) and PostgreSQL skips the pipelined COMMIT. The connection goes back
+// to the pool usable.
 func TestCreateTaskGuardsTheRecord(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
 	ctx := context.Background()
 	s := &store{pool: b.db.Pool}
-	k := createKey{Key: "guard-key-1", Fingerprint: strings.Repeat("a", 64), TTL: time.Hour, Lease: time.Minute}
-	_, err := s.createTask(ctx, k, func(now time.Time) (*newTask, error) {
-		n, err := buildTask(now, &createRequest{Document: []byte(`{"a":1}`), OutputFormat: OutputFormatJCS}, strings.Repeat("b", 64), 7)
-		if err != nil {
-			return nil, err
+	k := idempotency.Key{Scope: idempotency.CreateScope, Key: "guard-key-1", Fingerprint: strings.Repeat("a", 64), TTL: time.Hour, Lease: time.Minute}
+	build := func(id string) func(now time.Time) (*newTask, error) {
+		return func(now time.Time) (*newTask, error) {
+			n, err := buildTask(now, &createRequest{Document: []byte(`{"a":1}`), OutputFormat: OutputFormatJCS}, strings.Repeat("b", 64), 7)
+			if err != nil {
+				return nil, err
+			}
+			n.Task.TaskID = id
+			return n, nil
 		}
-		n.Task.TaskID = "guard-task"
-		return n, nil
-	})
-	if err != nil {
+	}
+	if _, err := s.createTask(ctx, k, build("guard-task")); err != nil {
 		t.Fatalf("createTask: %v", err)
 	}
 	var state string
-	if err := b.db.Pool.QueryRow(ctx, `SELECT state FROM idempotency_record WHERE idempotency_key = $1`, k.Key).Scan(&state); err != nil || state != stateSucceeded {
+	if err := b.db.Pool.QueryRow(ctx, `SELECT state FROM idempotency_record WHERE idempotency_key = $1`, k.Key).Scan(&state); err != nil || state != string(idempotency.Succeeded) {
 		t.Fatalf("record state %q, err %v; want succeeded", state, err)
 	}
 
-	// Now the guard: the record exists and is succeeded, so a second
-	// completion with the same key must insert nothing and commit nothing.
+	// Now the guard: a create batch whose record is not in progress with
+	// its fingerprint (here: the record of another key's first use, already
+	// succeeded) must insert nothing and commit nothing.
 	k2 := k
 	k2.Fingerprint = strings.Repeat("c", 64) // not the record's fingerprint
 	conn, err := b.db.Pool.Acquire(ctx)
@@ -52,14 +60,18 @@ func TestCreateTaskGuardsTheRecord(t *testing.T) {
 	if _, err := conn.Exec(ctx, "BEGIN"); err != nil {
 		t.Fatal(err)
 	}
-	now := time.Now().UTC()
-	_, err = conn.Exec(ctx, sqlCompleteRecordInsertTask, createScope, k2.Key, "guard-task-2", `{}`, k2.Fingerprint,
-		taskevent.StatusQueued, int64(0), 0, OutputFormatJCS, strings.Repeat("b", 64), int64(7), now, now)
+	n, err := build("guard-task-2")(time.Now().UTC())
 	if err != nil {
-		t.Fatalf("completion: %v", err)
+		t.Fatal(err)
 	}
-	if _, err := conn.Exec(ctx, sqlInsertTaskInput, "guard-task-2", []byte(`{}`)); err == nil {
-		t.Fatal("task_input insert without a task: want a foreign key error")
+	var batch pgx.Batch
+	task.QueueCreate(&batch, n.Task, k2.Fingerprint, n.Document)
+	idempotency.QueueComplete(&batch, k2, n.Task.TaskID, n.Response)
+	batch.Queue("COMMIT")
+	err = conn.SendBatch(ctx, &batch).Close()
+	var pe *pgconn.PgError
+	if !errors.As(err, &pe) || pe.Code != "22012" {
+		t.Fatalf("completion of a record that is not ours: %v, want SQLSTATE 22012", err)
 	}
 	if _, err := conn.Exec(ctx, "ROLLBACK"); err != nil {
 		t.Fatal(err)

@@ -15,8 +15,8 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/redis/go-redis/v9"
 
+	"github.com/converge-run/converge/cmd/converge/internal/loadgen"
 	"github.com/converge-run/converge/internal/artifact"
-	"github.com/converge-run/converge/internal/loadgen"
 	"github.com/converge-run/converge/services/api"
 )
 

@@ -9,9 +9,9 @@ import (
 
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/converge-run/converge/cmd/converge/internal/loadgen"
+	"github.com/converge-run/converge/cmd/converge/internal/pipeline"
 	"github.com/converge-run/converge/consumers/worker"
-	"github.com/converge-run/converge/internal/loadgen"
-	"github.com/converge-run/converge/internal/pipeline"
 )
 
 // E2EResult is the end-to-end ladder.

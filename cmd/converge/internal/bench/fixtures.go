@@ -8,7 +8,7 @@ import (
 	"time"
 
 	"github.com/converge-run/converge/internal/canon"
-	"github.com/converge-run/converge/internal/loadgen"
+	"github.com/converge-run/converge/internal/docgen"
 	"github.com/converge-run/converge/internal/taskevent"
 	"github.com/converge-run/converge/services/api"
 )
@@ -32,7 +32,7 @@ type fixtures struct {
 }
 
 func newFixtures(docSize int) *fixtures {
-	f := &fixtures{doc: loadgen.GenerateDocument(0, docSize)}
+	f := &fixtures{doc: docgen.Document(0, docSize)}
 	c, err := canon.Transform(f.doc)
 	if err != nil {
 		panic(err) // a generated document is valid I-JSON

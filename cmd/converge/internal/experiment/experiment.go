@@ -37,12 +37,12 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/prometheus/client_golang/prometheus"
 
+	"github.com/converge-run/converge/cmd/converge/internal/pipeline"
+	"github.com/converge-run/converge/cmd/converge/internal/submit"
 	"github.com/converge-run/converge/consumers/deadletter"
 	"github.com/converge-run/converge/consumers/reconciler"
 	"github.com/converge-run/converge/consumers/worker"
 	"github.com/converge-run/converge/internal/fault"
-	"github.com/converge-run/converge/internal/pipeline"
-	"github.com/converge-run/converge/internal/submit"
 )
 
 // Env is where one experiment runs: a fresh database (empty or migrated),

@@ -7,7 +7,7 @@ import (
 	"path/filepath"
 	"testing"
 
-	"github.com/converge-run/converge/internal/experiment"
+	"github.com/converge-run/converge/cmd/converge/internal/experiment"
 	"github.com/converge-run/converge/internal/testenv"
 )
 

@@ -42,6 +42,8 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
+
+	"github.com/converge-run/converge/internal/docgen"
 )
 
 // Defaults of Config.
@@ -496,34 +498,12 @@ func (r *run) body(i int) []byte {
 	if len(r.docs) > 0 {
 		doc = r.docs[i%len(r.docs)]
 	} else {
-		doc = GenerateDocument(i, r.cfg.DocSize)
+		doc = docgen.Document(i, r.cfg.DocSize)
 	}
 	b := make([]byte, 0, len(doc)+40)
 	b = append(b, `{"output_format":"jcs","document":`...)
 	b = append(b, doc...)
 	return append(b, '}')
-}
-
-// GenerateDocument returns a JSON object of about size bytes that differs by
-// seq: {"seq":N,"source":"loadgen","items":[...],"pad":"..."}.
-func GenerateDocument(seq, size int) []byte {
-	b := make([]byte, 0, size+64)
-	b = append(b, `{"seq":`...)
-	b = strconv.AppendInt(b, int64(seq), 10)
-	b = append(b, `,"source":"loadgen","items":[`...)
-	for k := 0; k < 8 && len(b) < size/2; k++ {
-		if k > 0 {
-			b = append(b, ',')
-		}
-		b = append(b, `{"id":`...)
-		b = strconv.AppendInt(b, int64(k), 10)
-		b = append(b, `,"value":1.5e3,"ok":true,"name":"item \u00e9"}`...)
-	}
-	b = append(b, `],"pad":"`...)
-	for len(b) < size-2 {
-		b = append(b, 'x')
-	}
-	return append(b, `"}`...)
 }
 
 // loadDocs reads every *.json file under dir (nil when dir is empty).

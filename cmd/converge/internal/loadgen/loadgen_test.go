@@ -45,19 +45,6 @@ func TestHistogramQuantiles(t *testing.T) {
 	}
 }
 
-func TestGenerateDocumentSize(t *testing.T) {
-	t.Parallel()
-	for _, size := range []int{64, 1024, 100_000} {
-		d := GenerateDocument(7, size)
-		if !json.Valid(d) {
-			t.Fatalf("size %d: invalid JSON %s", size, d)
-		}
-		if len(d) < size-2 || len(d) > size+200 {
-			t.Errorf("size %d: got %d bytes", size, len(d))
-		}
-	}
-}
-
 // fakeAPI accepts creates (every tenth one is refused with a problem code),
 // answers GET with a completed task, and can be slowed down.
 type fakeAPI struct {

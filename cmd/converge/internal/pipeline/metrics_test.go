@@ -17,8 +17,8 @@ import (
 	"github.com/prometheus/common/model"
 	"github.com/twmb/franz-go/pkg/kgo"
 
+	"github.com/converge-run/converge/cmd/converge/internal/pipeline"
 	"github.com/converge-run/converge/consumers/worker"
-	"github.com/converge-run/converge/internal/pipeline"
 	"github.com/converge-run/converge/internal/testenv"
 	"github.com/converge-run/converge/projections/taskview"
 )
@@ -59,6 +59,8 @@ var documentedMetrics = []documentedMetric{
 	{doc: "cdc", name: "converge_relay_transactions_in_flight"},
 	{doc: "cdc", name: "converge_relay_records_in_flight"},
 	{doc: "cdc", name: "converge_relay_outbox_rows_marked_published_total"},
+	{doc: "cdc", name: "converge_relay_outbox_rows_not_yet_visible_total"},
+	{doc: "cdc", name: "converge_relay_outbox_rows_gone_total"},
 	{doc: "cdc", name: "converge_relay_status_updates_total"},
 	// consumers/worker
 	{doc: "consumers/worker", name: "converge_worker_messages_total", labels: []string{"outcome"}},
@@ -97,7 +99,7 @@ func repoRoot(t *testing.T) string {
 	if !ok {
 		t.Fatal("no caller information")
 	}
-	return filepath.Join(filepath.Dir(file), "..", "..")
+	return filepath.Join(filepath.Dir(file), "..", "..", "..", "..") // cmd/converge/internal/pipeline -> root
 }
 
 // scrape GETs /metrics of the pipeline and parses the text format.

@@ -21,7 +21,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/converge-run/converge/internal/submit"
+	"github.com/converge-run/converge/cmd/converge/internal/submit"
 	"github.com/converge-run/converge/internal/taskevent"
 )
 

@@ -1,0 +1,123 @@
+package cdc
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	"github.com/jackc/pglogrepl"
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/converge-run/converge/internal/testenv"
+)
+
+// A transaction whose commit record is flushed and decoded, but which other
+// sessions do not see yet (its COMMIT waits for a synchronous standby), is
+// relayed to Kafka; the marker's UPDATE finds none of its rows. The rows must
+// not count as done: the slot stays before the transaction, and once the
+// commit becomes visible the next flush marks them (issue 9: before, the
+// rows counted as done and published_at stayed NULL for good).
+func TestRelayWaitsForRowsCommittedButNotYetVisible(t *testing.T) {
+	t.Parallel()
+	h := testenv.NewCommitHold(t)
+	b := &testBundle{db: h.DB, kafka: testenv.NewKafka(t), slot: "s_held", pub: "p_held"}
+	cfg := b.config()
+	cfg.HeartbeatInterval = -1 // a heartbeat's commit would be held too
+	reg := prometheus.NewRegistry()
+	cfg.Registerer = reg
+	rr := b.start(t, cfg)
+	b.waitStreaming(t, rr)
+
+	before := rr.relay.ConfirmedLSN()
+	h.Hold(t)
+	e := b.event(t, "task-held", 1)
+	committed := make(chan error, 1)
+	go func() {
+		ctx := context.Background()
+		_, err := b.db.Pool.Exec(ctx, `INSERT INTO outbox_event (outbox_id, aggregate_id, aggregate_version, event_type, payload, payload_sha256)
+VALUES ($1, $2, $3, $4, $5, $6)`, e.id, e.taskID, e.version, e.typ, string(e.payload), e.sha)
+		committed <- err
+	}()
+
+	// The event reaches Kafka although no other session sees its row ...
+	testenv.Eventually(t, 20*time.Second, "held event relayed", func() bool {
+		return len(byEventID(b.readAll(t))[e.id]) == 1
+	})
+	// ... and the marker keeps finding the row not yet visible.
+	testenv.Eventually(t, 20*time.Second, "row found not yet visible", func() bool {
+		return counterSum(t, reg, "converge_relay_outbox_rows_not_yet_visible_total") >= 3
+	})
+	var visible int
+	if err := b.db.Pool.QueryRow(context.Background(), `SELECT count(*) FROM outbox_event`).Scan(&visible); err != nil || visible != 0 {
+		t.Fatalf("rows visible while held: %d (%v), want 0", visible, err)
+	}
+	if got := rr.relay.ConfirmedLSN(); got != before {
+		t.Fatalf("slot confirmed %s while its only transaction is not yet visible, want %s", got, before)
+	}
+
+	h.Release(t)
+	select {
+	case err := <-committed:
+		if err != nil {
+			t.Fatalf("held insert: %v", err)
+		}
+	case <-time.After(20 * time.Second):
+		t.Fatal("held commit did not return after Release")
+	}
+	var lsnText string
+	if err := b.db.Pool.QueryRow(context.Background(), `SELECT pg_current_wal_insert_lsn()::text`).Scan(&lsnText); err != nil {
+		t.Fatal(err)
+	}
+	lsn, err := pglogrepl.ParseLSN(lsnText)
+	if err != nil {
+		t.Fatal(err)
+	}
+	testenv.Eventually(t, 20*time.Second, "row marked published after it became visible", func() bool {
+		return b.unpublished(t) == 0
+	})
+	// The commit record ends before the WAL position read after it; an
+	// idle slot's confirmed position stops at the last commit.
+	testenv.Eventually(t, 20*time.Second, "slot confirmed past the transaction", func() bool {
+		return rr.relay.ConfirmedLSN() > before && lsn >= rr.relay.ConfirmedLSN()
+	})
+	if n := counterSum(t, reg, "converge_relay_outbox_rows_marked_published_total"); n != 1 {
+		t.Fatalf("rows marked = %v, want 1", n)
+	}
+	if err := rr.stop(t); err != nil {
+		t.Fatalf("Run = %v, want nil", err)
+	}
+}
+
+// A decoded row that was deleted after its commit (visible transaction, no
+// row) is counted done and the slot moves on: nothing is left to mark.
+func TestRelayRowDeletedBeforeMarking(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	cfg := b.config()
+	reg := prometheus.NewRegistry()
+	cfg.Registerer = reg
+	rr := b.start(t, cfg)
+	b.waitStreaming(t, rr)
+	if err := rr.stop(t); err != nil {
+		t.Fatal(err)
+	}
+	b.waitReleased(t)
+	reg = prometheus.NewRegistry()
+	cfg.Registerer = reg
+
+	e := b.event(t, "task-deleted", 1)
+	lsn := b.insertTx(t, e)
+	if _, err := b.db.Pool.Exec(context.Background(), `DELETE FROM outbox_event WHERE outbox_id = $1`, e.id); err != nil {
+		t.Fatal(err)
+	}
+	rr = b.start(t, cfg)
+	testenv.Eventually(t, 20*time.Second, "slot confirmed past the deleted row's transaction", func() bool {
+		return rr.relay.ConfirmedLSN() > lsn
+	})
+	if n := counterSum(t, reg, "converge_relay_outbox_rows_gone_total"); n != 1 {
+		t.Fatalf("rows gone = %v, want 1", n)
+	}
+	if len(byEventID(b.readAll(t))[e.id]) != 1 {
+		t.Fatal("deleted row's event not relayed once")
+	}
+}

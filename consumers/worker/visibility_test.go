@@ -1,0 +1,155 @@
+package worker
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	"github.com/converge-run/converge/internal/outbox"
+	"github.com/converge-run/converge/internal/task"
+	"github.com/converge-run/converge/internal/taskevent"
+	"github.com/converge-run/converge/internal/testenv"
+)
+
+// A TaskCreated whose transaction is not visible to the worker's session yet
+// (here: not committed; in production: committed, decoded and relayed, but
+// the committing backend has not left the proc array, or waits for a
+// synchronous standby) is retried in place until it becomes visible, and
+// then processed. Issue 9: it was dead-lettered at once as TASK_NOT_FOUND
+// and the task failed.
+func TestTaskNotYetVisibleIsRetriedUntilVisible(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	b.visibilityTimeout = time.Minute
+	ctx := context.Background()
+	tx, err := b.db.Pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tx.Rollback(ctx)
+	c, err := createTaskIn(tx, []byte(`{"b":2,"a":1}`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	b.produce(t, c.record())
+	rw := b.start(t, nil)
+	testenv.Eventually(t, waitFor, "invisible task retried", func() bool { return rw.count(OutcomeRetried) >= 3 })
+	if n := rw.count(OutcomeDeadLettered); n != 0 {
+		t.Fatalf("dead_lettered = %v while the task is not visible yet, want 0", n)
+	}
+	if err := tx.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	testenv.Eventually(t, waitFor, "task completed once visible", func() bool { return b.status(c.taskID) == taskevent.StatusCompleted })
+	testenv.Eventually(t, waitFor, "offsets committed", func() bool { return b.allCommitted(t) })
+	if rw.count(OutcomeDeadLettered) != 0 || rw.count(OutcomeProcessed) != 1 {
+		t.Fatalf("dead_lettered=%v processed=%v, want 0 1", rw.count(OutcomeDeadLettered), rw.count(OutcomeProcessed))
+	}
+}
+
+// A task that stays invisible past VisibilityTimeout is dead-lettered as
+// TASK_NOT_FOUND, not before the timeout.
+func TestTaskNeverVisibleIsDeadLetteredAfterTheTimeout(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	b.visibilityTimeout = 700 * time.Millisecond
+	ctx := context.Background()
+	tx, err := b.db.Pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tx.Rollback(ctx) // never committed
+	c, err := createTaskIn(tx, []byte(`{"never":"visible"}`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	b.produce(t, c.record())
+	rw := b.start(t, nil)
+	testenv.Eventually(t, waitFor, "dead-lettered", func() bool { return rw.count(OutcomeDeadLettered) == 1 })
+	dl := b.deadLetters(t, 1)
+	if len(dl) != 1 {
+		t.Fatalf("%d dead letters, want 1", len(dl))
+	}
+	code, _ := header(dl[0], taskevent.HeaderDLQErrorCode)
+	firstAt, _ := header(dl[0], taskevent.HeaderDLQFirstFailureAt)
+	lastAt, _ := header(dl[0], taskevent.HeaderDLQLastFailureAt)
+	first, err1 := time.Parse(time.RFC3339Nano, firstAt)
+	last, err2 := time.Parse(time.RFC3339Nano, lastAt)
+	if code != CodeTaskNotFound || err1 != nil || err2 != nil {
+		t.Fatalf("code %q, first %q, last %q", code, firstAt, lastAt)
+	}
+	// The timeout counts from the record's timestamp, which is before
+	// the first failure: the span of failures is a bit shorter.
+	if span := last.Sub(first); span < 400*time.Millisecond {
+		t.Fatalf("dead-lettered %s after the first failure, want about the visibility timeout (700ms)", span)
+	}
+	if rw.count(OutcomeRetried) < 2 {
+		t.Fatalf("retried = %v, want the record retried while it waited", rw.count(OutcomeRetried))
+	}
+}
+
+// The dead-letter transaction never fails a task on TASK_NOT_FOUND that it
+// can see (it became visible after the last attempt); other codes still fail
+// it.
+func TestDeadLetterNeverFailsAVisibleTaskForTaskNotFound(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	w := b.start(t, nil).w
+	ctx := context.Background()
+	late := createTask(t, b.db.Pool, []byte(`{"late":true}`))
+	if err := w.recordDeadLetter(ctx, late.record(), CodeTaskNotFound, true); err != nil {
+		t.Fatal(err)
+	}
+	if s := b.status(late.taskID); s != taskevent.StatusQueued {
+		t.Fatalf("task dead-lettered as not found while visible is %s, want queued", s)
+	}
+	poison := createTask(t, b.db.Pool, []byte(`{"poison":true}`))
+	if err := w.recordDeadLetter(ctx, poison.record(), CodeInjectedProcessingError, false); err != nil {
+		t.Fatal(err)
+	}
+	if s := b.status(poison.taskID); s != taskevent.StatusFailed {
+		t.Fatalf("task dead-lettered as %s is %s, want failed", CodeInjectedProcessingError, s)
+	}
+}
+
+// A re-drive event written by the transaction that re-opens a failed task (a
+// dead-letter replay) may arrive while the worker still sees the failed task
+// at its older version. That is not a duplicate of a terminal task: the
+// record waits until the re-opening is visible, then drives the task.
+func TestRedriveOfAReopeningNotYetVisibleWaits(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	b.visibilityTimeout = time.Minute
+	ctx := context.Background()
+	c := createTask(t, b.db.Pool, []byte(`{"reopened":true}`))
+	if _, err := b.db.Pool.Exec(ctx, `UPDATE task SET status = 'failed', version = 2, attempt = 1, terminal_error_code = 'RETRIES_EXHAUSTED' WHERE task_id = $1`, c.taskID); err != nil {
+		t.Fatal(err)
+	}
+	tx, err := b.db.Pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tx.Rollback(ctx)
+	reopened, err := task.Scan(tx.QueryRow(ctx, `UPDATE task SET status = 'queued', version = 3, terminal_error_code = NULL WHERE task_id = $1 RETURNING `+task.Columns, c.taskID))
+	if err != nil {
+		t.Fatal(err)
+	}
+	ev, err := outbox.Insert(ctx, tx, taskevent.TypeTaskRedriveRequested, reopened)
+	if err != nil {
+		t.Fatal(err)
+	}
+	value, sum, err := taskevent.Encode(&ev)
+	if err != nil {
+		t.Fatal(err)
+	}
+	b.produce(t, record(c.taskID, value, &ev, sum))
+	rw := b.start(t, nil)
+	testenv.Eventually(t, waitFor, "re-drive retried while the re-opening is not visible", func() bool { return rw.count(OutcomeRetried) >= 3 })
+	if n := rw.count(OutcomeDuplicate) + rw.count(OutcomeDeadLettered); n != 0 {
+		t.Fatalf("duplicate+dead_lettered = %v before the re-opening is visible, want 0", n)
+	}
+	if err := tx.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	testenv.Eventually(t, waitFor, "re-opened task completed", func() bool { return b.status(c.taskID) == taskevent.StatusCompleted })
+}

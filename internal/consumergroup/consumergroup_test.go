@@ -1,0 +1,147 @@
+package consumergroup_test
+
+import (
+	"context"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/twmb/franz-go/pkg/kadm"
+	"github.com/twmb/franz-go/pkg/kgo"
+
+	"github.com/converge-run/converge/internal/consumergroup"
+	"github.com/converge-run/converge/internal/testenv"
+)
+
+func TestMain(m *testing.M) { testenv.Main(m) }
+
+// committed reads the group's committed offsets of the topic.
+func committed(t *testing.T, k *testenv.Kafka, group string) map[int32]int64 {
+	t.Helper()
+	adm := kadm.NewClient(k.Client(t))
+	offs, err := adm.FetchOffsets(context.Background(), group)
+	if err != nil {
+		return nil // the group does not exist yet
+	}
+	out := map[int32]int64{}
+	offs.Each(func(o kadm.OffsetResponse) {
+		if o.Topic == k.Topic && o.Err == nil {
+			out[o.Partition] = o.At
+		}
+	})
+	return out
+}
+
+func produce(t *testing.T, k *testenv.Kafka, n int) {
+	t.Helper()
+	cl := k.Client(t, kgo.DefaultProduceTopic(k.Topic), kgo.RecordPartitioner(kgo.ManualPartitioner()))
+	for i := range n {
+		if err := cl.ProduceSync(context.Background(), &kgo.Record{Partition: int32(i % testenv.Partitions), Value: []byte{byte(i)}}).FirstErr(); err != nil {
+			t.Fatal(err)
+		}
+	}
+}
+
+// Only offsets of records the handler reports durable are committed: a
+// handler that makes only the first record of each batch durable, then
+// stops, leaves the committed offset right after that record.
+func TestCommitsOnlyDurableOffsets(t *testing.T) {
+	t.Parallel()
+	k := testenv.NewKafka(t)
+	produce(t, k, 4*testenv.Partitions)
+	var handled atomic.Int64
+	h := consumergroup.HandlerFunc(func(ctx context.Context, b consumergroup.Batch) int {
+		handled.Add(int64(len(b.Records)))
+		<-ctx.Done() // processing of the rest never finishes
+		return 1
+	})
+	c, err := consumergroup.New(consumergroup.Config{Brokers: k.Brokers, Group: "g-durable", Topics: []string{k.Topic}}, h)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- c.Run(ctx) }()
+	testenv.Eventually(t, 20*time.Second, "every record handed out", func() bool { return handled.Load() == 4*testenv.Partitions })
+	cancel()
+	if err := <-done; err != nil {
+		t.Fatal(err)
+	}
+	got := committed(t, k, "g-durable")
+	for p := int32(0); p < testenv.Partitions; p++ {
+		if got[p] != 1 {
+			t.Errorf("partition %d committed at %d, want 1 (after the only durable record)", p, got[p])
+		}
+	}
+}
+
+// Records of one partition reach the handler in order, never two batches of
+// a partition at once, and a second member joining takes over partitions
+// after the first commits them: every record is handled, and each partition
+// ends committed at its end.
+func TestOrderAndRebalance(t *testing.T) {
+	t.Parallel()
+	k := testenv.NewKafka(t)
+	produce(t, k, 40*testenv.Partitions)
+	var mu sync.Mutex
+	last := map[int32]int64{}
+	inFlight := map[int32]bool{}
+	total := atomic.Int64{}
+	h := consumergroup.HandlerFunc(func(ctx context.Context, b consumergroup.Batch) int {
+		mu.Lock()
+		if inFlight[b.Partition] {
+			t.Errorf("partition %d handled twice at once", b.Partition)
+		}
+		inFlight[b.Partition] = true
+		mu.Unlock()
+		for _, r := range b.Records {
+			mu.Lock()
+			// Within a batch, offsets increase (a redelivery after a
+			// rebalance starts a new batch at the committed offset).
+			if prev, ok := last[r.Partition]; ok && r != b.Records[0] && r.Offset <= prev {
+				t.Errorf("partition %d: offset %d after %d in one batch", r.Partition, r.Offset, prev)
+			}
+			last[r.Partition] = r.Offset
+			mu.Unlock()
+			time.Sleep(time.Millisecond)
+		}
+		mu.Lock()
+		inFlight[b.Partition] = false
+		mu.Unlock()
+		total.Add(int64(len(b.Records)))
+		return len(b.Records)
+	})
+	start := func() (context.CancelFunc, chan error) {
+		c, err := consumergroup.New(consumergroup.Config{Brokers: k.Brokers, Group: "g-order", Topics: []string{k.Topic}}, h)
+		if err != nil {
+			t.Fatal(err)
+		}
+		ctx, cancel := context.WithCancel(context.Background())
+		done := make(chan error, 1)
+		go func() { done <- c.Run(ctx) }()
+		return cancel, done
+	}
+	cancel1, done1 := start()
+	cancel2, done2 := start()
+	testenv.Eventually(t, 30*time.Second, "every partition committed at its end", func() bool {
+		got := committed(t, k, "g-order")
+		for p := int32(0); p < testenv.Partitions; p++ {
+			if got[p] != 40 {
+				return false
+			}
+		}
+		return true
+	})
+	cancel1()
+	cancel2()
+	if err := <-done1; err != nil {
+		t.Fatal(err)
+	}
+	if err := <-done2; err != nil {
+		t.Fatal(err)
+	}
+	if total.Load() < 40*testenv.Partitions {
+		t.Fatalf("%d records handled, want at least %d", total.Load(), 40*testenv.Partitions)
+	}
+}

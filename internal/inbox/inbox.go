@@ -1,0 +1,235 @@
+package inbox
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+
+	"github.com/converge-run/converge/internal/dbpool"
+)
+
+// State is inbox_message.state (seed 6).
+type State string
+
+// The states of a delivery.
+const (
+	// Processing: registered, outcome not durable yet (a delivery that
+	// stopped mid-way is resumed by the next one).
+	Processing State = "processing"
+	// Completed: the outcome is durable; a redelivery is a duplicate.
+	Completed State = "completed"
+	// Failed: a deterministic failure is durable (the record was
+	// dead-lettered); a redelivery is a duplicate.
+	Failed State = "failed"
+)
+
+// Row is a registered message.
+type Row struct {
+	PayloadSHA256 string
+	State         State
+}
+
+// Register inserts message id of consumer in state Processing with its
+// payload hash. It returns false when the identity is already registered:
+// the primary key (consumer_name, message_id) decides, never a prior read
+// (seed 6).
+func Register(ctx context.Context, q dbpool.Querier, consumer, id, payloadSHA256 string) (bool, error) {
+	tag, err := q.Exec(ctx, `
+INSERT INTO inbox_message (consumer_name, message_id, payload_sha256, state)
+VALUES ($1, $2, $3, 'processing')
+ON CONFLICT (consumer_name, message_id) DO NOTHING`, consumer, id, payloadSHA256)
+	if err != nil {
+		return false, fmt.Errorf("insert inbox message %s: %w", id, err)
+	}
+	return tag.RowsAffected() == 1, nil
+}
+
+// Lock reads a registered message and locks it until the transaction ends,
+// so concurrent deliveries of one message (and a dead-letter replay)
+// serialise on it. The error wraps pgx.ErrNoRows when it is not registered.
+func Lock(ctx context.Context, q dbpool.Querier, consumer, id string) (Row, error) {
+	var r Row
+	err := q.QueryRow(ctx, `
+SELECT payload_sha256, state FROM inbox_message
+WHERE consumer_name = $1 AND message_id = $2
+FOR UPDATE`, consumer, id).Scan(&r.PayloadSHA256, &r.State)
+	if err != nil {
+		return r, fmt.Errorf("read inbox message %s: %w", id, err)
+	}
+	return r, nil
+}
+
+// LockIfExists locks the row of a message when it is registered (found is
+// then true), and does nothing otherwise.
+func LockIfExists(ctx context.Context, q dbpool.Querier, consumer, id string) (found bool, err error) {
+	_, err = Lock(ctx, q, consumer, id)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return false, nil
+	}
+	return err == nil, err
+}
+
+// Touch counts one more delivery of a registered message.
+func Touch(ctx context.Context, q dbpool.Querier, consumer, id string) error {
+	_, err := q.Exec(ctx, `
+UPDATE inbox_message SET deliveries = deliveries + 1, last_seen_at = now()
+WHERE consumer_name = $1 AND message_id = $2`, consumer, id)
+	if err != nil {
+		return fmt.Errorf("count delivery of inbox message %s: %w", id, err)
+	}
+	return nil
+}
+
+const sqlFinish = `
+UPDATE inbox_message SET state = $3, result_json = $4::jsonb, completed_at = now(), last_seen_at = now()
+WHERE consumer_name = $1 AND message_id = $2 AND state = 'processing'`
+
+// Finish moves a message Processing -> to (Completed or Failed) with its
+// result summary (JSON-encoded into result_json): a compare-and-set that
+// reports false when the row was not processing.
+func Finish(ctx context.Context, q dbpool.Querier, consumer, id string, to State, result any) (bool, error) {
+	raw, err := json.Marshal(result)
+	if err != nil {
+		return false, fmt.Errorf("encode inbox result: %w", err)
+	}
+	tag, err := q.Exec(ctx, sqlFinish, consumer, id, to, string(raw))
+	if err != nil {
+		return false, fmt.Errorf("finish inbox message %s as %s: %w", id, to, err)
+	}
+	return tag.RowsAffected() == 1, nil
+}
+
+// QueueFinish queues Finish on b; applied is set when the batch's results
+// are read.
+func QueueFinish(b *pgx.Batch, consumer, id string, to State, result any, applied *bool) error {
+	raw, err := json.Marshal(result)
+	if err != nil {
+		return fmt.Errorf("encode inbox result: %w", err)
+	}
+	b.Queue(sqlFinish, consumer, id, to, string(raw)).Exec(func(tag pgconn.CommandTag) error {
+		*applied = tag.RowsAffected() == 1
+		return nil
+	})
+	return nil
+}
+
+// Delivery is where a message was delivered from, recorded with a conflict.
+type Delivery struct {
+	Consumer, MessageID, PayloadSHA256 string
+	Topic                              string
+	Partition                          int32
+	Offset                             int64
+}
+
+// InsertConflict records that message d.MessageID arrived with another
+// payload hash than the one registered (storedSHA256): the message identity
+// was reused, nothing is processed (seed 6, 13.4). Once per payload hash.
+func InsertConflict(ctx context.Context, q dbpool.Querier, d Delivery, storedSHA256 string) error {
+	_, err := q.Exec(ctx, `
+INSERT INTO inbox_conflict (consumer_name, message_id, payload_sha256, stored_sha256, topic, kafka_partition, kafka_offset)
+VALUES ($1, $2, $3, $4, $5, $6, $7)
+ON CONFLICT (consumer_name, message_id, payload_sha256) DO NOTHING`,
+		d.Consumer, d.MessageID, d.PayloadSHA256, storedSHA256, d.Topic, d.Partition, d.Offset)
+	if err != nil {
+		return fmt.Errorf("record inbox conflict for %s: %w", d.MessageID, err)
+	}
+	return nil
+}
+
+// RecordFailure makes a deterministic failure of delivery d durable: a new
+// message gets a row in state Failed with {"error_code": code}; a
+// registered one in Processing moves to Failed; a registered one with
+// another payload hash is a conflict (recorded; conflict is then true).
+func RecordFailure(ctx context.Context, q dbpool.Querier, d Delivery, code string) (conflict bool, err error) {
+	raw, _ := json.Marshal(map[string]string{"error_code": code})
+	tag, err := q.Exec(ctx, `
+INSERT INTO inbox_message (consumer_name, message_id, payload_sha256, state, result_json, completed_at)
+VALUES ($1, $2, $3, 'failed', $4::jsonb, now())
+ON CONFLICT (consumer_name, message_id) DO NOTHING`, d.Consumer, d.MessageID, d.PayloadSHA256, string(raw))
+	if err != nil {
+		return false, fmt.Errorf("record failure of %s: %w", d.MessageID, err)
+	}
+	if tag.RowsAffected() == 1 {
+		return false, nil
+	}
+	row, err := Lock(ctx, q, d.Consumer, d.MessageID)
+	if err != nil {
+		return false, err
+	}
+	if row.PayloadSHA256 != d.PayloadSHA256 {
+		return true, InsertConflict(ctx, q, d, row.PayloadSHA256)
+	}
+	if err := Touch(ctx, q, d.Consumer, d.MessageID); err != nil {
+		return false, err
+	}
+	if row.State == Processing {
+		if _, err := Finish(ctx, q, d.Consumer, d.MessageID, Failed, map[string]string{"error_code": code}); err != nil {
+			return false, err
+		}
+	}
+	return false, nil
+}
+
+// ResetFailed moves a Failed message back to Processing so that a replayed
+// record is processed, not taken as a duplicate (package deadletter).
+func ResetFailed(ctx context.Context, q dbpool.Querier, consumer, id string) (bool, error) {
+	tag, err := q.Exec(ctx, `
+UPDATE inbox_message SET state = 'processing', result_json = NULL, completed_at = NULL, last_seen_at = now()
+WHERE consumer_name = $1 AND message_id = $2 AND state = 'failed'`, consumer, id)
+	if err != nil {
+		return false, fmt.Errorf("reset inbox message %s: %w", id, err)
+	}
+	return tag.RowsAffected() == 1, nil
+}
+
+// Stale is a message left Processing, with the status of the task its
+// message (an outbox event) belongs to; TaskID and TaskStatus are nil when
+// the message names no known task.
+type Stale struct {
+	Consumer   string
+	MessageID  string
+	LastSeenAt time.Time
+	TaskID     *string
+	TaskStatus *string
+}
+
+// Stales returns at most limit messages Processing with no delivery for
+// lease, oldest first.
+func Stales(ctx context.Context, q dbpool.Querier, lease time.Duration, limit int) ([]Stale, error) {
+	rows, err := q.Query(ctx, `
+SELECT i.consumer_name, i.message_id, i.last_seen_at, t.task_id, t.status
+FROM inbox_message i
+LEFT JOIN outbox_event o ON o.outbox_id = i.message_id
+LEFT JOIN task t ON t.task_id = o.aggregate_id
+WHERE i.state = 'processing' AND i.last_seen_at < now() - make_interval(secs => $1)
+ORDER BY i.last_seen_at
+LIMIT $2`, lease.Seconds(), limit)
+	if err != nil {
+		return nil, fmt.Errorf("select stale inbox rows: %w", err)
+	}
+	return pgx.CollectRows(rows, func(row pgx.CollectableRow) (Stale, error) {
+		var r Stale
+		err := row.Scan(&r.Consumer, &r.MessageID, &r.LastSeenAt, &r.TaskID, &r.TaskStatus)
+		return r, err
+	})
+}
+
+// Release finishes a stale message whose task is terminal (taskStatus):
+// Processing -> Completed, a compare-and-set on state and last_seen_at as
+// read, so a delivery seen since keeps the row.
+func Release(ctx context.Context, q dbpool.Querier, s Stale, taskStatus string) (bool, error) {
+	tag, err := q.Exec(ctx, `
+UPDATE inbox_message SET state = 'completed', completed_at = now(),
+  result_json = jsonb_build_object('released_by', 'reconciler', 'task_status', $3::text)
+WHERE consumer_name = $1 AND message_id = $2 AND state = 'processing' AND last_seen_at = $4`,
+		s.Consumer, s.MessageID, taskStatus, s.LastSeenAt)
+	if err != nil {
+		return false, fmt.Errorf("release inbox row %s: %w", s.MessageID, err)
+	}
+	return tag.RowsAffected() == 1, nil
+}
