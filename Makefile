@@ -11,8 +11,17 @@ run: deps build
 	./$(BIN) dev
 
 ## test: every test against real PostgreSQL, kfake and redis-server, and the
-## Prometheus rule tests.
+## Prometheus rule tests. The shared corpus (CONVERGE_CORPUS_DIR, default
+## ../shared/corpus) adds its cases when it is there; CONVERGE_REQUIRE_CORPUS=1
+## (.ci/run) makes its absence fail.
+CORPUS_DIR = $(or $(CONVERGE_CORPUS_DIR),../shared/corpus)
 test: deps rules-test
+	@if [ ! -d "$(CORPUS_DIR)" ]; then \
+	  if [ "$$CONVERGE_REQUIRE_CORPUS" = 1 ]; then \
+	    echo "corpus not found at $(CORPUS_DIR) and CONVERGE_REQUIRE_CORPUS=1: failing" >&2; exit 1; \
+	  fi; \
+	  echo "corpus not found at $(CORPUS_DIR): the corpus tests are SKIPPED (the project's own cases still run; set CONVERGE_CORPUS_DIR to run them)"; \
+	fi
 	$(GO) vet ./...
 	$(GO) test -count=1 -timeout 14m ./...
 
