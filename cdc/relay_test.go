@@ -618,19 +618,7 @@ func gaugeValue(t *testing.T, reg *prometheus.Registry, name string) float64 {
 
 func counterSum(t *testing.T, reg *prometheus.Registry, name string) float64 {
 	t.Helper()
-	mfs, err := reg.Gather()
-	if err != nil {
-		t.Fatal(err)
-	}
-	var sum float64
-	for _, mf := range mfs {
-		if mf.GetName() == name {
-			for _, m := range mf.GetMetric() {
-				sum += m.GetCounter().GetValue()
-			}
-		}
-	}
-	return sum
+	return testenv.MetricSum(t, reg, name, nil)
 }
 
 func TestRelaySlotActive(t *testing.T) {

@@ -29,7 +29,6 @@ import (
 	"github.com/converge-run/converge/internal/fault"
 	"github.com/converge-run/converge/internal/inbox"
 	"github.com/converge-run/converge/internal/ledger"
-	"github.com/converge-run/converge/internal/outbox"
 	"github.com/converge-run/converge/internal/task"
 	"github.com/converge-run/converge/internal/taskevent"
 	"github.com/converge-run/converge/internal/testenv"
@@ -156,36 +155,14 @@ func createTask(t *testing.T, pool *pgxpool.Pool, doc []byte) created {
 	return c
 }
 
-// createTaskIn writes what createTask does in tx, which the caller commits.
+// createTaskIn writes what createTask does in tx, which the caller commits
+// (the row factory, testenv.CreateTask).
 func createTaskIn(tx pgx.Tx, doc []byte) (created, error) {
-	ctx := context.Background()
-	taskID := "task-" + uuid.NewString()
-	in := sha256.Sum256(doc)
-	fp := sha256.Sum256(append([]byte("document-transform:"), doc...))
-	var c created
-	err := func() error {
-		task, err := task.Scan(tx.QueryRow(ctx, `
-INSERT INTO task (task_id, request_fingerprint, status, version, attempt, output_format, input_sha256, input_size)
-VALUES ($1, $2, 'queued', 0, 0, 'jcs', $3, $4)
-RETURNING `+task.Columns, taskID, hex.EncodeToString(fp[:]), hex.EncodeToString(in[:]), len(doc)))
-		if err != nil {
-			return err
-		}
-		if _, err := tx.Exec(ctx, `INSERT INTO task_input (task_id, document) VALUES ($1, $2)`, taskID, doc); err != nil {
-			return err
-		}
-		ev, err := outbox.Insert(ctx, tx, taskevent.TypeTaskCreated, task)
-		if err != nil {
-			return err
-		}
-		value, sum, err := taskevent.Encode(&ev)
-		if err != nil {
-			return err
-		}
-		c = created{taskID: taskID, ev: ev, value: value, sum: sum}
-		return nil
-	}()
-	return c, err
+	c, err := testenv.CreateTask(context.Background(), tx, doc)
+	if err != nil {
+		return created{}, err
+	}
+	return created{taskID: c.Task.TaskID, ev: c.Event, value: c.Value, sum: c.SHA256}, nil
 }
 
 // record builds a task-events record with the contract's headers.

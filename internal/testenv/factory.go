@@ -9,6 +9,7 @@ import (
 
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
+	"github.com/prometheus/client_golang/prometheus"
 	"github.com/twmb/franz-go/pkg/kgo"
 
 	"github.com/converge-run/converge/internal/dbpool"
@@ -133,4 +134,31 @@ func RequireEffect(t testing.TB, q dbpool.Querier, kind ledger.Kind, token strin
 		t.Fatalf("read effect %s %s: found=%v err=%v", kind, token, found, err)
 	}
 	return e
+}
+
+// MetricSum returns the sum of the values of metric name in reg over its
+// series whose labels include every pair of labels (nil: every series):
+// counters, gauges and untyped metrics.
+func MetricSum(t testing.TB, reg prometheus.Gatherer, name string, labels map[string]string) float64 {
+	t.Helper()
+	mfs, err := reg.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var sum float64
+	for _, mf := range mfs {
+		if mf.GetName() != name {
+			continue
+		}
+	series:
+		for _, m := range mf.GetMetric() {
+			for _, lp := range m.GetLabel() {
+				if want, ok := labels[lp.GetName()]; ok && want != lp.GetValue() {
+					continue series
+				}
+			}
+			sum += m.GetCounter().GetValue() + m.GetGauge().GetValue() + m.GetUntyped().GetValue()
+		}
+	}
+	return sum
 }

@@ -141,27 +141,8 @@ func wantProblem(t *testing.T, r *response, status int, code string) {
 	}
 }
 
-// counterValue returns a counter (vector child matching labels) from reg.
+// counterValue returns a counter (vector children matching labels) from reg.
 func counterValue(t *testing.T, reg prometheus.Gatherer, name string, labels map[string]string) float64 {
 	t.Helper()
-	mfs, err := reg.Gather()
-	if err != nil {
-		t.Fatal(err)
-	}
-	var sum float64
-	for _, mf := range mfs {
-		if mf.GetName() != name {
-			continue
-		}
-	metrics:
-		for _, m := range mf.GetMetric() {
-			for _, lp := range m.GetLabel() {
-				if want, ok := labels[lp.GetName()]; ok && want != lp.GetValue() {
-					continue metrics
-				}
-			}
-			sum += m.GetCounter().GetValue()
-		}
-	}
-	return sum
+	return testenv.MetricSum(t, reg, name, labels)
 }

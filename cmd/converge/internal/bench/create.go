@@ -223,9 +223,9 @@ END;
 
 // createScriptPipelined is the create transaction exactly as the API sends
 // it (services/api store.go: the same statements, in two pipelines with one
-// Sync each): BEGIN and the idempotency record insert; then the record
-// completion that inserts the task, the task_input and outbox inserts and
-// COMMIT.
+// Sync each): BEGIN and the idempotency record insert; then the task,
+// task_input and outbox inserts, the record completion (which fails when
+// the record is not in progress with this fingerprint) and COMMIT.
 func createScriptPipelined(fx *fixtures) string {
 	return createReplacer(fx).Replace(`\set r random(1, 1000000000000000)
 \startpipeline
@@ -233,9 +233,10 @@ BEGIN;
 INSERT INTO idempotency_record (scope, idempotency_key, request_fingerprint, state, locked_until, created_at, expires_at) VALUES ($SCOPE, $ID, $FP, 'in_progress', now() + 30000 * interval '1 millisecond', now(), now() + 86400000 * interval '1 millisecond') ON CONFLICT (scope, idempotency_key) DO NOTHING RETURNING created_at;
 \endpipeline
 \startpipeline
-WITH completed AS (UPDATE idempotency_record SET state = 'succeeded', task_id = $ID, response_status = 202, response_body = $RESP, locked_until = NULL WHERE scope = $SCOPE AND idempotency_key = $ID AND state = 'in_progress' AND request_fingerprint = $FP RETURNING 1) INSERT INTO task (task_id, request_fingerprint, status, version, attempt, output_format, input_sha256, input_size, created_at, updated_at) SELECT $ID, $FP, 'queued', 0, 0, 'jcs', $INSHA, $INSIZE, now(), now() FROM completed;
+INSERT INTO task (task_id, request_fingerprint, status, version, attempt, output_format, input_sha256, input_size, created_at, updated_at) VALUES ($ID, $FP, 'queued', 0, 0, 'jcs', $INSHA, $INSIZE, now(), now());
 INSERT INTO task_input (task_id, document) VALUES ($ID, $DOC);
 INSERT INTO outbox_event (outbox_id, aggregate_id, aggregate_version, event_type, payload, payload_sha256, created_at) VALUES ('o' || $ID, $ID, 0, 'TaskCreated', $PAYLOAD, $PSHA, now());
+WITH completed AS (UPDATE idempotency_record SET state = 'succeeded', task_id = $ID, response_status = 202, response_body = $RESP, locked_until = NULL WHERE scope = $SCOPE AND idempotency_key = $ID AND state = 'in_progress' AND request_fingerprint = $FP RETURNING 1) SELECT 1 / (SELECT count(*)::int FROM completed);
 COMMIT;
 \endpipeline
 `)

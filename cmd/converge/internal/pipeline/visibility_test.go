@@ -64,12 +64,12 @@ func TestEventBeforeItsCommitIsVisible(t *testing.T) {
 		created <- out.TaskID
 	}()
 	testenv.Eventually(t, 30*time.Second, "worker retrying the task it cannot see yet", func() bool {
-		return metricSum(t, reg, "converge_worker_messages_total", "outcome", "retried") >= 3
+		return testenv.MetricSum(t, reg, "converge_worker_messages_total", map[string]string{"outcome": "retried"}) >= 3
 	})
 	testenv.Eventually(t, 30*time.Second, "relay finding the row not yet visible", func() bool {
-		return metricSum(t, reg, "converge_relay_outbox_rows_not_yet_visible_total", "", "") >= 1
+		return testenv.MetricSum(t, reg, "converge_relay_outbox_rows_not_yet_visible_total", nil) >= 1
 	})
-	if n := metricSum(t, reg, "converge_worker_messages_total", "outcome", "dead_lettered"); n != 0 {
+	if n := testenv.MetricSum(t, reg, "converge_worker_messages_total", map[string]string{"outcome": "dead_lettered"}); n != 0 {
 		t.Fatalf("dead_lettered = %v while the commit is held", n)
 	}
 
@@ -82,7 +82,7 @@ func TestEventBeforeItsCommitIsVisible(t *testing.T) {
 	}
 	testenv.Eventually(t, 30*time.Second, "held task completed", func() bool { return taskStatus(t, b, id) == "completed" })
 	testenv.Eventually(t, 30*time.Second, "every outbox row marked published", func() bool { return unpublished(t, b) == 0 })
-	if n := metricSum(t, reg, "converge_worker_messages_total", "outcome", "dead_lettered"); n != 0 {
+	if n := testenv.MetricSum(t, reg, "converge_worker_messages_total", map[string]string{"outcome": "dead_lettered"}); n != 0 {
 		t.Fatalf("dead_lettered = %v, want 0", n)
 	}
 }
@@ -115,32 +115,4 @@ func taskStatus(t *testing.T, b *bundle, id string) string {
 		return ""
 	}
 	return status
-}
-
-// metricSum sums the series of name in reg whose label has value (every
-// series when label is "").
-func metricSum(t *testing.T, reg *prometheus.Registry, name, label, value string) float64 {
-	t.Helper()
-	mfs, err := reg.Gather()
-	if err != nil {
-		t.Fatal(err)
-	}
-	var sum float64
-	for _, mf := range mfs {
-		if mf.GetName() != name {
-			continue
-		}
-		for _, m := range mf.GetMetric() {
-			match := label == ""
-			for _, lp := range m.GetLabel() {
-				if lp.GetName() == label && lp.GetValue() == value {
-					match = true
-				}
-			}
-			if match {
-				sum += m.GetCounter().GetValue()
-			}
-		}
-	}
-	return sum
 }
