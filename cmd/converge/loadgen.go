@@ -6,6 +6,8 @@ import (
 	"os"
 	"time"
 
+	"github.com/jackc/pgx/v5/pgxpool"
+
 	"github.com/converge-run/converge/cmd/converge/internal/loadgen"
 )
 
@@ -21,16 +23,26 @@ type LoadgenCmd struct {
 	DocSize     int           `default:"1024" help:"Size in bytes of a generated document."`
 	Wait        bool          `default:"true" negatable:"" help:"After sending, read every created task until it is terminal, for the end-to-end latency."`
 	WaitTimeout time.Duration `default:"60s" help:"Longest wait for the created tasks."`
+	DatabaseURL string        `env:"CONVERGE_DATABASE_URL" help:"PostgreSQL of the API: when set, the wait reads the created tasks with one query per poll instead of a GET per pending task (the GETs load the API while it is measured)."`
 	Out         string        `type:"path" help:"Also write the result as JSON to this file."`
 }
 
 // Run runs the load and prints the result; exits 1 when no request was
 // accepted.
 func (c *LoadgenCmd) Run(env *runEnv) error {
-	res, err := loadgen.Run(env.ctx, loadgen.Config{
+	cfg := loadgen.Config{
 		BaseURL: c.APIURL, Rate: c.Rate, Clients: c.Clients, Duration: c.Duration, Count: c.Count,
 		DocsDir: c.Docs, DocSize: c.DocSize, Wait: c.Wait, WaitTimeout: c.WaitTimeout, Progress: os.Stderr,
-	})
+	}
+	if c.DatabaseURL != "" && c.Wait {
+		pool, err := pgxpool.New(env.ctx, c.DatabaseURL)
+		if err != nil {
+			return fmt.Errorf("loadgen: --database-url: %w", err)
+		}
+		defer pool.Close()
+		cfg.Tasks = &loadgen.DBTasks{Pool: pool}
+	}
+	res, err := loadgen.Run(env.ctx, cfg)
 	if err != nil {
 		return err
 	}

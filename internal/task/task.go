@@ -235,6 +235,16 @@ LIMIT $2`, deadline.Seconds(), limit))
 	return ts, nil
 }
 
+// GetMany reads the tasks of ids in one statement; ids without a task are
+// left out.
+func GetMany(ctx context.Context, q dbpool.Querier, ids []string) ([]taskevent.Task, error) {
+	ts, err := collect(q.Query(ctx, `SELECT `+Columns+` FROM task WHERE task_id = ANY($1)`, ids))
+	if err != nil {
+		return nil, fmt.Errorf("read %d tasks: %w", len(ids), err)
+	}
+	return ts, nil
+}
+
 // After returns at most limit tasks with task_id > after, by task id (a
 // cursor over the whole table).
 func After(ctx context.Context, q dbpool.Querier, after string, limit int) ([]taskevent.Task, error) {

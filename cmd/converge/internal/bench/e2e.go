@@ -86,7 +86,7 @@ func runE2E(ctx context.Context, e *env, res *Results) error {
 		return fmt.Errorf("pipeline not ready after 2 minutes")
 	}
 	baseURL := "http://" + ln.Addr().String()
-	tasks := &sqlTasks{pool: pool}
+	tasks := &loadgen.DBTasks{Pool: pool}
 	// Warm up: consumer groups joined, statements prepared.
 	if _, err := loadgen.Run(ctx, loadgen.Config{BaseURL: baseURL, Rate: 50, Duration: 2 * time.Second, DocSize: e.cfg.DocSize,
 		Wait: true, WaitTimeout: time.Minute, Tasks: tasks}); err != nil {
@@ -174,29 +174,4 @@ func drain(ctx context.Context, pool *pgxpool.Pool, limit time.Duration) error {
 		case <-time.After(200 * time.Millisecond):
 		}
 	}
-}
-
-// sqlTasks reads task states straight from PostgreSQL, one query per poll,
-// so waiting for the end-to-end latency does not load the API.
-type sqlTasks struct{ pool *pgxpool.Pool }
-
-var _ loadgen.TaskReader = (*sqlTasks)(nil)
-
-// Tasks implements loadgen.TaskReader.
-func (s *sqlTasks) Tasks(ctx context.Context, ids []string) (map[string]loadgen.TaskState, error) {
-	rows, err := s.pool.Query(ctx, "SELECT task_id, status, created_at, completed_at FROM task WHERE task_id = ANY($1)", ids)
-	if err != nil {
-		return nil, err
-	}
-	defer rows.Close()
-	out := make(map[string]loadgen.TaskState, len(ids))
-	for rows.Next() {
-		var id string
-		var st loadgen.TaskState
-		if err := rows.Scan(&id, &st.Status, &st.CreatedAt, &st.CompletedAt); err != nil {
-			return nil, err
-		}
-		out[id] = st
-	}
-	return out, rows.Err()
 }

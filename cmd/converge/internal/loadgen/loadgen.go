@@ -43,7 +43,10 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/jackc/pgx/v5/pgxpool"
+
 	"github.com/converge-run/converge/internal/docgen"
+	"github.com/converge-run/converge/internal/task"
 )
 
 // Defaults of Config.
@@ -610,6 +613,28 @@ func (h *HTTPTasks) get(ctx context.Context, id string) (TaskState, error) {
 		return TaskState{}, fmt.Errorf("decode task %s: %w", id, err)
 	}
 	return TaskState{Status: t.Status, CreatedAt: t.CreatedAt, CompletedAt: t.CompletedAt}, nil
+}
+
+// DBTasks reads task states straight from PostgreSQL (package task), one
+// statement per window of the wait, so that waiting for the end-to-end
+// latency costs neither the API nor the load generator more than a query
+// per window and poll interval (HTTPTasks GETs every pending task, which
+// loads the API while it is measured).
+type DBTasks struct{ Pool *pgxpool.Pool }
+
+var _ TaskReader = (*DBTasks)(nil)
+
+// Tasks implements TaskReader.
+func (d *DBTasks) Tasks(ctx context.Context, ids []string) (map[string]TaskState, error) {
+	ts, err := task.GetMany(ctx, d.Pool, ids)
+	if err != nil {
+		return nil, err
+	}
+	out := make(map[string]TaskState, len(ts))
+	for _, t := range ts {
+		out[t.TaskID] = TaskState{Status: t.Status, CreatedAt: t.CreatedAt, CompletedAt: t.CompletedAt}
+	}
+	return out, nil
 }
 
 // waitWindow is how many pending tasks one poll reads: tasks complete

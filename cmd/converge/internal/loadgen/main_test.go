@@ -3,8 +3,8 @@ package loadgen
 import (
 	"testing"
 
-	"go.uber.org/goleak"
+	"github.com/converge-run/converge/internal/testenv"
 )
 
-// TestMain fails the package's tests when they leak goroutines.
-func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
+// TestMain stops the harness's processes and fails on leaked goroutines.
+func TestMain(m *testing.M) { testenv.Main(m) }
