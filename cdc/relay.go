@@ -15,6 +15,7 @@ import (
 	"github.com/twmb/franz-go/pkg/kgo"
 
 	"github.com/converge-run/converge/internal/canon"
+	"github.com/converge-run/converge/internal/dbpool"
 	"github.com/converge-run/converge/internal/kafkalog"
 	"github.com/converge-run/converge/internal/kafkatopic"
 )
@@ -152,7 +153,7 @@ func (r *Relay) open(ctx context.Context) (_ *session, err error) {
 		}
 	}()
 
-	poolCfg, err := pgxpool.ParseConfig(cfg.DatabaseURL)
+	poolCfg, err := dbpool.ParseConfig(cfg.DatabaseURL)
 	if err != nil {
 		return nil, fmt.Errorf("parse database url: %w", err)
 	}

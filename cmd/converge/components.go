@@ -23,6 +23,7 @@ import (
 	"github.com/converge-run/converge/consumers/reconciler"
 	"github.com/converge-run/converge/consumers/worker"
 	"github.com/converge-run/converge/internal/artifact"
+	"github.com/converge-run/converge/internal/dbpool"
 	"github.com/converge-run/converge/internal/kafkametrics"
 	"github.com/converge-run/converge/projections/taskview"
 	"github.com/converge-run/converge/schemas"
@@ -79,7 +80,7 @@ func openPool(ctx context.Context, url string) (*pgxpool.Pool, error) {
 	if err := need("CONVERGE_DATABASE_URL", url); err != nil {
 		return nil, err
 	}
-	pool, err := pgxpool.New(ctx, url)
+	pool, err := dbpool.New(ctx, url)
 	if err != nil {
 		return nil, fmt.Errorf("connect database: %w", err)
 	}

@@ -6,9 +6,8 @@ import (
 	"os"
 	"time"
 
-	"github.com/jackc/pgx/v5/pgxpool"
-
 	"github.com/converge-run/converge/cmd/converge/internal/loadgen"
+	"github.com/converge-run/converge/internal/dbpool"
 )
 
 // LoadgenCmd submits create requests at a fixed rate (open model) or with N
@@ -35,7 +34,7 @@ func (c *LoadgenCmd) Run(env *runEnv) error {
 		DocsDir: c.Docs, DocSize: c.DocSize, Wait: c.Wait, WaitTimeout: c.WaitTimeout, Progress: os.Stderr,
 	}
 	if c.DatabaseURL != "" && c.Wait {
-		pool, err := pgxpool.New(env.ctx, c.DatabaseURL)
+		pool, err := dbpool.New(env.ctx, c.DatabaseURL)
 		if err != nil {
 			return fmt.Errorf("loadgen: --database-url: %w", err)
 		}

@@ -13,15 +13,48 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 )
 
+// New opens a pool on url like pgxpool.New, with enable_seqscan=off on
+// every connection unless url sets enable_seqscan itself.
+//
+// Why: converge's statements are point lookups and bounded index scans, and
+// pgx prepares them; after five executions PostgreSQL may cache a generic
+// plan for good. A generic plan chosen while a table is empty and analyzed
+// (reltuples 0: a new deployment analyzed before traffic) is a sequential
+// scan — cost 0 on 0 pages — which then runs for every statement as the
+// table grows, until an ANALYZE invalidates it (issue 11: 40,047 sequential
+// scans of task for 20,000 tasks). With sequential scans priced out, the
+// cached plan uses the index the statement was written for; a statement
+// with no usable index still scans (enable_seqscan only adds cost).
+// TestNoSequentialScansAfterAnalyzingEmptyTables measures it.
+func New(ctx context.Context, url string) (*pgxpool.Pool, error) {
+	cfg, err := ParseConfig(url)
+	if err != nil {
+		return nil, err
+	}
+	return pgxpool.NewWithConfig(ctx, cfg)
+}
+
+// ParseConfig is pgxpool.ParseConfig with New's enable_seqscan=off.
+func ParseConfig(url string) (*pgxpool.Config, error) {
+	cfg, err := pgxpool.ParseConfig(url)
+	if err != nil {
+		return nil, err
+	}
+	if _, set := cfg.ConnConfig.RuntimeParams["enable_seqscan"]; !set {
+		cfg.ConnConfig.RuntimeParams["enable_seqscan"] = "off"
+	}
+	return cfg, nil
+}
+
 // Use returns pool and owned=false when pool is not nil: the caller keeps
-// owning it. Otherwise it opens a pool on url (pgxpool defaults, or the
+// owning it. Otherwise it opens a pool on url (New: pgxpool defaults, or the
 // pool_* parameters of the URL) and returns owned=true: the component must
 // close it when it stops. The error wraps pgxpool's, prefixed with who.
 func Use(pool *pgxpool.Pool, url, who string) (p *pgxpool.Pool, owned bool, err error) {
 	if pool != nil {
 		return pool, false, nil
 	}
-	if p, err = pgxpool.New(context.Background(), url); err != nil {
+	if p, err = New(context.Background(), url); err != nil {
 		return nil, false, fmt.Errorf("%s: open database pool: %w", who, err)
 	}
 	return p, true, nil

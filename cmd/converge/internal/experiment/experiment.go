@@ -42,6 +42,7 @@ import (
 	"github.com/converge-run/converge/consumers/deadletter"
 	"github.com/converge-run/converge/consumers/reconciler"
 	"github.com/converge-run/converge/consumers/worker"
+	"github.com/converge-run/converge/internal/dbpool"
 	"github.com/converge-run/converge/internal/fault"
 )
 
@@ -118,7 +119,7 @@ func Run(ctx context.Context, e Experiment, env Env, out string, log *slog.Logge
 	}
 	start := time.Now()
 	x := &X{env: env, log: log, rep: &Report{Name: e.Name, Title: e.Title, Seed: e.Seed, Counts: map[string]any{}}}
-	pool, err := pgxpool.New(ctx, env.DatabaseURL)
+	pool, err := dbpool.New(ctx, env.DatabaseURL)
 	if err != nil {
 		return nil, err
 	}

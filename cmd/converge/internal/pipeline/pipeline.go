@@ -13,7 +13,6 @@ import (
 	"net"
 	"time"
 
-	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
 	"github.com/redis/go-redis/v9"
@@ -25,6 +24,7 @@ import (
 	"github.com/converge-run/converge/consumers/reconciler"
 	"github.com/converge-run/converge/consumers/worker"
 	"github.com/converge-run/converge/internal/artifact"
+	"github.com/converge-run/converge/internal/dbpool"
 	"github.com/converge-run/converge/internal/fault"
 	"github.com/converge-run/converge/internal/kafkametrics"
 	"github.com/converge-run/converge/internal/taskevent"
@@ -141,7 +141,7 @@ func Run(ctx context.Context, cfg Config) error {
 		return err
 	}
 	log := cfg.Logger
-	pool, err := pgxpool.New(ctx, cfg.DatabaseURL)
+	pool, err := dbpool.New(ctx, cfg.DatabaseURL)
 	if err != nil {
 		return fmt.Errorf("connect database: %w", err)
 	}
