@@ -10,6 +10,8 @@ import (
 	"os"
 	"path/filepath"
 	"strconv"
+	"strings"
+	"syscall"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -17,10 +19,12 @@ import (
 
 	"github.com/converge-run/converge/cmd/converge/internal/pipeline"
 	"github.com/converge-run/converge/cmd/converge/internal/submit"
+	"github.com/converge-run/converge/consumers/reconciler"
 	"github.com/converge-run/converge/consumers/worker"
 	"github.com/converge-run/converge/internal/devbroker"
 	"github.com/converge-run/converge/internal/localpg"
 	"github.com/converge-run/converge/internal/localredis"
+	"github.com/converge-run/converge/projections/taskview"
 )
 
 //go:embed examples/*.json
@@ -54,6 +58,11 @@ func (c *DevCmd) Run(env *runEnv) error {
 	// The PostgreSQL server runs as the postgres user when we are root: it
 	// must be able to enter the data directory.
 	_ = os.Chmod(dataDir, 0o755)
+	unlock, err := lockDataDir(dataDir)
+	if err != nil {
+		return err
+	}
+	defer unlock()
 
 	dbURL := c.DatabaseURL
 	if dbURL == "" {
@@ -79,7 +88,8 @@ func (c *DevCmd) Run(env *runEnv) error {
 		// kfake plus a reaper of consumer-group members whose process is
 		// gone (issue 9): a `converge worker` killed mid-join against
 		// this broker would otherwise wedge the group for minutes.
-		kb, err := devbroker.Start(devbroker.Config{Opts: opts, Logger: log.With("component", "devbroker"), Registerer: reg})
+		kb, err := devbroker.Start(devbroker.Config{Opts: opts, Logger: log.With("component", "devbroker"), Registerer: reg,
+			Groups: []string{worker.DefaultGroup, taskview.DefaultGroup, reconciler.DefaultDeadLetterGroup}})
 		if err != nil {
 			return fmt.Errorf("embedded Kafka broker on port %d: %w", c.KafkaPort, err)
 		}
@@ -208,4 +218,24 @@ func redact(u string) string {
 		return "(unparseable URL)"
 	}
 	return "postgres://" + cfg.User + "@" + cfg.Host + ":" + strconv.Itoa(int(cfg.Port)) + "/" + cfg.Database
+}
+
+// lockDataDir takes an exclusive lock on dataDir/dev.lock for the life of
+// the process (the kernel releases it when the process ends, SIGKILL
+// included), so a second `converge dev` on the same data directory says at
+// once that one is running instead of waiting for its PostgreSQL.
+func lockDataDir(dataDir string) (unlock func(), err error) {
+	path := filepath.Join(dataDir, "dev.lock")
+	f, err := os.OpenFile(path, os.O_RDWR|os.O_CREATE, 0o644)
+	if err != nil {
+		return nil, err
+	}
+	if err := syscall.Flock(int(f.Fd()), syscall.LOCK_EX|syscall.LOCK_NB); err != nil {
+		owner, _ := os.ReadFile(path)
+		f.Close()
+		return nil, fmt.Errorf("another converge dev is running on %s (pid %s): stop it, or give this one another CONVERGE_DATA_DIR and ports", dataDir, strings.TrimSpace(string(owner)))
+	}
+	_ = f.Truncate(0)
+	_, _ = f.WriteAt([]byte(strconv.Itoa(os.Getpid())+"\n"), 0)
+	return func() { f.Close() }, nil
 }

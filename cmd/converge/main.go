@@ -19,6 +19,7 @@ import (
 	"time"
 
 	"github.com/alecthomas/kong"
+	"github.com/redis/go-redis/v9"
 
 	"github.com/converge-run/converge/internal/fault"
 )
@@ -80,6 +81,7 @@ func main() {
 		kong.UsageOnError(),
 	)
 	log := newLogger(cli.Globals)
+	redis.SetLogger(redisLogger{log}) // go-redis's own messages (reconnects) into the structured log
 	slog.SetDefault(log)
 	faults, err := fault.Parse(cli.Faults)
 	if err != nil {
@@ -133,4 +135,12 @@ func (FaultsCmd) Run(env *runEnv) error {
 		fmt.Println(n)
 	}
 	return nil
+}
+
+// redisLogger sends go-redis's internal messages (pool reconnects, dial
+// failures) to slog at warn level instead of the standard log package.
+type redisLogger struct{ l *slog.Logger }
+
+func (r redisLogger) Printf(ctx context.Context, format string, v ...any) {
+	r.l.WarnContext(ctx, "redis: "+fmt.Sprintf(format, v...))
 }

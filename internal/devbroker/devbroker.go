@@ -48,6 +48,11 @@ type Config struct {
 	// Registerer receives the converge_devbroker_* metrics (see the package
 	// doc). Defaults to a new, private registry.
 	Registerer prometheus.Registerer
+	// Groups are exported in converge_devbroker_group_members_evicted_total
+	// at 0 from the start (a dashboard shows 0, not "no data", before the
+	// first eviction); other groups appear with their first eviction.
+	// Defaults to none.
+	Groups []string
 }
 
 func (c *Config) setDefaults() {
@@ -106,6 +111,9 @@ func Start(cfg Config) (*Broker, error) {
 	m, err := newMetrics(cfg.Registerer, cs)
 	if err != nil {
 		return nil, err
+	}
+	for _, g := range cfg.Groups {
+		m.evicted.WithLabelValues(g)
 	}
 	listen := func(network, address string) (net.Listener, error) {
 		ln, err := net.Listen(network, address)

@@ -56,6 +56,7 @@ var (
 
 	redisOnce   sync.Once
 	redisServer *localredis.Server
+	redisTmpDir string
 	redisURL    string
 	redisErr    error
 )
@@ -75,6 +76,9 @@ func Main(m *testing.M) {
 	}
 	if redisServer != nil {
 		redisServer.Stop()
+	}
+	if redisTmpDir != "" {
+		os.RemoveAll(redisTmpDir)
 	}
 	if code == 0 {
 		if err := goleak.Find(LeakOptions()...); err != nil {
@@ -262,6 +266,7 @@ func startRedis() {
 			redisErr = err
 			return
 		}
+		redisTmpDir = dir
 		s, err := localredis.Start(context.Background(), localredis.Config{Port: port, Dir: dir})
 		if err != nil {
 			redisErr = err
@@ -406,14 +411,80 @@ func NewCommitHold(t testing.TB) *CommitHold {
 	if err := schemas.Migrate(ctx, pool); err != nil {
 		t.Fatal(err)
 	}
+	if _, err := pool.Exec(ctx, "CREATE TABLE converge_hold_probe (n int)"); err != nil {
+		t.Fatal(err)
+	}
 	h.DB = &DB{URL: u, Name: "held", Pool: pool}
 	return h
 }
 
 // Hold makes every commit from now on wait, invisible, until Release
 // (synchronous_standby_names names a standby that never connects).
-// Transactions that wrote nothing, and rollbacks, do not wait.
-func (h *CommitHold) Hold(t testing.TB) { h.set(t, "'converge_no_such_standby'") }
+// Transactions that wrote nothing, and rollbacks, do not wait. It returns
+// once a probe commit was seen waiting: a backend waits only after the
+// checkpointer reloaded the setting, which a new session's SHOW does not
+// prove.
+func (h *CommitHold) Hold(t testing.TB) {
+	t.Helper()
+	h.set(t, "'converge_no_such_standby'")
+	deadline := time.Now().Add(20 * time.Second)
+	for {
+		held, err := h.probe()
+		if err != nil {
+			t.Fatalf("probe the commit hold: %v", err)
+		}
+		if held {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("commits are not held 20s after synchronous_standby_names was set")
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+}
+
+// probe commits a transaction that writes WAL (a transaction that only
+// took an id does not wait) and reports whether its COMMIT waited for the synchronous standby
+// (pg_stat_activity wait_event SyncRep); a waiting probe is cancelled,
+// which commits it locally.
+func (h *CommitHold) probe() (bool, error) {
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	conn, err := pgx.Connect(ctx, h.DB.URL)
+	if err != nil {
+		return false, err
+	}
+	defer conn.Close(context.Background())
+	admin, err := pgx.Connect(ctx, h.adminURL)
+	if err != nil {
+		return false, err
+	}
+	defer admin.Close(context.Background())
+	pid := conn.PgConn().PID()
+	done := make(chan error, 1)
+	go func() {
+		_, err := conn.Exec(ctx, "INSERT INTO converge_hold_probe VALUES (1)")
+		done <- err
+	}()
+	for {
+		select {
+		case err := <-done:
+			return false, err // committed without waiting: not held yet
+		case <-time.After(10 * time.Millisecond):
+		}
+		var waiting bool
+		if err := admin.QueryRow(ctx, `SELECT COALESCE(wait_event = 'SyncRep', false) FROM pg_stat_activity WHERE pid = $1`, pid).Scan(&waiting); err != nil {
+			return false, err
+		}
+		if waiting {
+			if _, err := admin.Exec(ctx, "SELECT pg_cancel_backend($1)", pid); err != nil {
+				return false, err
+			}
+			<-done // cancelled wait: committed locally, with a warning
+			return true, nil
+		}
+	}
+}
 
 // Release lets the held commits finish and become visible.
 func (h *CommitHold) Release(t testing.TB) { h.set(t, "''") }

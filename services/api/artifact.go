@@ -29,7 +29,7 @@ import (
 // ARTIFACT_UNAVAILABLE when the verified object is missing or does not
 // match.
 func (s *Server) handleGetArtifact(w http.ResponseWriter, r *http.Request) {
-	id := r.PathValue("id")
+	id := taskIDOf(r)
 	if !taskIDRE.MatchString(id) {
 		s.writeError(w, r, notFound(id))
 		return

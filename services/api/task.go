@@ -10,6 +10,8 @@ import (
 	"strconv"
 	"strings"
 
+	"github.com/google/uuid"
+
 	"github.com/converge-run/converge/internal/taskevent"
 )
 
@@ -27,6 +29,19 @@ type taskResource struct {
 	Links links `json:"links"`
 }
 
+// taskIDOf returns the task id of a request path: a UUID in any letter case
+// is the task id in its canonical lower-case form (RFC 9562: UUIDs are
+// case-insensitive on input; converge writes them lower case).
+func taskIDOf(r *http.Request) string {
+	id := r.PathValue("id")
+	if len(id) == 36 {
+		if u, err := uuid.Parse(id); err == nil {
+			return u.String()
+		}
+	}
+	return id
+}
+
 func notFound(id string) error {
 	return newError(CodeTaskNotFound, "no task with id %q", clip(id, 128))
 }
@@ -38,7 +53,7 @@ func notFound(id string) error {
 // failure never fails the read (Cache-Status: converge; fwd=miss;
 // detail=error). ETag is the quoted version.
 func (s *Server) handleGetTask(w http.ResponseWriter, r *http.Request) {
-	id := r.PathValue("id")
+	id := taskIDOf(r)
 	if !taskIDRE.MatchString(id) {
 		s.writeError(w, r, notFound(id))
 		return

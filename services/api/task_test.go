@@ -1,9 +1,12 @@
 package api
 
 import (
+	"bufio"
 	"context"
 	"errors"
+	"net"
 	"net/http"
+	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -82,6 +85,14 @@ func TestGetTaskCacheAside(t *testing.T) {
 			t.Errorf("cache_requests{result=%s} = %v, want %v", result, n, want)
 		}
 	}
+	// A UUID is case-insensitive on input (RFC 9562): the upper-case form
+	// names the same task.
+	if r := b.do(t, http.MethodGet, "/v1/tasks/"+strings.ToUpper(id), nil, nil); r.status != http.StatusOK || r.json(t)["task_id"] != id {
+		t.Fatalf("upper-case id: %d %s", r.status, r.body)
+	}
+	if r := b.do(t, http.MethodGet, "/v1/tasks/"+strings.ToUpper(id)+"/artifact", nil, nil); r.status != http.StatusConflict {
+		t.Fatalf("artifact by upper-case id: %d %s", r.status, r.body)
+	}
 }
 
 // brokenLimiter fails every Redis command while on.
@@ -131,5 +142,34 @@ func TestGetTaskWithoutRedis(t *testing.T) {
 	r := b.do(t, http.MethodGet, "/v1/tasks/"+id, nil, nil)
 	if r.status != http.StatusOK || r.header.Get("Cache-Status") != "" {
 		t.Fatalf("%d %q", r.status, r.header.Get("Cache-Status"))
+	}
+}
+
+// Answers of Go's HTTP server that never reach converge (README, Errors):
+// an invalid percent-escape in the path and a control character in a header
+// value are 400 text/plain.
+func TestServerLevelBadRequests(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	for name, req := range map[string]string{
+		"invalid escape":        "GET /v1/tasks/%zz HTTP/1.1\r\nHost: x\r\n\r\n",
+		"NUL in a header value": "GET /v1/tasks/x HTTP/1.1\r\nHost: x\r\nX-A: a\x00b\r\n\r\n",
+	} {
+		conn, err := net.Dial("tcp", strings.TrimPrefix(b.ts.URL, "http://"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := conn.Write([]byte(req)); err != nil {
+			t.Fatal(err)
+		}
+		resp, err := http.ReadResponse(bufio.NewReader(conn), nil)
+		if err != nil {
+			t.Fatalf("%s: %v", name, err)
+		}
+		if resp.StatusCode != http.StatusBadRequest || !strings.HasPrefix(resp.Header.Get("Content-Type"), "text/plain") {
+			t.Errorf("%s: %d %s, want 400 text/plain", name, resp.StatusCode, resp.Header.Get("Content-Type"))
+		}
+		resp.Body.Close()
+		conn.Close()
 	}
 }

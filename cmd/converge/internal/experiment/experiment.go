@@ -176,7 +176,7 @@ type X struct {
 func (x *X) step(format string, args ...any) {
 	s := fmt.Sprintf(format, args...)
 	x.rep.Steps = append(x.rep.Steps, s)
-	x.log.Info("experiment step", slog.String("experiment", x.rep.Name), slog.String("step", s))
+	x.log.Info("experiment step", slog.String("step", s))
 }
 
 func (x *X) check(name string, ok bool, format string, args ...any) bool {
@@ -195,7 +195,7 @@ func (x *X) start(ctx context.Context, faults *fault.Set, tune func(*pipeline.Co
 	cfg := pipeline.Config{
 		DatabaseURL: x.env.DatabaseURL, Brokers: x.env.Brokers, RedisURL: x.env.RedisURL, ArtifactDir: x.env.ArtifactDir,
 		SlotName: x.env.SlotName, PublicationName: x.env.PublicationName, Listener: ln, Faults: faults,
-		Logger: x.log.With("experiment", x.rep.Name), Registry: x.reg,
+		Logger: x.log, Registry: x.reg,
 		Worker:            worker.Config{RetryBackoffMin: 20 * time.Millisecond, RetryBackoffMax: 200 * time.Millisecond},
 		Reconciler:        reconciler.Config{Interval: 100 * time.Millisecond, EffectDeadline: time.Second, TaskDeadline: 30 * time.Second},
 		HeartbeatInterval: time.Second,
