@@ -13,7 +13,7 @@ import (
 // BenchCmd runs every stage against its physical limit (make bench).
 type BenchCmd struct {
 	Quick             bool          `help:"Small sizes: every stage in a few minutes."`
-	Stages            []string      `sep:"," help:"Stages to run (create,relay,rss,worker,e2e; default all)."`
+	Stages            []string      `sep:"," help:"Stages to run (create,relay,rss,worker,e2e,peer; default all)."`
 	Runs              int           `help:"Repetitions of each measurement; the median is reported (default 3)."`
 	CreateClients     []int         `sep:"," help:"Client counts of the create stage (default 1,4,16,64)."`
 	CreateDuration    time.Duration `help:"Length of each create measurement (default 5s)."`
@@ -23,6 +23,8 @@ type BenchCmd struct {
 	E2ERates          []float64     `name:"e2e-rates" sep:"," help:"Fixed rates of the end-to-end ladder (default 100,200,300,400,500,750,1000,1500,2000)."`
 	E2EStep           time.Duration `name:"e2e-step" help:"Sending time of each end-to-end step (default 8s)."`
 	DocSize           int           `help:"Size in bytes of the generated documents (default 1024)."`
+	PeerTasks         int           `help:"Tasks of each run of the peer stage, converge against River on the same job (default 20000)."`
+	RiverDir          string        `type:"path" help:"Source directory of the peer stage's River program (default cmd/converge/internal/bench/riverpeer)."`
 	Partitions        int           `help:"Partitions of the task-events topic in the worker and end-to-end stages (default 4)."`
 	WorkerConcurrency int           `help:"Records the worker processes at once in the worker and end-to-end stages; also the worker pgbench's clients (default 4)."`
 	Dir               string        `type:"path" help:"Working directory (cluster, broker, logs); default a temporary directory, removed at the end."`
@@ -43,6 +45,10 @@ func (c *BenchCmd) Run(env *runEnv) error {
 	setIf(&cfg.RSSRows, c.RSSRows)
 	setIf(&cfg.WorkerTasks, c.WorkerTasks)
 	setIf(&cfg.DocSize, c.DocSize)
+	setIf(&cfg.PeerTasks, c.PeerTasks)
+	if c.RiverDir != "" {
+		cfg.RiverDir = c.RiverDir
+	}
 	setIf(&cfg.Partitions, c.Partitions)
 	setIf(&cfg.WorkerConcurrency, c.WorkerConcurrency)
 	setIf(&cfg.CreateDuration, c.CreateDuration)

@@ -22,6 +22,7 @@ type LoadgenCmd struct {
 	DocSize     int           `default:"1024" help:"Size in bytes of a generated document."`
 	Wait        bool          `default:"true" negatable:"" help:"After sending, read every created task until it is terminal, for the end-to-end latency."`
 	WaitTimeout time.Duration `default:"60s" help:"Longest wait for the created tasks."`
+	KeyPrefix   string        `help:"Start of every Idempotency-Key (default lg-<12 random hex digits>-, unique per run)."`
 	DatabaseURL string        `env:"CONVERGE_DATABASE_URL" help:"PostgreSQL of the API: when set, the wait reads the created tasks with one query per poll instead of a GET per pending task (the GETs load the API while it is measured)."`
 	Out         string        `type:"path" help:"Also write the result as JSON to this file."`
 }
@@ -31,7 +32,7 @@ type LoadgenCmd struct {
 func (c *LoadgenCmd) Run(env *runEnv) error {
 	cfg := loadgen.Config{
 		BaseURL: c.APIURL, Rate: c.Rate, Clients: c.Clients, Duration: c.Duration, Count: c.Count,
-		DocsDir: c.Docs, DocSize: c.DocSize, Wait: c.Wait, WaitTimeout: c.WaitTimeout, Progress: os.Stderr,
+		DocsDir: c.Docs, DocSize: c.DocSize, Wait: c.Wait, WaitTimeout: c.WaitTimeout, Progress: os.Stderr, KeyPrefix: c.KeyPrefix,
 	}
 	if c.DatabaseURL != "" && c.Wait {
 		pool, err := dbpool.New(env.ctx, c.DatabaseURL)

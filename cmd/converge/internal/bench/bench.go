@@ -31,10 +31,11 @@ const (
 	StageRSS    = "rss"
 	StageWorker = "worker"
 	StageE2E    = "e2e"
+	StagePeer   = "peer"
 )
 
 // AllStages is every stage in order.
-var AllStages = []string{StageCreate, StageRelay, StageRSS, StageWorker, StageE2E}
+var AllStages = []string{StageCreate, StageRelay, StageRSS, StageWorker, StageE2E, StagePeer}
 
 // Config sizes a run. Zero values take the defaults of Full; Quick and Tiny
 // return smaller sizes.
@@ -76,6 +77,14 @@ type Config struct {
 	// DocSize is the size in bytes of every generated document. Defaults to
 	// 1024.
 	DocSize int
+	// PeerTasks is the number of tasks of each run of the peer stage
+	// (converge against River, same job). Defaults to 20000.
+	PeerTasks int
+	// RiverDir is the source directory of the peer stage's River program
+	// (a module of its own). Defaults to
+	// cmd/converge/internal/bench/riverpeer, relative to the working
+	// directory (make bench runs from the repository root).
+	RiverDir string
 	// Dir holds the cluster, broker and artifact data; removed at the end
 	// when it was created by Run. Defaults to a new temporary directory.
 	Dir string
@@ -100,14 +109,16 @@ type Config struct {
 // Quick returns a configuration that runs every stage in about two minutes.
 func Quick() Config {
 	return Config{Runs: 3, CreateClients: []int{1, 4, 16, 64}, CreateDuration: 2 * time.Second, RelayRows: 20000, RSSRows: 50000,
-		WorkerTasks: 1500, E2ERates: []float64{100, 250, 500}, E2EStep: 3 * time.Second}
+		WorkerTasks: 1500, E2ERates: []float64{100, 250, 500}, E2EStep: 3 * time.Second, PeerTasks: 2000}
 }
 
 // Tiny returns the smallest configuration, for the test that proves the
-// driver still works (seconds, not minutes).
+// driver still works (seconds, not minutes). It leaves the peer stage out:
+// building River needs the module proxy.
 func Tiny() Config {
 	return Config{Runs: 1, CreateClients: []int{1, 4}, CreateDuration: time.Second, RelayRows: 300, RSSRows: 1000,
-		WorkerTasks: 60, E2ERates: []float64{20}, E2EStep: time.Second}
+		WorkerTasks: 60, E2ERates: []float64{20}, E2EStep: time.Second,
+		Stages: []string{StageCreate, StageRelay, StageRSS, StageWorker, StageE2E}}
 }
 
 func (c *Config) setDefaults() {
@@ -145,6 +156,12 @@ func (c *Config) setDefaults() {
 	if c.Partitions <= 0 {
 		c.Partitions = 4
 	}
+	if c.PeerTasks <= 0 {
+		c.PeerTasks = 20000
+	}
+	if c.RiverDir == "" {
+		c.RiverDir = filepath.Join("cmd", "converge", "internal", "bench", "riverpeer")
+	}
 	if c.WorkerConcurrency <= 0 {
 		c.WorkerConcurrency = 4
 	}
@@ -174,6 +191,7 @@ type Results struct {
 	RSS      *RSSResult    `json:"relay_rss,omitempty"`
 	Worker   *WorkerResult `json:"worker,omitempty"`
 	E2E      *E2EResult    `json:"end_to_end,omitempty"`
+	Peer     *PeerResult   `json:"peer,omitempty"`
 	// Errors of stages that could not finish (the others still ran).
 	Errors map[string]string `json:"errors,omitempty"`
 	// TotalSeconds of the run.
@@ -223,6 +241,7 @@ func Run(ctx context.Context, cfg Config) (*Results, error) {
 		StageRSS:    runRSS,
 		StageWorker: runWorker,
 		StageE2E:    runE2E,
+		StagePeer:   runPeer,
 	}
 	for _, s := range AllStages {
 		if !slices.Contains(cfg.Stages, s) || ctx.Err() != nil {

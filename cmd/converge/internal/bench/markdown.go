@@ -38,7 +38,7 @@ func (r *Results) Markdown(w io.Writer) {
 			rr.Rows, rr.RelayMedian, rr.DecodeMedian, rr.Ratio, target(true, "≥ 0.80", rr.Ratio >= 0.8), cpuCell(rr.RelayCPU), cpuCell(rr.DecodeCPU))
 	}
 	if rr := r.Relay; rr != nil {
-		fmt.Fprintf(w, "| relay's serial loop, parts alone | published_at UPDATE (1000 rows, sync commit) %.0f rows/s; payload canonicalization (now only for rows older than migration 00004) %.0f rows/s | — | — | — | — |\n",
+		fmt.Fprintf(w, "| relay's serial loop, parts alone | published_at UPDATE (1000 rows, sync commit) %.0f rows/s; payload canonicalization (which the relay no longer does; for reference) %.0f rows/s | — | — | — | — |\n",
 			rr.MarkPublishedRowsPerSec, rr.CanonicalRowsPerSec)
 	}
 	if s := r.RSS; s != nil {
@@ -70,6 +70,25 @@ func (r *Results) Markdown(w io.Writer) {
 			fmt.Fprintf(w, "| %.0f/s | %s | %s | %s ms | %.0f ms | %s ms | %v | %v | %s |\n", s.Rate, list(s.Requests), list(s.Completed), list(s.P50),
 				s.P99Median, list(s.CreateP99), s.Pending, s.Sustained, cpuCell(s.CPU))
 		}
+	}
+	if pr := r.Peer; pr != nil && len(pr.Median) > 0 {
+		fmt.Fprintln(w)
+		fmt.Fprintf(w, "Peer: the same job on converge and on River, %d tasks from %d closed-loop clients per run, first create → last completion, alternating River, River tuned, converge (median of %d):\n\n",
+			pr.Tasks, pr.Clients, r.Settings.Runs)
+		fmt.Fprintln(w, "| system | tasks/s (runs) | median | CPU ms per task (all processes + PostgreSQL) | write transactions (xids) per task | commits per task |")
+		fmt.Fprintln(w, "|---|---|---|---|---|---|")
+		for _, sys := range []string{peerConverge, peerRiver, peerRiverTuned} {
+			var tps []float64
+			for _, run := range pr.Runs {
+				if run.System == sys {
+					tps = append(tps, run.TasksPerSec)
+				}
+			}
+			m := pr.Median[sys]
+			fmt.Fprintf(w, "| %s | %s | %.0f | %.2f | %.2f | %.2f |\n", sys, list(tps), m.TasksPerSec, m.CPUMsPerTask, m.XIDsPerTask, m.CommitsPerTask)
+		}
+		fmt.Fprintf(w, "\nconverge / River: %.2f at River's defaults, %.2f against River tuned (target ≥ 1.5: %s).\n",
+			pr.RatioToRiver, pr.RatioToRiverTuned, target(true, "≥ 1.5", pr.RatioToRiver >= 1.5 && pr.RatioToRiverTuned >= 1.5))
 	}
 	r.boundsMarkdown(w)
 	if len(r.Errors) > 0 {

@@ -1,0 +1,358 @@
+package bench
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"fmt"
+	"net"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"slices"
+	"strconv"
+	"syscall"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/converge-run/converge/cmd/converge/internal/pipeline"
+	"github.com/converge-run/converge/consumers/worker"
+)
+
+// The peer stage (issue 11): converge against River (riverqueue/river), the
+// PostgreSQL job queue a team would pick instead, on the same job, in the
+// same run, alternating: River at its defaults, River tuned, converge; Runs
+// times. Each does PeerTasks tasks from 16 closed-loop clients; the time is
+// first create -> last completion. River runs as a separate program
+// (riverpeer/, a Go module of its own so converge never depends on River),
+// built by this stage with `go build`; converge runs its whole pipeline in
+// this process, and its load generator in a process of its own (`converge
+// loadgen --database-url`), so that the load generator's CPU is not
+// charged to converge.
+
+// PeerResult is the peer stage.
+type PeerResult struct {
+	Tasks   int `json:"tasks"`
+	Clients int `json:"clients"`
+	// Runs, in the order they ran.
+	Runs []PeerRun `json:"runs"`
+	// Medians per system (keys: converge, river, river_tuned).
+	Median map[string]PeerRun `json:"median"`
+	// Ratios of converge's median tasks/s to River's.
+	RatioToRiver      float64 `json:"ratio_to_river"`
+	RatioToRiverTuned float64 `json:"ratio_to_river_tuned"`
+}
+
+// PeerRun is one run of one system.
+type PeerRun struct {
+	System      string  `json:"system"`
+	Seconds     float64 `json:"seconds"` // first create -> last completion
+	TasksPerSec float64 `json:"tasks_per_sec"`
+	// CPUMsPerTask is the CPU of the system's processes and PostgreSQL over
+	// the run, per task (converge's load generator excluded; River's
+	// inserting clients, which are its API, included).
+	CPUMsPerTask float64 `json:"cpu_ms_per_task"`
+	// XIDsPerTask are the transaction ids PostgreSQL assigned per task:
+	// write transactions, committed or not, in the whole cluster.
+	XIDsPerTask float64 `json:"xids_per_task"`
+	// CommitsPerTask is pg_stat_database.xact_commit of the system's
+	// database per task (read-only transactions included).
+	CommitsPerTask float64 `json:"commits_per_task"`
+}
+
+const (
+	peerConverge   = "converge"
+	peerRiver      = "river"
+	peerRiverTuned = "river_tuned"
+	peerClients    = 16
+)
+
+// runPeer is stage 5.
+func runPeer(ctx context.Context, e *env, res *Results) error {
+	riverBin, err := e.buildRiverPeer(ctx)
+	if err != nil {
+		return err
+	}
+	pr := &PeerResult{Tasks: e.cfg.PeerTasks, Clients: peerClients, Median: map[string]PeerRun{}}
+	res.Peer = pr
+	conv, err := e.startPeerPipeline(ctx)
+	if err != nil {
+		return err
+	}
+	defer conv.stop()
+	for run := range e.cfg.Runs {
+		for _, system := range []string{peerRiver, peerRiverTuned, peerConverge} {
+			var r PeerRun
+			var err error
+			if system == peerConverge {
+				r, err = conv.run(ctx, run)
+			} else {
+				r, err = e.runRiver(ctx, riverBin, system == peerRiverTuned, run)
+			}
+			if err != nil {
+				return fmt.Errorf("%s run %d: %w", system, run+1, err)
+			}
+			e.progress("peer    %-11s run %d: %d tasks in %.2fs = %.0f tasks/s; %.2f ms CPU, %.2f xids, %.2f commits per task",
+				system, run+1, e.cfg.PeerTasks, r.Seconds, r.TasksPerSec, r.CPUMsPerTask, r.XIDsPerTask, r.CommitsPerTask)
+			pr.Runs = append(pr.Runs, r)
+		}
+	}
+	for _, system := range []string{peerConverge, peerRiver, peerRiverTuned} {
+		pr.Median[system] = medianRun(pr.Runs, system)
+	}
+	if v := pr.Median[peerRiver].TasksPerSec; v > 0 {
+		pr.RatioToRiver = round2(pr.Median[peerConverge].TasksPerSec / v)
+	}
+	if v := pr.Median[peerRiverTuned].TasksPerSec; v > 0 {
+		pr.RatioToRiverTuned = round2(pr.Median[peerConverge].TasksPerSec / v)
+	}
+	return nil
+}
+
+func medianRun(runs []PeerRun, system string) PeerRun {
+	var tps, cpu, xids, commits, secs []float64
+	for _, r := range runs {
+		if r.System == system {
+			tps, cpu, xids, commits, secs = append(tps, r.TasksPerSec), append(cpu, r.CPUMsPerTask),
+				append(xids, r.XIDsPerTask), append(commits, r.CommitsPerTask), append(secs, r.Seconds)
+		}
+	}
+	return PeerRun{System: system, TasksPerSec: medianOf(tps), CPUMsPerTask: medianOf(cpu), XIDsPerTask: medianOf(xids),
+		CommitsPerTask: medianOf(commits), Seconds: medianOf(secs)}
+}
+
+func medianOf(v []float64) float64 {
+	if len(v) == 0 {
+		return 0
+	}
+	s := slices.Clone(v)
+	slices.Sort(s)
+	return s[len(s)/2]
+}
+
+// buildRiverPeer builds riverpeer/ into the working directory (its module
+// comes from the Go module proxy on first use).
+func (e *env) buildRiverPeer(ctx context.Context) (string, error) {
+	src := e.cfg.RiverDir
+	if _, err := os.Stat(filepath.Join(src, "go.mod")); err != nil {
+		return "", fmt.Errorf("River peer sources not found at %s (run make bench from the repository root, or pass --river-dir): %w", src, err)
+	}
+	bin := filepath.Join(e.dir, "riverpeer")
+	cmd := exec.CommandContext(ctx, "go", "build", "-o", bin, ".")
+	cmd.Dir = src
+	if out, err := cmd.CombinedOutput(); err != nil {
+		return "", fmt.Errorf("build the River peer in %s (needs Go and the module proxy): %w\n%s", src, err, out)
+	}
+	return bin, nil
+}
+
+// runRiver runs the River program once on a fresh database.
+func (e *env) runRiver(ctx context.Context, bin string, tuned bool, run int) (PeerRun, error) {
+	system := peerRiver
+	if tuned {
+		system = peerRiverTuned
+	}
+	db := fmt.Sprintf("bench_peer_%s_%d", system, run)
+	if _, err := e.admin.Exec(ctx, "CREATE DATABASE "+db); err != nil {
+		return PeerRun{}, err
+	}
+	e.dbs = append(e.dbs, db)
+	dir := filepath.Join(e.dir, "artifacts-"+db)
+	args := []string{"--database-url", e.pg.URL(db), "--tasks", strconv.Itoa(e.cfg.PeerTasks), "--clients", strconv.Itoa(peerClients),
+		"--doc-size", strconv.Itoa(e.cfg.DocSize), "--artifact-dir", dir}
+	if tuned {
+		args = append(args, "--tuned")
+	}
+	var out, errOut bytes.Buffer
+	cmd := exec.CommandContext(ctx, bin, args...)
+	cmd.Stdout, cmd.Stderr = &out, &errOut
+	m := e.cpuStart()
+	if err := cmd.Run(); err != nil {
+		return PeerRun{}, fmt.Errorf("%v: %s", err, errOut.String())
+	}
+	wall := time.Since(m.start)
+	cpu := m.stop(childCPU(cmd))
+	var r struct {
+		Seconds     float64 `json:"seconds"`
+		XactCommits int64   `json:"xact_commits"`
+		XIDs        int64   `json:"xids"`
+		Failed      int     `json:"failed"`
+	}
+	if err := json.Unmarshal(out.Bytes(), &r); err != nil {
+		return PeerRun{}, fmt.Errorf("River peer output %q: %w", out.String(), err)
+	}
+	if r.Failed > 0 {
+		return PeerRun{}, fmt.Errorf("%d River jobs failed", r.Failed)
+	}
+	n := float64(e.cfg.PeerTasks)
+	_ = os.RemoveAll(dir)
+	return PeerRun{System: system, Seconds: round2(r.Seconds), TasksPerSec: round2(n / r.Seconds),
+		// The whole process (migration and start included), PostgreSQL over the same wall time.
+		CPUMsPerTask: round2((cpu.Other + cpu.Postgres) * wall.Seconds() * 1000 / n),
+		XIDsPerTask:  round2(float64(r.XIDs) / n), CommitsPerTask: round2(float64(r.XactCommits) / n)}, nil
+}
+
+// childCPU is the user+system CPU time of a finished child process.
+func childCPU(cmd *exec.Cmd) time.Duration {
+	if cmd.ProcessState == nil {
+		return 0
+	}
+	if ru, ok := cmd.ProcessState.SysUsage().(*syscall.Rusage); ok {
+		return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
+	}
+	return 0
+}
+
+// peerPipeline is converge's side of the peer stage: the pipeline, started
+// once, and the load generator run per run as a process of its own.
+type peerPipeline struct {
+	e       *env
+	dbURL   string
+	db      string
+	pool    *pgxpool.Pool
+	baseURL string
+	cancel  context.CancelFunc
+	done    chan error
+}
+
+func (e *env) startPeerPipeline(ctx context.Context) (*peerPipeline, error) {
+	const db = "bench_peer_converge"
+	dbURL, pool, err := e.newDB(ctx, db)
+	if err != nil {
+		return nil, err
+	}
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		pool.Close()
+		return nil, err
+	}
+	p := &peerPipeline{e: e, dbURL: dbURL, db: db, pool: pool, baseURL: "http://" + ln.Addr().String(), done: make(chan error, 1)}
+	ready := make(chan struct{})
+	pctx, cancel := context.WithCancel(ctx)
+	p.cancel = cancel
+	go func() {
+		p.done <- pipeline.Run(pctx, pipeline.Config{DatabaseURL: dbURL, Brokers: e.brokers, RedisURL: e.redisURL,
+			ArtifactDir: filepath.Join(e.dir, "artifacts-peer"), Topic: "bench.peer", SlotName: "bench_peer", PublicationName: "bench_peer",
+			Partitions: int32(e.cfg.Partitions), Worker: worker.Config{Concurrency: e.cfg.WorkerConcurrency},
+			Listener: ln, Logger: e.log, Ready: func(string) { close(ready) }})
+	}()
+	select {
+	case <-ready:
+	case err := <-p.done:
+		pool.Close()
+		return nil, fmt.Errorf("pipeline: %v", err)
+	case <-time.After(2 * time.Minute):
+		p.stop()
+		return nil, fmt.Errorf("pipeline not ready after 2 minutes")
+	}
+	// Warm up: consumer groups joined, statements prepared.
+	if _, err := p.loadgen(ctx, "warm-", 200); err != nil {
+		p.stop()
+		return nil, err
+	}
+	return p, nil
+}
+
+func (p *peerPipeline) stop() {
+	p.cancel()
+	select {
+	case <-p.done:
+	case <-time.After(30 * time.Second):
+		p.e.progress("peer    the pipeline did not stop within 30s after cancellation; going on")
+	}
+	p.pool.Close()
+	dropSlots(p.e, "bench_peer")
+}
+
+// loadgen runs `converge loadgen` (this executable) with 16 closed-loop
+// clients for n tasks and waits for them (one query per poll); it returns
+// the process's CPU time.
+func (p *peerPipeline) loadgen(ctx context.Context, prefix string, n int) (time.Duration, error) {
+	self, err := os.Executable()
+	if err != nil {
+		return 0, err
+	}
+	cmd := exec.CommandContext(ctx, self, "loadgen", "--api-url", p.baseURL, "--clients", strconv.Itoa(peerClients),
+		"--count", strconv.Itoa(n), "--duration", "0", "--doc-size", strconv.Itoa(p.e.cfg.DocSize),
+		"--wait-timeout", "5m", "--database-url", p.dbURL, "--key-prefix", prefix, "--log-level", "warn")
+	var out bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &out, &out
+	if err := cmd.Run(); err != nil {
+		return 0, fmt.Errorf("converge loadgen: %v\n%s", err, out.String())
+	}
+	return childCPU(cmd), nil
+}
+
+// run is one converge run: PeerTasks tasks through the API from the load
+// generator process, measured from the first task's created_at to the last
+// one's completed_at.
+func (p *peerPipeline) run(ctx context.Context, run int) (PeerRun, error) {
+	e := p.e
+	prefix := fmt.Sprintf("peer-%d-%d-", run, time.Now().UnixNano())
+	xact0, err := settledXactCommit(ctx, p.pool, p.db)
+	if err != nil {
+		return PeerRun{}, err
+	}
+	xid0, err := nextXID(ctx, p.pool)
+	if err != nil {
+		return PeerRun{}, err
+	}
+	m := e.cpuStart()
+	lgCPU, err := p.loadgen(ctx, prefix, e.cfg.PeerTasks)
+	if err != nil {
+		return PeerRun{}, err
+	}
+	wall := time.Since(m.start)
+	cpu := m.stop(0)
+	xid1, err := nextXID(ctx, p.pool)
+	if err != nil {
+		return PeerRun{}, err
+	}
+	var secs float64
+	var done int
+	err = p.pool.QueryRow(ctx, `
+SELECT count(*) FILTER (WHERE t.status = 'completed'),
+       COALESCE(EXTRACT(EPOCH FROM max(t.completed_at) - min(t.created_at)), 0)::float8
+FROM idempotency_record i JOIN task t ON t.task_id = i.task_id
+WHERE i.idempotency_key LIKE $1 || '%'`, prefix).Scan(&done, &secs)
+	if err != nil {
+		return PeerRun{}, err
+	}
+	if done != e.cfg.PeerTasks || secs <= 0 {
+		return PeerRun{}, fmt.Errorf("%d of %d tasks completed", done, e.cfg.PeerTasks)
+	}
+	xact1, err := settledXactCommit(ctx, p.pool, p.db)
+	if err != nil {
+		return PeerRun{}, err
+	}
+	n := float64(e.cfg.PeerTasks)
+	_ = lgCPU // the load generator's CPU is not converge's
+	return PeerRun{System: peerConverge, Seconds: round2(secs), TasksPerSec: round2(n / secs),
+		CPUMsPerTask: round2((cpu.Converge + cpu.Postgres) * wall.Seconds() * 1000 / n),
+		XIDsPerTask:  round2(float64(xid1-xid0-1) / n), CommitsPerTask: round2(float64(xact1-xact0) / n)}, nil
+}
+
+// nextXID is the next transaction id PostgreSQL will assign (reading it
+// assigns none).
+func nextXID(ctx context.Context, pool *pgxpool.Pool) (int64, error) {
+	var n int64
+	err := pool.QueryRow(ctx, `SELECT pg_snapshot_xmax(pg_current_snapshot())::text::bigint`).Scan(&n)
+	return n, err
+}
+
+// settledXactCommit reads pg_stat_database.xact_commit of db after 11 s: a
+// session flushes its statistics within 10 s of going idle (PostgreSQL 15's
+// PGSTAT_IDLE_INTERVAL). The pipeline's periodic work (reconciler passes,
+// heartbeats) keeps committing meanwhile; it is counted too, a few
+// hundredths of a commit per task at the sizes measured.
+func settledXactCommit(ctx context.Context, pool *pgxpool.Pool, db string) (int64, error) {
+	select {
+	case <-ctx.Done():
+		return 0, ctx.Err()
+	case <-time.After(11 * time.Second):
+	}
+	var n int64
+	err := pool.QueryRow(ctx, `SELECT xact_commit FROM pg_stat_database WHERE datname = $1`, db).Scan(&n)
+	return n, err
+}
