@@ -66,6 +66,11 @@
 // outcome, revoke/loss/shutdown handling. On top of it the worker processes
 // at most Concurrency records of all partitions at once.
 //
+// Runs of fresh records of a batch share one intake and one completion
+// transaction (batch.go, MaxBatchRecords); every record off the happy path
+// goes through the per-record protocol below, which resumes it from its
+// durable state.
+//
 // The aggregates' rules live with their owners: the inbox in
 // internal/inbox, the task transitions in internal/task, the effect ledger
 // (tokens, read-back verification, compensation) in internal/ledger, the
@@ -135,6 +140,7 @@
 //
 // # Metrics
 //
+//	converge_worker_batched_records_total            counter   records whose intake went through a run's shared transaction (batch.go)
 //	converge_worker_messages_total{outcome}          counter   records by outcome: processed, duplicate, conflict, ignored, failed, retried (one per failed attempt), dead_lettered; every outcome is exported at 0 from the start (the dead-letter alert takes increase() of dead_lettered)
 //	converge_deadletter_published_total{error_code}  counter   records parked on the dead-letter topic (acknowledged and recorded), by error code; a code's series appears with its first dead letter (at 1)
 //	converge_worker_effect_transitions_total{kind,state} counter effect ledger transitions made by the worker (kind artifact.put|artifact.hide; state started, unknown, verified, compensation_required, compensated, failed)

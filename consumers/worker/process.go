@@ -223,10 +223,32 @@ func (w *Worker) intake(ctx context.Context, tx pgx.Tx, j *job) (string, error) 
 	return "", nil
 }
 
-// execute performs the effect through the ledger (seed 7, 7.1): observe the
-// store by token first, write only when absent, resolve a timeout by
-// observation, read back and verify, then complete or fail the task.
+// execute performs the effect through the ledger, then completes the task
+// (or it ended otherwise: failed).
 func (w *Worker) execute(ctx context.Context, j *job) (string, error) {
+	v, outcome, err := w.perform(ctx, j)
+	if err != nil || outcome != "" {
+		return outcome, err
+	}
+	return w.complete(ctx, j, v.from, v.sha, v.size)
+}
+
+// verifiedEffect is an effect perform found verified: the ledger state it
+// read (verified already, or the state the completion moves to verified)
+// and the artifact's SHA-256 and size.
+type verifiedEffect struct {
+	from ledger.State
+	sha  string
+	size int64
+}
+
+// perform performs the delivery's effect through the ledger (seed 7, 7.1):
+// observe the store by token first, write only when absent, resolve a
+// timeout by observation, read back and verify. It returns the verified
+// effect, ready for the completion transaction; or a non-empty outcome when
+// the delivery ended otherwise (the task failed, in its own transaction);
+// or an error, which Retryable classifies.
+func (w *Worker) perform(ctx context.Context, j *job) (verifiedEffect, string, error) {
 	eff := j.effect
 	switch eff.State {
 	case ledger.Verified:
@@ -234,7 +256,7 @@ func (w *Worker) execute(ctx context.Context, j *job) (string, error) {
 		if eff.ObservedSHA256 != nil {
 			sha = *eff.ObservedSHA256
 		}
-		return w.complete(ctx, j, ledger.Verified, sha, eff.RequestSize)
+		return verifiedEffect{from: ledger.Verified, sha: sha, size: eff.RequestSize}, "", nil
 	case ledger.CompensationRequired, ledger.Compensated, ledger.Failed:
 		// An earlier delivery or the reconciler found the effect bad; finish
 		// the task as failed (and the compensation, if still required).
@@ -246,7 +268,7 @@ func (w *Worker) execute(ctx context.Context, j *job) (string, error) {
 		if err == nil && eff.State == ledger.CompensationRequired {
 			w.compensate(ctx, eff, eff.RequestSize)
 		}
-		return outcome, err
+		return verifiedEffect{}, outcome, err
 	}
 	from := eff.State // planned, started, unknown or completed: not known to be done
 	_, err := w.store.Head(eff.Token)
@@ -254,9 +276,10 @@ func (w *Worker) execute(ctx context.Context, j *job) (string, error) {
 	case err == nil:
 		// present: resolved by observation, never written twice (seed 13.3)
 	case errors.Is(err, artifact.ErrInvalidToken):
-		return w.fail(ctx, j, ledger.Failed, func(tx pgx.Tx) (bool, error) {
+		outcome, err := w.fail(ctx, j, ledger.Failed, func(tx pgx.Tx) (bool, error) {
 			return ledger.MarkFailed(ctx, tx, eff.EffectID, from, CodeArtifactTokenInvalid)
 		}, CodeArtifactTokenInvalid)
+		return verifiedEffect{}, outcome, err
 	case errors.Is(err, artifact.ErrNotFound):
 		_, perr := w.store.Put(eff.Token, j.task.TaskID, eff.Attempt, j.artifact)
 		switch {
@@ -267,24 +290,24 @@ func (w *Worker) execute(ctx context.Context, j *job) (string, error) {
 			// then resolve by observing the same token.
 			ok, err := ledger.MarkUnknown(ctx, w.pool, eff.EffectID, from)
 			if err != nil {
-				return "", err
+				return verifiedEffect{}, "", err
 			}
 			if !ok {
-				return "", fmt.Errorf("effect %s: %w", eff.EffectID, errConcurrentChange)
+				return verifiedEffect{}, "", fmt.Errorf("effect %s: %w", eff.EffectID, errConcurrentChange)
 			}
 			w.m.effects.WithLabelValues(string(ledger.KindArtifactPut), string(ledger.Unknown)).Inc()
 			from = ledger.Unknown
 		default:
-			return "", fmt.Errorf("put artifact %s: %w", eff.Token, perr)
+			return verifiedEffect{}, "", fmt.Errorf("put artifact %s: %w", eff.Token, perr)
 		}
 	default:
-		return "", fmt.Errorf("head artifact %s: %w", eff.Token, err)
+		return verifiedEffect{}, "", fmt.Errorf("head artifact %s: %w", eff.Token, err)
 	}
 	obs, err := w.store.Observe(eff.Token)
 	if err != nil {
 		// Absent after the write (or after a timeout that did not commit):
 		// retry with the same token.
-		return "", fmt.Errorf("read back artifact %s: %w", eff.Token, err)
+		return verifiedEffect{}, "", fmt.Errorf("read back artifact %s: %w", eff.Token, err)
 	}
 	if !ledger.Verify(obs, eff) {
 		w.log.ErrorContext(ctx, "artifact verification failed", slog.String("task_id", j.task.TaskID), slog.String("token", eff.Token),
@@ -297,12 +320,12 @@ func (w *Worker) execute(ctx context.Context, j *job) (string, error) {
 			eff.State, eff.ObservedSHA256 = ledger.CompensationRequired, &obs.SHA256
 			w.compensate(ctx, eff, obs.Size)
 		}
-		return outcome, err
+		return verifiedEffect{}, outcome, err
 	}
 	if err := w.faults.Err(fault.WorkerAfterArtifactWrite); err != nil {
-		return "", err
+		return verifiedEffect{}, "", err
 	}
-	return w.complete(ctx, j, from, obs.SHA256, obs.Size)
+	return verifiedEffect{from: from, sha: obs.SHA256, size: obs.Size}, "", nil
 }
 
 // complete is the completion transaction (seed 10): inbox -> completed,
@@ -328,6 +351,12 @@ func (w *Worker) complete(ctx context.Context, j *job, from ledger.State, sha st
 	if err != nil {
 		return "", err
 	}
+	w.completed(ctx, t, from, sha, size)
+	return OutcomeProcessed, nil
+}
+
+// completed counts and logs a completion that committed.
+func (w *Worker) completed(ctx context.Context, t taskevent.Task, from ledger.State, sha string, size int64) {
 	if from != ledger.Verified {
 		w.m.effects.WithLabelValues(string(ledger.KindArtifactPut), string(ledger.Verified)).Inc()
 	}
@@ -336,7 +365,6 @@ func (w *Worker) complete(ctx context.Context, j *job, from ledger.State, sha st
 	}
 	w.log.InfoContext(ctx, "task completed", slog.String("task_id", t.TaskID), slog.Int64("version", t.Version),
 		slog.String("artifact_sha256", sha), slog.Int64("artifact_size", size))
-	return OutcomeProcessed, nil
 }
 
 // completeInTx moves, in one round trip (a batch executed in this order),

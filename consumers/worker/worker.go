@@ -87,14 +87,23 @@ type Config struct {
 	// engine sets (internal/consumergroup); use them for TLS, SASL or
 	// metrics. Defaults to none.
 	KafkaOpts []kgo.Opt
-	// Concurrency is how many records (of different partitions) are
-	// processed at once; records of one partition are always processed in
-	// order, one at a time. Defaults to 4.
+	// Concurrency is how many records — or runs of records sharing their
+	// transactions (MaxBatchRecords) — of different partitions are
+	// processed at once, and how many effects of one run are performed at
+	// once (they are of distinct tasks). A partition's records are
+	// processed in order: one record or run at a time, and a record's
+	// outcome is durable before the next record's offset can be committed.
+	// Defaults to 4.
 	Concurrency int
 	// MaxPollRecords bounds the records of one poll; a partition's share of
 	// a poll is one batch of its goroutine (one offset mark).
 	// Defaults to 500.
 	MaxPollRecords int
+	// MaxBatchRecords bounds a run of a batch's fresh records that share
+	// one intake and one completion transaction (batch.go): larger runs
+	// commit less per task, and a run's records wait for its slowest
+	// effect. 1 processes every record on its own. Defaults to 64.
+	MaxBatchRecords int
 	// RetryBackoffMin is the first delay before a record that failed with a
 	// retryable error is retried in place; each further attempt doubles it,
 	// up to RetryBackoffMax, with jitter (a uniform draw in [d/2, d]).
@@ -158,6 +167,9 @@ func (c *Config) setDefaults() {
 	}
 	if c.MaxPollRecords <= 0 {
 		c.MaxPollRecords = 500
+	}
+	if c.MaxBatchRecords <= 0 {
+		c.MaxBatchRecords = 64
 	}
 	if c.RetryBackoffMin <= 0 {
 		c.RetryBackoffMin = 100 * time.Millisecond
@@ -271,26 +283,6 @@ func (w *Worker) Run(ctx context.Context) error {
 	return err
 }
 
-// processBatch processes the records of one partition's batch in order, at
-// most Concurrency records of all partitions at once, and returns how many
-// of them, from the first, have durable outcomes. It stops early when ctx is
-// cancelled (revoke, loss, shutdown).
-func (w *Worker) processBatch(ctx context.Context, b consumergroup.Batch, sem chan struct{}) int {
-	for i, r := range b.Records {
-		select {
-		case sem <- struct{}{}:
-		case <-ctx.Done():
-			return i
-		}
-		ok := ctx.Err() == nil && w.processRecord(ctx, b.Client, r)
-		<-sem
-		if !ok {
-			return i
-		}
-	}
-	return len(b.Records)
-}
-
 // processRecord handles one record until its outcome is durable, retrying
 // retryable errors in place with backoff at most MaxAttempts times, and
 // dead-lettering the record after a deterministic error or the last
@@ -367,6 +359,7 @@ func (w *Worker) visibleBy(r *kgo.Record, first time.Time) time.Time {
 
 // metrics are the converge_worker_* collectors (listed in doc.go).
 type metrics struct {
+	batched      prometheus.Counter
 	messages     *prometheus.CounterVec
 	deadLettered *prometheus.CounterVec
 	effects      *prometheus.CounterVec
@@ -376,6 +369,10 @@ type metrics struct {
 
 func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 	m := &metrics{
+		batched: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "converge_worker_batched_records_total",
+			Help: "Records whose intake went through a run's shared transaction (batch.go); the others were processed on their own.",
+		}),
 		messages: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "converge_worker_messages_total",
 			Help: "Task-event records handled by the worker, by outcome (processed, duplicate, conflict, ignored, failed, retried, dead_lettered).",
@@ -402,7 +399,7 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 	for _, o := range []string{OutcomeProcessed, OutcomeDuplicate, OutcomeConflict, OutcomeIgnored, OutcomeFailed, OutcomeRetried, OutcomeDeadLettered} {
 		m.messages.WithLabelValues(o)
 	}
-	for _, c := range []prometheus.Collector{m.messages, m.deadLettered, m.effects, m.processing, m.endToEnd} {
+	for _, c := range []prometheus.Collector{m.batched, m.messages, m.deadLettered, m.effects, m.processing, m.endToEnd} {
 		if err := reg.Register(c); err != nil {
 			return nil, fmt.Errorf("worker: register metrics: %w", err)
 		}

@@ -39,14 +39,25 @@ type Row struct {
 // the primary key (consumer_name, message_id) decides, never a prior read
 // (seed 6).
 func Register(ctx context.Context, q dbpool.Querier, consumer, id, payloadSHA256 string) (bool, error) {
-	tag, err := q.Exec(ctx, `
-INSERT INTO inbox_message (consumer_name, message_id, payload_sha256, state)
-VALUES ($1, $2, $3, 'processing')
-ON CONFLICT (consumer_name, message_id) DO NOTHING`, consumer, id, payloadSHA256)
+	tag, err := q.Exec(ctx, sqlRegister, consumer, id, payloadSHA256)
 	if err != nil {
 		return false, fmt.Errorf("insert inbox message %s: %w", id, err)
 	}
 	return tag.RowsAffected() == 1, nil
+}
+
+const sqlRegister = `
+INSERT INTO inbox_message (consumer_name, message_id, payload_sha256, state)
+VALUES ($1, $2, $3, 'processing')
+ON CONFLICT (consumer_name, message_id) DO NOTHING`
+
+// QueueRegister queues Register on b; inserted is set when the batch's
+// results are read.
+func QueueRegister(b *pgx.Batch, consumer, id, payloadSHA256 string, inserted *bool) {
+	b.Queue(sqlRegister, consumer, id, payloadSHA256).Exec(func(tag pgconn.CommandTag) error {
+		*inserted = tag.RowsAffected() == 1
+		return nil
+	})
 }
 
 // Lock reads a registered message and locks it until the transaction ends,

@@ -128,24 +128,30 @@ func Get(ctx context.Context, q dbpool.Querier, kind Kind, token string) (e Effe
 // trip: the insert and the read go in one batch.
 func Plan(ctx context.Context, q dbpool.Querier, e Effect) (stored Effect, planned bool, err error) {
 	b := &pgx.Batch{}
+	QueuePlan(b, e, &stored, &planned)
+	if err := q.SendBatch(ctx, b).Close(); err != nil {
+		return e, false, fmt.Errorf("plan effect %s: %w", e.EffectID, err)
+	}
+	return stored, planned, nil
+}
+
+// QueuePlan queues Plan's insert and read on b; stored and planned are set
+// when the batch's results are read.
+func QueuePlan(b *pgx.Batch, e Effect, stored *Effect, planned *bool) {
 	b.Queue(`
 INSERT INTO effect_ledger (effect_id, task_id, attempt, effect_kind, idempotency_token, target_identity, state, request_sha256, request_size)
 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)
 ON CONFLICT (effect_kind, idempotency_token) DO NOTHING`,
 		e.EffectID, e.TaskID, e.Attempt, e.Kind, e.Token, e.TargetIdentity, e.State, e.RequestSHA256, e.RequestSize).
-		Exec(func(tag pgconn.CommandTag) error { planned = tag.RowsAffected() == 1; return nil })
+		Exec(func(tag pgconn.CommandTag) error { *planned = tag.RowsAffected() == 1; return nil })
 	b.Queue(`SELECT `+columns+` FROM effect_ledger WHERE effect_kind = $1 AND idempotency_token = $2`, e.Kind, e.Token).
 		QueryRow(func(row pgx.Row) error {
 			var err error
-			if stored, err = scanEffect(row); err != nil {
+			if *stored, err = scanEffect(row); err != nil {
 				return fmt.Errorf("read effect %s: %w", e.EffectID, err)
 			}
 			return nil
 		})
-	if err := q.SendBatch(ctx, b).Close(); err != nil {
-		return e, false, fmt.Errorf("plan effect %s: %w", e.EffectID, err)
-	}
-	return stored, planned, nil
 }
 
 // Transitions. Each is a compare-and-set on the state the caller read

@@ -1,0 +1,295 @@
+package worker
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/twmb/franz-go/pkg/kgo"
+
+	"github.com/converge-run/converge/internal/canon"
+	"github.com/converge-run/converge/internal/consumergroup"
+	"github.com/converge-run/converge/internal/inbox"
+	"github.com/converge-run/converge/internal/ledger"
+	"github.com/converge-run/converge/internal/outbox"
+	"github.com/converge-run/converge/internal/task"
+	"github.com/converge-run/converge/internal/taskevent"
+)
+
+// Batches (issue 11). A partition's poll is handed to the worker as one
+// batch (internal/consumergroup). A run of consecutive records that are
+// fresh driving events of distinct tasks goes through one intake
+// transaction and one completion transaction for the whole run, instead of
+// two per record; each record's inbox row, task start and effect row are
+// still written, in the intake transaction, before its effect, and each
+// offset is still committed only after the transaction recording its
+// outcome. Anything off the happy path — a redelivery, a task not queued or
+// not visible yet, an effect to resume, a failed effect, a concurrent
+// change — sends the records concerned through the per-record path
+// (processRecord), which resumes each from its durable state; so every rule
+// of the package doc holds for batches too. Batching is off while fault
+// points are armed (their passes are counted per record).
+
+// errNotFresh makes a run's intake transaction roll back: some record of the
+// run needs the per-record path.
+var errNotFresh = errors.New("record off the batch path")
+
+// processBatch processes the records of one partition's batch in order and
+// returns how many of them, from the first, have durable outcomes. Runs of
+// fresh records go through processRun; the others through processRecord,
+// at most Concurrency records (or runs) of all partitions at once. It stops
+// early when ctx is cancelled (revoke, loss, shutdown).
+func (w *Worker) processBatch(ctx context.Context, b consumergroup.Batch, sem chan struct{}) int {
+	recs := b.Records
+	for i := 0; i < len(recs); {
+		select {
+		case sem <- struct{}{}:
+		case <-ctx.Done():
+			return i
+		}
+		if run := w.runOf(recs[i:]); len(run) > 1 {
+			n := w.processRun(ctx, b.Client, run)
+			<-sem
+			i += n
+			if n < len(run) {
+				return i
+			}
+			continue
+		}
+		ok := ctx.Err() == nil && w.processRecord(ctx, b.Client, recs[i])
+		<-sem
+		if !ok {
+			return i
+		}
+		i++
+	}
+	return len(recs)
+}
+
+// runOf returns the jobs of the longest prefix of recs (at most
+// MaxBatchRecords) that the batch path may take: TaskCreated or
+// TaskRedriveRequested records that pass the contract checks, of distinct
+// tasks, while no fault point is armed.
+func (w *Worker) runOf(recs []*kgo.Record) []*job {
+	if w.cfg.MaxBatchRecords < 2 || w.faults.String() != "" {
+		return nil
+	}
+	var run []*job
+	tasks := map[string]bool{}
+	for _, r := range recs {
+		if len(run) == w.cfg.MaxBatchRecords {
+			break
+		}
+		hdr := headers(r)
+		if t, ok := hdr[taskevent.HeaderEventType]; !ok || !drives(t) {
+			break
+		}
+		ev, err := verifyRecord(r, hdr)
+		if err != nil || !drives(ev.EventType) || tasks[ev.TaskID] {
+			break
+		}
+		tasks[ev.TaskID] = true
+		run = append(run, &job{rec: r, ev: ev, sha: hdr[taskevent.HeaderPayloadSHA256]})
+	}
+	return run
+}
+
+// processRun processes a run of fresh records (see the top of the file) and
+// returns how many of them, from the first, have durable outcomes: all of
+// them unless ctx ended during the per-record fallback.
+func (w *Worker) processRun(ctx context.Context, cl *kgo.Client, run []*job) int {
+	start := time.Now()
+	actx, cancel := context.WithTimeout(context.WithoutCancel(ctx), w.cfg.AttemptTimeout)
+	err := pgx.BeginFunc(actx, w.pool, func(tx pgx.Tx) error { return w.intakeRun(actx, tx, run) })
+	cancel()
+	if err != nil {
+		// Nothing of the run was written: each record goes its own way.
+		return w.perRecord(ctx, cl, run, nil)
+	}
+	w.m.batched.Add(float64(len(run)))
+	w.m.effects.WithLabelValues(string(ledger.KindArtifactPut), string(ledger.Started)).Add(float64(len(run)))
+	// The effects, of distinct tasks, at most Concurrency at once.
+	verified := make([]*verifiedEffect, len(run))
+	ended := make([]string, len(run)) // an outcome of the effect path (failed)
+	var wg sync.WaitGroup
+	sem := make(chan struct{}, w.cfg.Concurrency)
+	for i, j := range run {
+		sem <- struct{}{}
+		wg.Go(func() {
+			defer func() { <-sem }()
+			actx, cancel := context.WithTimeout(context.WithoutCancel(ctx), w.cfg.AttemptTimeout)
+			defer cancel()
+			v, outcome, err := w.perform(actx, j)
+			switch {
+			case err != nil:
+				// left for the per-record path, which resumes the effect
+			case outcome != "":
+				ended[i] = outcome
+			default:
+				verified[i] = &v
+			}
+		})
+	}
+	wg.Wait()
+	var ready []*job
+	var readyV []verifiedEffect
+	for i, v := range verified {
+		if v != nil {
+			ready, readyV = append(ready, run[i]), append(readyV, *v)
+		}
+	}
+	done := make([]string, len(run))
+	copy(done, ended)
+	if len(ready) > 0 {
+		actx, cancel := context.WithTimeout(context.WithoutCancel(ctx), w.cfg.AttemptTimeout)
+		var completed []taskevent.Task
+		err := pgx.BeginFunc(actx, w.pool, func(tx pgx.Tx) error {
+			var err error
+			completed, err = w.completeRun(actx, tx, ready, readyV)
+			return err
+		})
+		cancel()
+		if err == nil {
+			k := 0
+			for i, v := range verified {
+				if v != nil {
+					w.completed(ctx, completed[k], v.from, v.sha, v.size)
+					done[i] = OutcomeProcessed
+					k++
+				}
+			}
+		}
+	}
+	for _, outcome := range done {
+		if outcome != "" {
+			w.m.messages.WithLabelValues(outcome).Inc()
+			w.m.processing.Observe(time.Since(start).Seconds())
+		}
+	}
+	return w.perRecord(ctx, cl, run, done)
+}
+
+// perRecord runs processRecord for the jobs of run whose outcome is not
+// durable yet (done[i] empty; all when done is nil), in order, and returns
+// how many jobs from the first have durable outcomes.
+func (w *Worker) perRecord(ctx context.Context, cl *kgo.Client, run []*job, done []string) int {
+	for i, j := range run {
+		if done != nil && done[i] != "" {
+			continue
+		}
+		if ctx.Err() != nil || !w.processRecord(ctx, cl, j.rec) {
+			return i
+		}
+	}
+	return len(run)
+}
+
+// intakeRun is the intake of a run in tx: for every record, the inbox row
+// registered, the task started, its document and live effect read (one
+// round trip for all); the documents canonicalized; the effect rows planned
+// (one more round trip). It fails with errNotFresh, and the transaction is
+// rolled back, when a record is a redelivery, its task does not start (not
+// queued, or not visible yet), has no document or an effect to resume, or
+// its document does not canonicalize.
+func (w *Worker) intakeRun(ctx context.Context, tx pgx.Tx, run []*job) error {
+	n := len(run)
+	var (
+		inserted  = make([]bool, n)
+		started   = make([]task.Changed, n)
+		docs      = make([][]byte, n)
+		docFound  = make([]bool, n)
+		live      = make([]ledger.Effect, n)
+		liveFound = make([]bool, n)
+	)
+	b := &pgx.Batch{}
+	for i, j := range run {
+		inbox.QueueRegister(b, w.cfg.Group, j.ev.EventID, j.sha, &inserted[i])
+		task.QueueStartIfQueued(b, j.ev.TaskID, j.ev.TaskVersion, &started[i])
+		task.QueueDocument(b, j.ev.TaskID, &docs[i], &docFound[i])
+		ledger.QueueLive(b, j.ev.TaskID, &live[i], &liveFound[i])
+	}
+	if err := tx.SendBatch(ctx, b).Close(); err != nil {
+		return fmt.Errorf("intake of %d records: %w", n, err)
+	}
+	want := make([]ledger.Effect, n)
+	for i, j := range run {
+		if !inserted[i] || !started[i].Applied || !docFound[i] || liveFound[i] {
+			return errNotFresh
+		}
+		out, err := canon.Transform(docs[i])
+		if err != nil {
+			return errNotFresh
+		}
+		j.task, j.artifact = started[i].Task, out
+		want[i] = ledger.NewPut(j.task.TaskID, j.task.Attempt, canon.SHA256Hex(out), int64(len(out)))
+	}
+	effs := make([]ledger.Effect, n)
+	planned := make([]bool, n)
+	b = &pgx.Batch{}
+	for i := range run {
+		ledger.QueuePlan(b, want[i], &effs[i], &planned[i])
+	}
+	if err := tx.SendBatch(ctx, b).Close(); err != nil {
+		return fmt.Errorf("plan %d effects: %w", n, err)
+	}
+	for i, j := range run {
+		if !planned[i] {
+			return errNotFresh
+		}
+		j.effect, j.planned = effs[i], true
+	}
+	return nil
+}
+
+// completeRun is the completion of the verified jobs of a run in tx, as
+// completeInTx for each (inbox -> completed, task running -> completed,
+// effect -> verified: one round trip for all), then their TaskCompleted
+// outbox rows (one more). Any transition that does not apply is
+// errConcurrentChange; a second verified artifact of a task violates
+// ledger.OneVerifiedIndex. Either rolls the transaction back, and the jobs
+// go through the per-record path.
+func (w *Worker) completeRun(ctx context.Context, tx pgx.Tx, jobs []*job, vs []verifiedEffect) ([]taskevent.Task, error) {
+	n := len(jobs)
+	finished := make([]bool, n)
+	completed := make([]task.Changed, n)
+	verified := make([]bool, n)
+	b := &pgx.Batch{}
+	for i, j := range jobs {
+		v := vs[i]
+		if err := inbox.QueueFinish(b, w.cfg.Group, j.ev.EventID, inbox.Completed,
+			map[string]any{"task_version": j.task.Version + 1, "artifact_sha256": v.sha}, &finished[i]); err != nil {
+			return nil, err
+		}
+		task.QueueCompleteIfRunning(b, j.task.TaskID, j.task.Version, v.sha, v.size, &completed[i])
+		if v.from != ledger.Verified {
+			ledger.QueueMarkVerified(b, j.effect.EffectID, v.from, &v.sha, &verified[i])
+		}
+	}
+	if err := tx.SendBatch(ctx, b).Close(); err != nil {
+		return nil, fmt.Errorf("complete %d tasks: %w", n, err)
+	}
+	out := make([]taskevent.Task, n)
+	b = &pgx.Batch{}
+	for i, j := range jobs {
+		if !finished[i] || !completed[i].Applied || (vs[i].from != ledger.Verified && !verified[i]) {
+			return nil, fmt.Errorf("complete task %s: %w", j.task.TaskID, errConcurrentChange)
+		}
+		out[i] = completed[i].Task
+		ev, err := outbox.NewEvent(taskevent.TypeTaskCompleted, out[i], out[i].UpdatedAt)
+		if err != nil {
+			return nil, err
+		}
+		row, err := outbox.RowOf(&ev)
+		if err != nil {
+			return nil, err
+		}
+		outbox.QueueInsert(b, row)
+	}
+	if err := tx.SendBatch(ctx, b).Close(); err != nil {
+		return nil, fmt.Errorf("insert %d TaskCompleted events: %w", n, err)
+	}
+	return out, nil
+}
