@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"sync"
 	"time"
 
@@ -107,6 +108,9 @@ func (w *Worker) processRun(ctx context.Context, cl *kgo.Client, run []*job) int
 	cancel()
 	if err != nil {
 		// Nothing of the run was written: each record goes its own way.
+		if !errors.Is(err, errNotFresh) {
+			w.log.WarnContext(ctx, "intake of a run failed; its records are processed one by one", slog.Int("records", len(run)), slog.Any("err", err))
+		}
 		return w.perRecord(ctx, cl, run, nil)
 	}
 	w.m.batched.Add(float64(len(run)))
@@ -152,7 +156,9 @@ func (w *Worker) processRun(ctx context.Context, cl *kgo.Client, run []*job) int
 			return err
 		})
 		cancel()
-		if err == nil {
+		if err != nil {
+			w.log.WarnContext(ctx, "completion of a run failed; its records are completed one by one", slog.Int("records", len(ready)), slog.Any("err", err))
+		} else {
 			k := 0
 			for i, v := range verified {
 				if v != nil {
