@@ -49,6 +49,9 @@ type PeerRun struct {
 	System      string  `json:"system"`
 	Seconds     float64 `json:"seconds"` // first create -> last completion
 	TasksPerSec float64 `json:"tasks_per_sec"`
+	// CreateSeconds is first create -> last create committed: how long the
+	// clients took, against Seconds, how long the system took.
+	CreateSeconds float64 `json:"create_seconds"`
 	// CPUMsPerTask is the CPU of the system's processes and PostgreSQL over
 	// the run, per task (converge's load generator excluded; River's
 	// inserting clients, which are its API, included).
@@ -86,15 +89,20 @@ func runPeer(ctx context.Context, e *env, res *Results) error {
 			var r PeerRun
 			var err error
 			if system == peerConverge {
+				stop := func() {}
+				if run == e.cfg.Runs-1 {
+					stop = e.profile("peer-converge")
+				}
 				r, err = conv.run(ctx, run)
+				stop()
 			} else {
 				r, err = e.runRiver(ctx, riverBin, system == peerRiverTuned, run)
 			}
 			if err != nil {
 				return fmt.Errorf("%s run %d: %w", system, run+1, err)
 			}
-			e.progress("peer    %-11s run %d: %d tasks in %.2fs = %.0f tasks/s; %.2f ms CPU, %.2f xids, %.2f commits per task",
-				system, run+1, e.cfg.PeerTasks, r.Seconds, r.TasksPerSec, r.CPUMsPerTask, r.XIDsPerTask, r.CommitsPerTask)
+			e.progress("peer    %-11s run %d: %d tasks in %.2fs (created in %.2fs) = %.0f tasks/s; %.2f ms CPU, %.2f xids, %.2f commits per task",
+				system, run+1, e.cfg.PeerTasks, r.Seconds, r.CreateSeconds, r.TasksPerSec, r.CPUMsPerTask, r.XIDsPerTask, r.CommitsPerTask)
 			pr.Runs = append(pr.Runs, r)
 		}
 	}
@@ -175,6 +183,7 @@ func (e *env) runRiver(ctx context.Context, bin string, tuned bool, run int) (Pe
 	cpu := m.stop(childCPU(cmd))
 	var r struct {
 		Seconds     float64 `json:"seconds"`
+		InsertSecs  float64 `json:"insert_seconds"`
 		XactCommits int64   `json:"xact_commits"`
 		XIDs        int64   `json:"xids"`
 		Failed      int     `json:"failed"`
@@ -187,7 +196,7 @@ func (e *env) runRiver(ctx context.Context, bin string, tuned bool, run int) (Pe
 	}
 	n := float64(e.cfg.PeerTasks)
 	_ = os.RemoveAll(dir)
-	return PeerRun{System: system, Seconds: round2(r.Seconds), TasksPerSec: round2(n / r.Seconds),
+	return PeerRun{System: system, Seconds: round2(r.Seconds), TasksPerSec: round2(n / r.Seconds), CreateSeconds: round2(r.InsertSecs),
 		// The whole process (migration and start included), PostgreSQL over the same wall time.
 		CPUMsPerTask: round2((cpu.Other + cpu.Postgres) * wall.Seconds() * 1000 / n),
 		XIDsPerTask:  round2(float64(r.XIDs) / n), CommitsPerTask: round2(float64(r.XactCommits) / n)}, nil
@@ -309,13 +318,14 @@ func (p *peerPipeline) run(ctx context.Context, run int) (PeerRun, error) {
 	if err != nil {
 		return PeerRun{}, err
 	}
-	var secs float64
+	var secs, createSecs float64
 	var done int
 	err = p.pool.QueryRow(ctx, `
 SELECT count(*) FILTER (WHERE t.status = 'completed'),
-       COALESCE(EXTRACT(EPOCH FROM max(t.completed_at) - min(t.created_at)), 0)::float8
+       COALESCE(EXTRACT(EPOCH FROM max(t.completed_at) - min(t.created_at)), 0)::float8,
+       COALESCE(EXTRACT(EPOCH FROM max(t.created_at) - min(t.created_at)), 0)::float8
 FROM idempotency_record i JOIN task t ON t.task_id = i.task_id
-WHERE i.idempotency_key LIKE $1 || '%'`, prefix).Scan(&done, &secs)
+WHERE i.idempotency_key LIKE $1 || '%'`, prefix).Scan(&done, &secs, &createSecs)
 	if err != nil {
 		return PeerRun{}, err
 	}
@@ -328,7 +338,7 @@ WHERE i.idempotency_key LIKE $1 || '%'`, prefix).Scan(&done, &secs)
 	}
 	n := float64(e.cfg.PeerTasks)
 	_ = lgCPU // the load generator's CPU is not converge's
-	return PeerRun{System: peerConverge, Seconds: round2(secs), TasksPerSec: round2(n / secs),
+	return PeerRun{System: peerConverge, Seconds: round2(secs), TasksPerSec: round2(n / secs), CreateSeconds: round2(createSecs),
 		CPUMsPerTask: round2((cpu.Converge + cpu.Postgres) * wall.Seconds() * 1000 / n),
 		XIDsPerTask:  round2(float64(xid1-xid0-1) / n), CommitsPerTask: round2(float64(xact1-xact0) / n)}, nil
 }
