@@ -51,10 +51,20 @@ func (w *Worker) processBatch(ctx context.Context, b consumergroup.Batch, sem ch
 		case <-ctx.Done():
 			return i
 		}
-		if run := w.runOf(recs[i:]); len(run) > 1 {
+		if run, span := w.runOf(recs[i:]); len(run) > 1 {
 			n := w.processRun(ctx, b.Client, run)
 			<-sem
-			i += n
+			// Records the run skipped (events the worker ignores) are done
+			// once every job before them is.
+			end := span
+			if n < len(run) {
+				end = run[n].idx
+			}
+			// The first n jobs are among them: the rest were ignored.
+			if end > n {
+				w.m.messages.WithLabelValues(OutcomeIgnored).Add(float64(end - n))
+			}
+			i += end
 			if n < len(run) {
 				return i
 			}
@@ -71,31 +81,38 @@ func (w *Worker) processBatch(ctx context.Context, b consumergroup.Batch, sem ch
 }
 
 // runOf returns the jobs of the longest prefix of recs (at most
-// MaxBatchRecords) that the batch path may take: TaskCreated or
-// TaskRedriveRequested records that pass the contract checks, of distinct
-// tasks, while no fault point is armed.
-func (w *Worker) runOf(recs []*kgo.Record) []*job {
+// MaxBatchRecords jobs) that the batch path may take, and the length of that
+// prefix: TaskCreated or TaskRedriveRequested records that pass the contract
+// checks, of distinct tasks, while no fault point is armed, with the records
+// between them that the worker ignores (an event type in the header that
+// does not drive a task, such as the TaskCompleted events sharing the topic:
+// processRecord's OutcomeIgnored, which writes nothing).
+func (w *Worker) runOf(recs []*kgo.Record) (run []*job, span int) {
 	if w.cfg.MaxBatchRecords < 2 || w.faults.String() != "" {
-		return nil
+		return nil, 0
 	}
-	var run []*job
 	tasks := map[string]bool{}
-	for _, r := range recs {
+	for i, r := range recs {
 		if len(run) == w.cfg.MaxBatchRecords {
 			break
 		}
 		hdr := headers(r)
-		if t, ok := hdr[taskevent.HeaderEventType]; !ok || !drives(t) {
+		t, ok := hdr[taskevent.HeaderEventType]
+		if !ok {
 			break
+		}
+		if !drives(t) {
+			continue
 		}
 		ev, err := verifyRecord(r, hdr)
 		if err != nil || !drives(ev.EventType) || tasks[ev.TaskID] {
 			break
 		}
 		tasks[ev.TaskID] = true
-		run = append(run, &job{rec: r, ev: ev, sha: hdr[taskevent.HeaderPayloadSHA256]})
+		run = append(run, &job{rec: r, ev: ev, sha: hdr[taskevent.HeaderPayloadSHA256], idx: i})
+		span = i + 1
 	}
-	return run
+	return run, span
 }
 
 // processRun processes a run of fresh records (see the top of the file) and
@@ -121,6 +138,7 @@ func (w *Worker) processRun(ctx context.Context, cl *kgo.Client, run []*job) int
 	var wg sync.WaitGroup
 	sem := make(chan struct{}, w.cfg.Concurrency)
 	for i, j := range run {
+		j.unsynced = true
 		sem <- struct{}{}
 		wg.Go(func() {
 			defer func() { <-sem }()
@@ -138,6 +156,16 @@ func (w *Worker) processRun(ctx context.Context, cl *kgo.Client, run []*job) int
 		})
 	}
 	wg.Wait()
+	for _, j := range run {
+		j.unsynced = false // the per-record path syncs on its own
+	}
+	// One directory fsync makes the names of the run's artifacts durable
+	// before any of them is recorded verified; if it fails, none is, and the
+	// per-record path (which syncs again) takes them.
+	if err := w.store.SyncObjects(); err != nil {
+		w.log.WarnContext(ctx, "artifact store sync of a run failed; its records are processed one by one", slog.Int("records", len(run)), slog.Any("err", err))
+		clear(verified)
+	}
 	var ready []*job
 	var readyV []verifiedEffect
 	for i, v := range verified {

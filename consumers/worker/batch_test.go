@@ -83,3 +83,41 @@ func TestRunWithARecordNotFreshFallsBack(t *testing.T) {
 		t.Errorf("processed=%v, want %d", rw.count(OutcomeProcessed), n)
 	}
 }
+
+// Events the worker ignores (here TaskCompleted, which shares the topic)
+// between fresh records do not end a run: the fresh records still go
+// through runs, and the ignored ones are counted and committed with them.
+func TestRunsSpanIgnoredEvents(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	const n = 24
+	var tasks []created
+	for i := range n {
+		c := createTask(t, b.db.Pool, []byte(fmt.Sprintf(`{"span":%d}`, i)))
+		tasks = append(tasks, c)
+		b.produce(t, c.record())
+		ignored := c.record()
+		for k, h := range ignored.Headers {
+			if h.Key == taskevent.HeaderEventType {
+				ignored.Headers[k].Value = []byte(taskevent.TypeTaskCompleted)
+			}
+		}
+		b.produce(t, ignored)
+	}
+	rw := b.start(t, nil)
+	testenv.Eventually(t, waitFor, "every task completed", func() bool {
+		for _, c := range tasks {
+			if b.status(c.taskID) != taskevent.StatusCompleted {
+				return false
+			}
+		}
+		return true
+	})
+	testenv.Eventually(t, waitFor, "offsets committed", func() bool { return b.allCommitted(t) })
+	if got := counterValue(rw.w.m.batched); got < n/2 {
+		t.Errorf("%v records through runs, want most of %d", got, n)
+	}
+	if rw.count(OutcomeProcessed) != n || rw.count(OutcomeIgnored) != n {
+		t.Errorf("processed=%v ignored=%v, want %d each", rw.count(OutcomeProcessed), rw.count(OutcomeIgnored), n)
+	}
+}

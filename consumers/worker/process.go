@@ -76,6 +76,12 @@ type job struct {
 	effect   ledger.Effect
 	planned  bool   // this delivery inserted the effect row
 	artifact []byte // canonical bytes, the effect's request
+	// unsynced: the effect is performed as part of a run, whose caller
+	// syncs the artifact store's directory once for all of them before
+	// their completion (artifact.Store.PutUnsynced).
+	unsynced bool
+	// idx is the record's index in its run's records (runOf).
+	idx int
 }
 
 // process runs the worker protocol for a verified TaskCreated event (seed 6,
@@ -274,14 +280,25 @@ func (w *Worker) perform(ctx context.Context, j *job) (verifiedEffect, string, e
 	_, err := w.store.Head(eff.Token)
 	switch {
 	case err == nil:
-		// present: resolved by observation, never written twice (seed 13.3)
+		// present: resolved by observation, never written twice (seed 13.3).
+		// An earlier delivery may have linked it without its directory
+		// fsync (a crash inside a run): make its name durable first.
+		if !j.unsynced {
+			if err := w.store.SyncObjects(); err != nil {
+				return verifiedEffect{}, "", fmt.Errorf("artifact %s: %w", eff.Token, err)
+			}
+		}
 	case errors.Is(err, artifact.ErrInvalidToken):
 		outcome, err := w.fail(ctx, j, ledger.Failed, func(tx pgx.Tx) (bool, error) {
 			return ledger.MarkFailed(ctx, tx, eff.EffectID, from, CodeArtifactTokenInvalid)
 		}, CodeArtifactTokenInvalid)
 		return verifiedEffect{}, outcome, err
 	case errors.Is(err, artifact.ErrNotFound):
-		_, perr := w.store.Put(eff.Token, j.task.TaskID, eff.Attempt, j.artifact)
+		put := w.store.Put
+		if j.unsynced {
+			put = w.store.PutUnsynced
+		}
+		_, perr := put(eff.Token, j.task.TaskID, eff.Attempt, j.artifact)
 		switch {
 		case perr == nil, errors.Is(perr, artifact.ErrTokenConflict):
 			// a conflict is caught by the read-back below

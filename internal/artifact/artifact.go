@@ -116,6 +116,29 @@ func (s *Store) path(dir, token, ext string) string {
 // Fault points: artifact.corrupt-after-write (stored bytes altered, the Meta
 // unchanged), artifact.put-timeout-after-commit (ErrTimeout after the commit).
 func (s *Store) Put(token, taskID string, attempt int, data []byte) (Meta, error) {
+	return s.put(token, taskID, attempt, data, true)
+}
+
+// PutUnsynced is Put without its last step, the fsync of the objects
+// directory: the object's bytes are durable when it returns, its name only
+// after the next SyncObjects (a crash of the machine, not of the process,
+// may lose it until then). A caller writing several objects calls
+// PutUnsynced for each, then SyncObjects once, and treats none of them as
+// durable before that returns (the worker's runs: one directory fsync per
+// run instead of one per artifact). Errors are Put's.
+func (s *Store) PutUnsynced(token, taskID string, attempt int, data []byte) (Meta, error) {
+	return s.put(token, taskID, attempt, data, false)
+}
+
+// SyncObjects makes the names of every object linked so far durable: one
+// fsync of the objects directory. Callers that find an object present
+// (Head) which another process may have linked without syncing call it
+// before they record the object as durable.
+func (s *Store) SyncObjects() error {
+	return syncDir(filepath.Join(s.root, "objects"))
+}
+
+func (s *Store) put(token, taskID string, attempt int, data []byte, sync bool) (Meta, error) {
 	if !tokenRE.MatchString(token) {
 		return Meta{}, fmt.Errorf("%w: %q", ErrInvalidToken, token)
 	}
@@ -155,8 +178,10 @@ func (s *Store) Put(token, taskID string, attempt int, data []byte) (Meta, error
 	} else if err != nil {
 		return Meta{}, err
 	}
-	if err := syncDir(filepath.Join(s.root, "objects")); err != nil {
-		return Meta{}, err
+	if sync {
+		if err := s.SyncObjects(); err != nil {
+			return Meta{}, err
+		}
 	}
 	if s.faults.Hit(fault.ArtifactPutTimeoutAfterCommit) != fault.ActionNone {
 		return Meta{}, ErrTimeout

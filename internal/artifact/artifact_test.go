@@ -898,3 +898,34 @@ func BenchmarkPut(b *testing.B) {
 		})
 	}
 }
+
+// PutUnsynced writes and links like Put (same object, same answers to Head
+// and Observe, the same idempotency); only the directory fsync is left to
+// SyncObjects.
+func TestPutUnsyncedThenSyncObjects(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	data := []byte(`{"a":1}`)
+	m, err := b.store.PutUnsynced("tok-unsynced", "task-1", 1, data)
+	if err != nil {
+		t.Fatalf("PutUnsynced: %v", err)
+	}
+	if m.SHA256 != sha(data) || m.Size != int64(len(data)) {
+		t.Errorf("meta = %+v", m)
+	}
+	if h, err := b.store.Head("tok-unsynced"); err != nil || h.SHA256 != m.SHA256 {
+		t.Fatalf("Head = %+v, %v", h, err)
+	}
+	if err := b.store.SyncObjects(); err != nil {
+		t.Fatalf("SyncObjects: %v", err)
+	}
+	if again, err := b.store.Put("tok-unsynced", "task-1", 1, data); err != nil || again.SHA256 != m.SHA256 {
+		t.Errorf("Put after PutUnsynced = %+v, %v", again, err)
+	}
+	if _, err := b.store.PutUnsynced("tok-unsynced", "task-1", 1, []byte(`{"a":2}`)); !errors.Is(err, artifact.ErrTokenConflict) {
+		t.Errorf("PutUnsynced of other bytes: %v, want ErrTokenConflict", err)
+	}
+	if got := dirNames(t, b.store, "tmp"); len(got) != 0 {
+		t.Errorf("tmp not empty: %v", got)
+	}
+}

@@ -9,6 +9,7 @@ import (
 
 	"github.com/twmb/franz-go/pkg/kadm"
 	"github.com/twmb/franz-go/pkg/kgo"
+	"github.com/twmb/franz-go/pkg/kmsg"
 
 	"github.com/converge-run/converge/internal/consumergroup"
 	"github.com/converge-run/converge/internal/testenv"
@@ -143,5 +144,55 @@ func TestOrderAndRebalance(t *testing.T) {
 	}
 	if total.Load() < 40*testenv.Partitions {
 		t.Fatalf("%d records handled, want at least %d", total.Load(), 40*testenv.Partitions)
+	}
+}
+
+// While partitions are processed, commits are at least CommitInterval
+// apart: offsets marked meanwhile join the next commit, and the last one is
+// committed at shutdown.
+func TestCommitInterval(t *testing.T) {
+	t.Parallel()
+	k := testenv.NewKafka(t)
+	const n = 120
+	produce(t, k, n)
+	var commits atomic.Int64
+	k.Cluster.ControlKey(int16(kmsg.OffsetCommit), func(kmsg.Request) (kmsg.Response, error, bool) {
+		k.Cluster.KeepControl()
+		commits.Add(1)
+		return nil, nil, false
+	})
+	var batches, handled atomic.Int64
+	h := consumergroup.HandlerFunc(func(ctx context.Context, b consumergroup.Batch) int {
+		batches.Add(1)
+		time.Sleep(5 * time.Millisecond)
+		handled.Add(int64(len(b.Records)))
+		return len(b.Records)
+	})
+	c, err := consumergroup.New(consumergroup.Config{Brokers: k.Brokers, Group: "g-interval", Topics: []string{k.Topic},
+		MaxPollRecords: 1, CommitInterval: 250 * time.Millisecond}, h)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	start := time.Now()
+	go func() { done <- c.Run(ctx) }()
+	testenv.Eventually(t, 20*time.Second, "every record handled", func() bool { return handled.Load() == n })
+	elapsed := time.Since(start)
+	cancel()
+	if err := <-done; err != nil {
+		t.Fatal(err)
+	}
+	// One commit per started interval, plus the shutdown's and revoke's.
+	if limit := int64(elapsed/(250*time.Millisecond)) + 3; commits.Load() > limit || commits.Load() >= batches.Load() {
+		t.Errorf("%d commits for %d batches in %v, want at most %d", commits.Load(), batches.Load(), elapsed, limit)
+	}
+	got := committed(t, k, "g-interval")
+	sum := int64(0)
+	for _, o := range got {
+		sum += o
+	}
+	if sum != n {
+		t.Errorf("committed offsets %v sum to %d, want %d", got, sum, n)
 	}
 }

@@ -132,28 +132,99 @@ func NewCache(client *redis.Client, opts CacheOptions) (*Cache, error) {
 // TTL is then left unchanged. An invalid snapshot (ErrInvalidTask) or a
 // Redis failure is an error.
 func (c *Cache) Put(ctx context.Context, t taskevent.Task) (bool, error) {
+	rs, err := c.PutMany(ctx, []taskevent.Task{t})
+	if err != nil {
+		return false, err
+	}
+	return rs[0].Stored, rs[0].Err
+}
+
+// PutResult is PutMany's answer for one snapshot: Put's.
+type PutResult struct {
+	// Stored is true when the snapshot was stored, false when a view with an
+	// equal or newer version was already there (or Err is set).
+	Stored bool
+	// Err is ErrInvalidTask, or the write's own failure (an injected
+	// fault.CacheWriteError); the snapshot was not stored.
+	Err error
+}
+
+// PutMany is Put for several snapshots in one round trip: a pipeline of
+// Put's script, each write atomic and version-guarded on its own (a
+// pipeline is not a transaction; none is needed, since each compare-and-set
+// decides alone). results[i] answers ts[i]. err is a failure of the
+// pipeline (Redis down, a timeout): then the outcome of every valid write is
+// unknown, and the caller repeats them, which the version guard makes
+// harmless.
+func (c *Cache) PutMany(ctx context.Context, ts []taskevent.Task) ([]PutResult, error) {
+	rs := make([]PutResult, len(ts))
+	raws := make([][]byte, len(ts))
+	valid := 0
+	for i, t := range ts {
+		raw, err := c.encode(t)
+		if err == nil {
+			err = c.opts.Faults.ErrKey(fault.CacheWriteError, t.TaskID, t.InputSHA256)
+			if err != nil {
+				err = fmt.Errorf("put task view %s v%d: %w", t.TaskID, t.Version, err)
+			}
+		}
+		if err != nil {
+			rs[i].Err = err
+			continue
+		}
+		raws[i] = raw
+		valid++
+	}
+	if valid == 0 {
+		return rs, nil
+	}
+	for loaded := false; ; loaded = true {
+		cmds := make([]*redis.Cmd, len(ts))
+		_, err := c.client.Pipelined(ctx, func(pipe redis.Pipeliner) error {
+			for i, t := range ts {
+				if raws[i] != nil {
+					cmds[i] = putScript.EvalSha(ctx, pipe, []string{Key(t.TaskID)}, t.Version, raws[i], c.ttl().Milliseconds())
+				}
+			}
+			return nil
+		})
+		if err != nil && !loaded && redis.HasErrorPrefix(err, "NOSCRIPT") {
+			// A Redis that restarted or was flushed forgot the script.
+			if err := putScript.Load(ctx, c.client).Err(); err != nil {
+				return nil, fmt.Errorf("put %d task views: load script: %w", valid, err)
+			}
+			continue
+		}
+		if err != nil {
+			return nil, fmt.Errorf("put %d task views: %w", valid, err)
+		}
+		for i, cmd := range cmds {
+			if cmd == nil {
+				continue
+			}
+			if n, _ := cmd.Int(); n == 1 {
+				rs[i].Stored = true
+			} else {
+				c.stale.Inc()
+			}
+		}
+		return rs, nil
+	}
+}
+
+// encode checks t and renders the JSON a view stores.
+func (c *Cache) encode(t taskevent.Task) ([]byte, error) {
 	if t.TaskID == "" {
-		return false, fmt.Errorf("%w: empty task id", ErrInvalidTask)
+		return nil, fmt.Errorf("%w: empty task id", ErrInvalidTask)
 	}
 	if t.Version < 0 || t.Version >= maxVersion {
-		return false, fmt.Errorf("%w: version %d outside [0, 2^53)", ErrInvalidTask, t.Version)
+		return nil, fmt.Errorf("%w: version %d outside [0, 2^53)", ErrInvalidTask, t.Version)
 	}
 	raw, err := json.Marshal(t)
 	if err != nil {
-		return false, fmt.Errorf("%w: encode task %s: %v", ErrInvalidTask, t.TaskID, err)
+		return nil, fmt.Errorf("%w: encode task %s: %v", ErrInvalidTask, t.TaskID, err)
 	}
-	if err := c.opts.Faults.ErrKey(fault.CacheWriteError, t.TaskID, t.InputSHA256); err != nil {
-		return false, fmt.Errorf("put task view %s v%d: %w", t.TaskID, t.Version, err)
-	}
-	n, err := putScript.Run(ctx, c.client, []string{Key(t.TaskID)}, t.Version, raw, c.ttl().Milliseconds()).Int()
-	if err != nil {
-		return false, fmt.Errorf("put task view %s v%d: %w", t.TaskID, t.Version, err)
-	}
-	if n != 1 {
-		c.stale.Inc()
-		return false, nil
-	}
-	return true, nil
+	return raw, nil
 }
 
 func (c *Cache) ttl() time.Duration {

@@ -176,3 +176,40 @@ func TestCacheVersionsNearLimit(t *testing.T) {
 		t.Fatalf("2^53-2 after 2^53-1: stored %v, %v", ok, err)
 	}
 }
+
+// PutMany answers each snapshot as Put would, in one pipeline: stored,
+// stale (an equal or newer view), invalid; and it still works after Redis
+// forgot the script (SCRIPT FLUSH, as after a restart).
+func TestCachePutMany(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	_, rdb := testenv.Redis(t)
+	c, err := NewCache(rdb, CacheOptions{Registerer: prometheus.NewRegistry()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	a, b := newTaskID(t), newTaskID(t)
+	if stored, err := c.Put(ctx, snapshot(b, 4, taskevent.StatusCompleted)); err != nil || !stored {
+		t.Fatalf("Put b v4 = %v, %v", stored, err)
+	}
+	if err := rdb.ScriptFlush(ctx).Err(); err != nil {
+		t.Fatal(err)
+	}
+	rs, err := c.PutMany(ctx, []taskevent.Task{
+		snapshot(a, 1, taskevent.StatusQueued),
+		snapshot(b, 3, taskevent.StatusRunning), // older than the stored v4
+		snapshot("", 1, taskevent.StatusQueued),
+		snapshot(a, 2, taskevent.StatusRunning), // newer than the first, same pipeline
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !rs[0].Stored || rs[0].Err != nil || rs[1].Stored || rs[1].Err != nil || !errors.Is(rs[2].Err, ErrInvalidTask) || !rs[3].Stored || rs[3].Err != nil {
+		t.Fatalf("results = %+v", rs)
+	}
+	for id, want := range map[string]int64{a: 2, b: 4} {
+		if got, ok, err := c.Get(ctx, id); err != nil || !ok || got.Version != want {
+			t.Errorf("view of %s = %+v, %v, %v; want v%d", id, got, ok, err, want)
+		}
+	}
+}

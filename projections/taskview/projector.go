@@ -155,14 +155,7 @@ func (p *Projector) Run(ctx context.Context) error {
 		Brokers: p.cfg.Brokers, Group: p.cfg.Group, Topics: []string{p.cfg.Topic},
 		ClientID: clientid.Process("converge-projector"), // one id per process: see internal/devbroker
 		Logger:   p.log, MaxPollRecords: p.cfg.MaxPollRecords, KafkaOpts: p.cfg.KafkaOpts,
-	}, consumergroup.HandlerFunc(func(ctx context.Context, b consumergroup.Batch) int {
-		for i, r := range b.Records {
-			if err := p.project(ctx, r); err != nil {
-				return i // ctx ended: r and the rest stay uncommitted
-			}
-		}
-		return len(b.Records)
-	}))
+	}, consumergroup.HandlerFunc(p.project))
 	if err != nil {
 		return fmt.Errorf("projector: %w", err)
 	}
@@ -172,41 +165,63 @@ func (p *Projector) Run(ctx context.Context) error {
 	return err
 }
 
-// project writes one record's task snapshot. It returns an error only when
-// ctx ended before the write succeeded.
-func (p *Projector) project(ctx context.Context, r *kgo.Record) error {
-	ev, err := decodeRecord(r)
-	if err != nil {
-		p.events.WithLabelValues(outcomeInvalid).Inc()
-		p.log.WarnContext(ctx, "projector skipped undecodable record",
-			slog.String("topic", r.Topic), slog.Int("partition", int(r.Partition)), slog.Int64("offset", r.Offset), slog.Any("error", err))
-		return nil
-	}
-	for n := 0; ; n++ {
-		stored, err := p.cache.Put(ctx, ev.Task)
-		switch {
-		case err == nil && stored:
-			p.events.WithLabelValues(outcomeStored).Inc()
-			return nil
-		case err == nil:
-			p.events.WithLabelValues(outcomeStale).Inc()
-			return nil
-		case errors.Is(err, ErrInvalidTask):
+// project writes the task snapshots of a partition's batch with one
+// pipeline (Cache.PutMany), repeating the writes whose outcome is unknown
+// (a Redis failure) with backoff, and returns how many records from the
+// first have their view written or were skipped: all of them, unless ctx
+// ended first (the rest stay uncommitted and come again).
+func (p *Projector) project(ctx context.Context, b consumergroup.Batch) int {
+	var pending []int // indexes into b.Records of the writes still to do
+	var tasks []taskevent.Task
+	for i, r := range b.Records {
+		ev, err := decodeRecord(r)
+		if err != nil {
 			p.events.WithLabelValues(outcomeInvalid).Inc()
-			p.log.WarnContext(ctx, "projector skipped invalid task snapshot",
-				slog.String("event_id", ev.EventID), slog.Int64("offset", r.Offset), slog.Any("error", err))
-			return nil
+			p.log.WarnContext(ctx, "projector skipped undecodable record",
+				slog.String("topic", r.Topic), slog.Int("partition", int(r.Partition)), slog.Int64("offset", r.Offset), slog.Any("error", err))
+			continue
 		}
+		pending, tasks = append(pending, i), append(tasks, ev.Task)
+	}
+	for n := 0; len(pending) > 0; n++ {
+		rs, err := p.cache.PutMany(ctx, tasks)
+		var again []int
+		var againTasks []taskevent.Task
+		cause := err // what is logged when writes are repeated
+		for k, i := range pending {
+			switch {
+			case err != nil:
+			case rs[k].Err == nil && rs[k].Stored:
+				p.events.WithLabelValues(outcomeStored).Inc()
+				continue
+			case rs[k].Err == nil:
+				p.events.WithLabelValues(outcomeStale).Inc()
+				continue
+			case errors.Is(rs[k].Err, ErrInvalidTask):
+				p.events.WithLabelValues(outcomeInvalid).Inc()
+				p.log.WarnContext(ctx, "projector skipped invalid task snapshot",
+					slog.String("task_id", tasks[k].TaskID), slog.Int64("offset", b.Records[i].Offset), slog.Any("error", rs[k].Err))
+				continue
+			default:
+				cause = rs[k].Err
+			}
+			again, againTasks = append(again, i), append(againTasks, tasks[k])
+		}
+		if len(again) == 0 {
+			break
+		}
+		pending, tasks = again, againTasks
 		if ctx.Err() != nil {
-			return ctx.Err()
+			return pending[0]
 		}
 		p.redisEr.Inc()
 		p.log.WarnContext(ctx, "projector redis write failed, retrying",
-			slog.String("task_id", ev.TaskID), slog.Int("attempt", n+1), slog.Any("error", err))
+			slog.Int("views", len(pending)), slog.String("first_task_id", tasks[0].TaskID), slog.Int("attempt", n+1), slog.Any("error", cause))
 		if !backoff.Sleep(ctx, p.cfg.RetryBackoff, p.cfg.MaxRetryBackoff, n) {
-			return ctx.Err()
+			return pending[0]
 		}
 	}
+	return len(b.Records)
 }
 
 // decodeRecord checks a record against the task-events contract

@@ -1,16 +1,19 @@
 package bench
 
 import (
+	"bufio"
 	"bytes"
 	"context"
 	"encoding/json"
 	"fmt"
 	"net"
+	"net/http"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"slices"
 	"strconv"
+	"strings"
 	"syscall"
 	"time"
 
@@ -307,6 +310,7 @@ func (p *peerPipeline) run(ctx context.Context, run int) (PeerRun, error) {
 	if err != nil {
 		return PeerRun{}, err
 	}
+	batched0, processed0 := p.workerCounts(ctx)
 	m := e.cpuStart()
 	lgCPU, err := p.loadgen(ctx, prefix, e.cfg.PeerTasks)
 	if err != nil {
@@ -338,9 +342,41 @@ WHERE i.idempotency_key LIKE $1 || '%'`, prefix).Scan(&done, &secs, &createSecs)
 	}
 	n := float64(e.cfg.PeerTasks)
 	_ = lgCPU // the load generator's CPU is not converge's
+	batched1, processed1 := p.workerCounts(ctx)
+	if processed1 > processed0 {
+		e.progress("peer    converge    run %d: %.0f%% of the worker's records went through runs (batch.go)", run+1, 100*(batched1-batched0)/(processed1-processed0))
+	}
 	return PeerRun{System: peerConverge, Seconds: round2(secs), TasksPerSec: round2(n / secs), CreateSeconds: round2(createSecs),
 		CPUMsPerTask: round2((cpu.Converge + cpu.Postgres) * wall.Seconds() * 1000 / n),
 		XIDsPerTask:  round2(float64(xid1-xid0-1) / n), CommitsPerTask: round2(float64(xact1-xact0) / n)}, nil
+}
+
+// workerCounts scrapes the pipeline's /metrics for the worker's records
+// through runs and its processed records (zeros when unreadable).
+func (p *peerPipeline) workerCounts(ctx context.Context) (batched, processed float64) {
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, p.baseURL+"/metrics", nil)
+	if err != nil {
+		return 0, 0
+	}
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		return 0, 0
+	}
+	defer resp.Body.Close()
+	sc := bufio.NewScanner(resp.Body)
+	for sc.Scan() {
+		line := sc.Text()
+		var v float64
+		switch {
+		case strings.HasPrefix(line, "converge_worker_batched_records_total "):
+			fmt.Sscan(strings.Fields(line)[1], &v)
+			batched += v
+		case strings.HasPrefix(line, `converge_worker_messages_total{outcome="processed"} `):
+			fmt.Sscan(strings.Fields(line)[1], &v)
+			processed += v
+		}
+	}
+	return batched, processed
 }
 
 // nextXID is the next transaction id PostgreSQL will assign (reading it
