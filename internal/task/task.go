@@ -14,13 +14,13 @@ import (
 )
 
 // Columns are the task columns Scan reads, in its order.
-const Columns = `task_id, status, version, attempt, output_format, input_sha256, input_size,
+const Columns = `task_id, COALESCE(tenant_id, ''), status, version, attempt, output_format, input_sha256, input_size,
 artifact_sha256, artifact_size, terminal_error_code, created_at, updated_at, completed_at`
 
 // Scan reads a row of Columns into a snapshot; times are UTC.
 func Scan(row pgx.Row) (taskevent.Task, error) {
 	var t taskevent.Task
-	err := row.Scan(&t.TaskID, &t.Status, &t.Version, &t.Attempt, &t.OutputFormat, &t.InputSHA256, &t.InputSize,
+	err := row.Scan(&t.TaskID, &t.TenantID, &t.Status, &t.Version, &t.Attempt, &t.OutputFormat, &t.InputSHA256, &t.InputSize,
 		&t.ArtifactSHA256, &t.ArtifactSize, &t.TerminalErrorCode, &t.CreatedAt, &t.UpdatedAt, &t.CompletedAt)
 	if err != nil {
 		return t, err
@@ -94,9 +94,9 @@ func LockIfAt(ctx context.Context, q dbpool.Querier, id, status string, version 
 // in its pipelined create transaction (seed 3.1).
 func QueueCreate(b *pgx.Batch, t taskevent.Task, fingerprint string, document []byte) {
 	b.Queue(`
-INSERT INTO task (task_id, request_fingerprint, status, version, attempt, output_format, input_sha256, input_size, created_at, updated_at)
-VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)`,
-		t.TaskID, fingerprint, t.Status, t.Version, t.Attempt, t.OutputFormat, t.InputSHA256, t.InputSize, t.CreatedAt, t.UpdatedAt).
+INSERT INTO task (task_id, tenant_id, request_fingerprint, status, version, attempt, output_format, input_sha256, input_size, created_at, updated_at)
+VALUES ($1, NULLIF($2, ''), $3, $4, $5, $6, $7, $8, $9, $10, $11)`,
+		t.TaskID, t.TenantID, fingerprint, t.Status, t.Version, t.Attempt, t.OutputFormat, t.InputSHA256, t.InputSize, t.CreatedAt, t.UpdatedAt).
 		Exec(func(tag pgconn.CommandTag) error { return checkOne(tag, "insert task "+t.TaskID) })
 	b.Queue(`INSERT INTO task_input (task_id, document) VALUES ($1, $2)`, t.TaskID, document).
 		Exec(func(tag pgconn.CommandTag) error { return checkOne(tag, "insert input of task "+t.TaskID) })

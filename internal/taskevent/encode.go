@@ -91,6 +91,10 @@ func appendCanonical(dst []byte, e *Event) ([]byte, bool) {
 	str(t.Status)
 	dst = append(dst, `,"task_id":`...)
 	str(t.TaskID)
+	if t.TenantID != "" {
+		dst = append(dst, `,"tenant_id":`...)
+		str(t.TenantID)
+	}
 	dst = append(dst, `,"terminal_error_code":`...)
 	optStr(t.TerminalErrorCode)
 	dst = append(dst, `,"updated_at":`...)

@@ -44,7 +44,7 @@ func randomEvent(r *rand.Rand) *Event {
 		return &v
 	}
 	e := &Event{EventID: s(), EventType: s(), SchemaVersion: int(i()), TaskID: s(), TaskVersion: i(), OccurredAt: tm()}
-	e.Task = Task{TaskID: s(), Status: s(), Version: i(), Attempt: int(i()), OutputFormat: s(), InputSHA256: s(), InputSize: i(),
+	e.Task = Task{TaskID: s(), TenantID: s(), Status: s(), Version: i(), Attempt: int(i()), OutputFormat: s(), InputSHA256: s(), InputSize: i(),
 		ArtifactSHA256: optS(), TerminalErrorCode: optS(), CreatedAt: tm(), UpdatedAt: tm()}
 	if r.IntN(2) == 0 {
 		v := i()

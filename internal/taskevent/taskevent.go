@@ -78,7 +78,11 @@ func Terminal(status string) bool {
 // stores. Versions are below 2^53 (a CHECK constraint guarantees it), so they
 // survive JSON and Lua doubles.
 type Task struct {
-	TaskID            string     `json:"task_id"`
+	TaskID string `json:"task_id"`
+	// TenantID is the tenant that owns the task (internal/tenant); empty for
+	// tasks created before tenants existed (migration 00005), and then
+	// omitted from the JSON.
+	TenantID          string     `json:"tenant_id,omitempty"`
 	Status            string     `json:"status"`
 	Version           int64      `json:"version"`
 	Attempt           int        `json:"attempt"`
