@@ -34,7 +34,25 @@ func New(ctx context.Context, url string) (*pgxpool.Pool, error) {
 	return pgxpool.NewWithConfig(ctx, cfg)
 }
 
-// ParseConfig is pgxpool.ParseConfig with New's enable_seqscan=off.
+// IdleInTransactionTimeout is New's idle_in_transaction_session_timeout:
+// PostgreSQL ends a session that has kept a transaction open without a
+// statement for this long, releasing its locks. A process frozen inside a
+// transaction (SIGSTOP, a VM pause, a GC stall, a hung disk write between
+// two statements) otherwise holds its row locks for as long as it stays
+// frozen, and every other member of its consumer group that takes over its
+// records blocks behind them until its own attempts run out (found by a
+// crash test: a frozen worker's intake held 64 inbox rows for over 7
+// minutes; a healthy task was dead-lettered RETRIES_EXHAUSTED). converge's
+// transactions never wait between statements for longer than an attempt
+// (30s) — the longest is the dead-letter service's replay, which waits for
+// the broker's acknowledgement (ProduceTimeout, 30s) — so 60s ends only
+// the stuck ones; the frozen process's next statement then fails and it
+// starts over from durable state.
+const IdleInTransactionTimeout = "60s"
+
+// ParseConfig is pgxpool.ParseConfig with New's enable_seqscan=off and
+// idle_in_transaction_session_timeout (IdleInTransactionTimeout), each
+// unless url sets it itself.
 func ParseConfig(url string) (*pgxpool.Config, error) {
 	cfg, err := pgxpool.ParseConfig(url)
 	if err != nil {
@@ -42,6 +60,9 @@ func ParseConfig(url string) (*pgxpool.Config, error) {
 	}
 	if _, set := cfg.ConnConfig.RuntimeParams["enable_seqscan"]; !set {
 		cfg.ConnConfig.RuntimeParams["enable_seqscan"] = "off"
+	}
+	if _, set := cfg.ConnConfig.RuntimeParams["idle_in_transaction_session_timeout"]; !set {
+		cfg.ConnConfig.RuntimeParams["idle_in_transaction_session_timeout"] = IdleInTransactionTimeout
 	}
 	return cfg, nil
 }
