@@ -9,6 +9,8 @@ import (
 	"os"
 	"time"
 
+	"github.com/converge-run/converge/internal/tenant"
+
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
@@ -152,7 +154,7 @@ func (c *APICmd) Run(env *runEnv) error {
 		return err
 	}
 	srv, err := api.New(api.Config{Pool: pool, Redis: rdb, ArtifactStore: store, MaxBodyBytes: c.MaxBodyBytes, DeadLetters: dls,
-		Logger: env.log, Registerer: reg, Gatherer: reg, Faults: env.faults})
+		Auth: tenant.NewAuthenticator(pool, 0), Logger: env.log, Registerer: reg, Gatherer: reg, Faults: env.faults})
 	if err != nil {
 		return err
 	}
@@ -324,12 +326,14 @@ type SubmitCmd struct {
 	Concurrency int           `default:"8" help:"Documents in flight at once."`
 	Timeout     time.Duration `default:"120s" help:"How long to wait for each task to become terminal."`
 	Paths       []string      `arg:"" name:"path" help:"JSON files or directories (walked for *.json)." type:"path"`
+	Token       string        `env:"CONVERGE_TOKEN" help:"API token of the tenant to submit as (default: the dev tenant's token of converge dev's --data-dir)."`
+	DataDir     string        `env:"CONVERGE_DATA_DIR" default:".converge" help:"Data directory of a converge dev whose dev token is used when --token is not set."`
 }
 
 // Run submits and prints one line per document; exits 1 when any document
 // did not complete.
 func (c *SubmitCmd) Run(env *runEnv) error {
-	cl := &submit.Client{BaseURL: c.APIURL}
+	cl := &submit.Client{BaseURL: c.APIURL, Token: clientToken(c.Token, c.DataDir)}
 	s, err := submit.Run(env.ctx, os.Stdout, cl, c.Paths, c.Concurrency, c.Timeout)
 	if err != nil {
 		return err

@@ -11,6 +11,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/converge-run/converge/internal/tenant"
+
 	"github.com/google/uuid"
 
 	"github.com/converge-run/converge/consumers/deadletter"
@@ -64,9 +66,22 @@ func parkDeadLetter(t *testing.T, db *testenv.DB) int64 {
 	return id
 }
 
-func replay(t *testing.T, base string, id int64) (int, map[string]any) {
+// adminToken adds an admin tenant to db and returns its token.
+func adminToken(t *testing.T, db *testenv.DB) string {
 	t.Helper()
-	resp, err := http.Post(base+"/v1/admin/dead-letters/"+strconv.FormatInt(id, 10)+"/replay", "application/json", strings.NewReader(`{"reason":"fixed","by":"ops"}`))
+	_, tok, err := tenant.Add(context.Background(), db.Pool, "ops", true, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return tok
+}
+
+func replay(t *testing.T, base, token string, id int64) (int, map[string]any) {
+	t.Helper()
+	req, _ := http.NewRequest(http.MethodPost, base+"/v1/admin/dead-letters/"+strconv.FormatInt(id, 10)+"/replay", strings.NewReader(`{"reason":"fixed"}`))
+	req.Header.Set("Content-Type", "application/json")
+	req.Header.Set("Authorization", "Bearer "+token)
+	resp, err := http.DefaultClient.Do(req)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -86,18 +101,20 @@ func TestAPICommandServesDeadLetters(t *testing.T) {
 	t.Run("with brokers", func(t *testing.T) {
 		t.Parallel()
 		db, kafka := testenv.NewDB(t), testenv.NewKafka(t)
-		id := parkDeadLetter(t, db)
+		id, tok := parkDeadLetter(t, db), adminToken(t, db)
 		base := runAPI(t, APICmd{Services: Services{DatabaseURL: db.URL, KafkaBrokers: kafka.Brokers}, MaxReplays: 3})
-		if st, m := replay(t, base, id); st != http.StatusOK || m["outcome"] != deadletter.OutcomeReplayed {
+		if st, m := replay(t, base, tok, id); st != http.StatusOK || m["outcome"] != deadletter.OutcomeReplayed {
 			t.Fatalf("replay: %d %v", st, m)
 		}
 	})
 	t.Run("without brokers", func(t *testing.T) {
 		t.Parallel()
 		db := testenv.NewDB(t)
-		id := parkDeadLetter(t, db)
+		id, tok := parkDeadLetter(t, db), adminToken(t, db)
 		base := runAPI(t, APICmd{Services: Services{DatabaseURL: db.URL}, MaxReplays: 3})
-		resp, err := http.Get(base + "/v1/admin/dead-letters")
+		req, _ := http.NewRequest(http.MethodGet, base+"/v1/admin/dead-letters", nil)
+		req.Header.Set("Authorization", "Bearer "+tok)
+		resp, err := http.DefaultClient.Do(req)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -105,7 +122,7 @@ func TestAPICommandServesDeadLetters(t *testing.T) {
 		if resp.StatusCode != http.StatusOK {
 			t.Fatalf("list: %d", resp.StatusCode)
 		}
-		st, m := replay(t, base, id)
+		st, m := replay(t, base, tok, id)
 		if st != http.StatusServiceUnavailable || m["code"] != "DEAD_LETTERS_UNAVAILABLE" || !strings.Contains(m["detail"].(string), "CONVERGE_KAFKA_BROKERS") {
 			t.Fatalf("replay without brokers: %d %v", st, m)
 		}

@@ -25,6 +25,7 @@ import (
 	"github.com/converge-run/converge/internal/localpg"
 	"github.com/converge-run/converge/internal/localredis"
 	"github.com/converge-run/converge/projections/taskview"
+	"github.com/converge-run/converge/schemas"
 )
 
 //go:embed examples/*.json
@@ -75,6 +76,14 @@ func (c *DevCmd) Run(env *runEnv) error {
 			return err
 		}
 		dbURL = pg.URL("converge")
+	}
+
+	// Schema and tenants before anything serves: the dev stack's tenants
+	// (dev, admin) and their tokens in the data directory, and its database
+	// URL for `converge tenants` (files of mode 0600).
+	tokens, err := prepareDevDatabase(ctx, dbURL, dataDir)
+	if err != nil {
+		return err
 	}
 
 	reg := newRegistry()
@@ -130,24 +139,28 @@ converge is running (Ctrl-C stops it cleanly)
   Kafka        %v   (topic %s; any Kafka client can connect)
   Redis        %s
   artifacts    %s
-  auth         none (the API has no authentication yet; keep it on loopback)
-Submit documents:  ./bin/converge submit --api-url %s PATH...
+  tenants      dev    %s
+               admin  %s   (admin endpoints; tokens in %s)
+Submit documents:  ./bin/converge submit --api-url %s PATH...   (sends the dev token from the data directory)
+Read a task:       curl -H "Authorization: Bearer $(cat %s)" %s/v1/tasks/<task_id>
+Manage tenants:    ./bin/converge tenants add|list|rotate|disable  (next to this data directory)
 
-`, apiURL, redact(dbURL), brokers, c.Topic, redisURL, artifactDir, apiURL)
+`, apiURL, redact(dbURL), brokers, c.Topic, redisURL, artifactDir, tokens["dev"], tokens["admin"], filepath.Join(dataDir, devTokenDir),
+				apiURL, filepath.Join(dataDir, devTokenDir, "dev.token"), apiURL)
 		},
 	}
 	errc := make(chan error, 1)
 	go func() { errc <- pipeline.Run(ctx, cfg) }()
 
 	if !c.NoExamples {
-		go submitExamples(ctx, apiURL, dataDir)
+		go submitExamples(ctx, apiURL, dataDir, tokens["dev"])
 	}
 	return <-errc
 }
 
 // submitExamples writes the embedded example documents to the data
 // directory and submits them, so a newcomer sees tasks complete.
-func submitExamples(ctx context.Context, apiURL, dataDir string) {
+func submitExamples(ctx context.Context, apiURL, dataDir, token string) {
 	dir := filepath.Join(dataDir, "examples")
 	if err := os.MkdirAll(dir, 0o755); err != nil {
 		return
@@ -159,7 +172,7 @@ func submitExamples(ctx context.Context, apiURL, dataDir string) {
 		b, _ := examples.ReadFile(p)
 		return os.WriteFile(filepath.Join(dir, filepath.Base(p)), b, 0o644)
 	})
-	cl := &submit.Client{BaseURL: apiURL}
+	cl := &submit.Client{BaseURL: apiURL, Token: token}
 	if !waitReady(ctx, apiURL) {
 		return
 	}
@@ -170,8 +183,25 @@ func submitExamples(ctx context.Context, apiURL, dataDir string) {
 		return
 	}
 	if s.OK() {
-		fmt.Println("All examples completed. Fetch an artifact: curl -s " + apiURL + "/v1/tasks/<task_id>/artifact")
+		fmt.Println("All examples completed. Fetch an artifact: curl -s -H \"Authorization: Bearer $(cat " + filepath.Join(dataDir, devTokenDir, "dev.token") + ")\" " + apiURL + "/v1/tasks/<task_id>/artifact")
 	}
+}
+
+// prepareDevDatabase migrates the dev database, writes its URL into the
+// data directory and makes sure the dev tenants exist (ensureDevTenants).
+func prepareDevDatabase(ctx context.Context, dbURL, dataDir string) (map[string]string, error) {
+	pool, err := openPool(ctx, dbURL)
+	if err != nil {
+		return nil, err
+	}
+	defer pool.Close()
+	if err := schemas.Migrate(ctx, pool); err != nil {
+		return nil, err
+	}
+	if err := os.WriteFile(filepath.Join(dataDir, devDatabaseURLFile), []byte(dbURL+"\n"), 0o600); err != nil {
+		return nil, err
+	}
+	return ensureDevTenants(ctx, pool, dataDir)
 }
 
 func waitReady(ctx context.Context, apiURL string) bool {

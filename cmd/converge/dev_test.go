@@ -131,8 +131,8 @@ func TestDevKilledMidBatch(t *testing.T) {
 
 	p := startDev(t, bin, env, logf)
 	defer func() { _ = p.cmd.Process.Kill(); <-p.done }()
-	cl := &submit.Client{BaseURL: apiURL, PollInterval: 20 * time.Millisecond}
 	waitHTTP(t, apiURL+"/healthz", p)
+	cl := &submit.Client{BaseURL: apiURL, Token: devToken(t, filepath.Join(dir, "data")), PollInterval: 20 * time.Millisecond}
 
 	const n = 300
 	ctx := context.Background()
@@ -278,4 +278,15 @@ func lastMatch(t *testing.T, path, re string) string {
 		t.Fatalf("no log line matches %s", re)
 	}
 	return m[len(m)-1][1]
+}
+
+// devToken reads the dev tenant's token that converge dev wrote into its
+// data directory dir (it exists before the API serves).
+func devToken(t *testing.T, dir string) string {
+	t.Helper()
+	b, err := os.ReadFile(filepath.Join(dir, devTokenDir, "dev.token"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	return strings.TrimSpace(string(b))
 }

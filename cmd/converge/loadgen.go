@@ -25,13 +25,15 @@ type LoadgenCmd struct {
 	KeyPrefix   string        `help:"Start of every Idempotency-Key (default lg-<12 random hex digits>-, unique per run)."`
 	DatabaseURL string        `env:"CONVERGE_DATABASE_URL" help:"PostgreSQL of the API: when set, the wait reads the created tasks with one query per poll instead of a GET per pending task (the GETs load the API while it is measured)."`
 	Out         string        `type:"path" help:"Also write the result as JSON to this file."`
+	Token       string        `env:"CONVERGE_TOKEN" help:"API token of the tenant the load is sent as (default: the dev tenant's token of converge dev's --data-dir)."`
+	DataDir     string        `env:"CONVERGE_DATA_DIR" default:".converge" help:"Data directory of a converge dev whose dev token is used when --token is not set."`
 }
 
 // Run runs the load and prints the result; exits 1 when no request was
 // accepted.
 func (c *LoadgenCmd) Run(env *runEnv) error {
 	cfg := loadgen.Config{
-		BaseURL: c.APIURL, Rate: c.Rate, Clients: c.Clients, Duration: c.Duration, Count: c.Count,
+		BaseURL: c.APIURL, Token: clientToken(c.Token, c.DataDir), Rate: c.Rate, Clients: c.Clients, Duration: c.Duration, Count: c.Count,
 		DocsDir: c.Docs, DocSize: c.DocSize, Wait: c.Wait, WaitTimeout: c.WaitTimeout, Progress: os.Stderr, KeyPrefix: c.KeyPrefix,
 	}
 	if c.DatabaseURL != "" && c.Wait {

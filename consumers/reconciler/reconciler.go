@@ -514,6 +514,9 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 		ActionCompensationObserved, ActionInboxReleased, ActionTaskRedriven, ActionIdempotencyResolved, ActionCacheRepaired, ActionDeadLetterRecorded, ActionDeadLetterResolved, ActionSuperseded} {
 		m.actions.WithLabelValues(k)
 	}
+	for _, r := range []string{"ok", "error"} {
+		m.passes.WithLabelValues(r) // exported at 0 before the first pass
+	}
 	for _, c := range []prometheus.Collector{m.actions, m.passes, m.passSeconds, m.unresolved, m.outboxRows, m.outboxAge} {
 		if err := reg.Register(c); err != nil {
 			return nil, fmt.Errorf("reconciler: register metrics: %w", err)

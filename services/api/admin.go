@@ -129,14 +129,15 @@ func (s *Server) handleGetDeadLetter(w http.ResponseWriter, r *http.Request) {
 }
 
 // handleReplayDeadLetter is POST /v1/admin/dead-letters/{id}/replay with
-// {"reason": "...", "by": "..."}: 200 with the deadletter.Result (outcome
+// {"reason": "..."} (who replays is the authenticated admin tenant,
+// recorded as "tenant:<name>"): 200 with the deadletter.Result (outcome
 // replayed, noop or refused).
 func (s *Server) handleReplayDeadLetter(w http.ResponseWriter, r *http.Request) {
 	s.handleDeadLetterRequest(w, r, (*deadletter.Service).Replay)
 }
 
 // handleResolveDeadLetter is POST /v1/admin/dead-letters/{id}/resolve with
-// {"reason": "...", "by": "..."}: the dead letter is marked resolved
+// {"reason": "..."} (who: as for a replay): the dead letter is marked resolved
 // without publishing anything (who, when and why recorded); 200 with the
 // deadletter.Result (outcome resolved, or noop when it already was). It
 // needs no Kafka brokers.
@@ -172,9 +173,10 @@ func (s *Server) handleDeadLetterRequest(w http.ResponseWriter, r *http.Request,
 	}
 	req, err := decodeReplayRequest(body)
 	if err != nil {
-		s.writeError(w, r, newError(CodeInvalidAdminRequest, `body must be one JSON object {"reason": "...", "by": "..."} (strings, no other members): %s`, clip(err.Error(), 120)))
+		s.writeError(w, r, newError(CodeInvalidAdminRequest, `body must be one JSON object {"reason": "..."} (a string, no other member; who acts is the credential's tenant): %s`, clip(err.Error(), 120)))
 		return
 	}
+	req.By = "tenant:" + principal(r).Name
 	res, err := do(svc, r.Context(), id, req)
 	if err != nil {
 		s.writeError(w, r, deadLetterErr(err))
@@ -183,22 +185,24 @@ func (s *Server) handleDeadLetterRequest(w http.ResponseWriter, r *http.Request,
 	s.writeAdminJSON(w, r, http.StatusOK, res)
 }
 
-// decodeReplayRequest decodes a replay or resolve body strictly: one JSON object with
-// string members reason and by only, nothing after it.
+// decodeReplayRequest decodes a replay or resolve body strictly: one JSON
+// object with the string member reason only, nothing after it.
 func decodeReplayRequest(body []byte) (deadletter.Request, error) {
-	var req deadletter.Request
+	var in struct {
+		Reason string `json:"reason"`
+	}
 	dec := json.NewDecoder(bytes.NewReader(body))
 	dec.DisallowUnknownFields()
-	if err := dec.Decode(&req); err != nil {
-		return req, err
+	if err := dec.Decode(&in); err != nil {
+		return deadletter.Request{}, err
 	}
 	if dec.More() {
-		return req, errors.New("data after the JSON object")
+		return deadletter.Request{}, errors.New("data after the JSON object")
 	}
 	if _, err := dec.Token(); err != io.EOF {
-		return req, errors.New("data after the JSON object")
+		return deadletter.Request{}, errors.New("data after the JSON object")
 	}
-	return req, nil
+	return deadletter.Request{Reason: in.Reason}, nil
 }
 
 func (s *Server) writeAdminJSON(w http.ResponseWriter, r *http.Request, status int, v any) {

@@ -92,7 +92,7 @@ func TestAdminDeadLetters(t *testing.T) {
 	}
 
 	path := "/v1/admin/dead-letters/" + strconv.FormatInt(id, 10) + "/replay"
-	r = b.do(t, http.MethodPost, path, jsonHeader, []byte(`{"reason":"fixed A","by":"alice"}`))
+	r = b.do(t, http.MethodPost, path, jsonHeader, []byte(`{"reason":"fixed A"}`))
 	if m := r.json(t); r.status != http.StatusOK || m["outcome"] != "replayed" || m["state"] != "replayed" || m["task_reopened"] != true || m["replay_count"] != float64(1) {
 		t.Fatalf("replay: %d %s", r.status, r.body)
 	}
@@ -105,18 +105,18 @@ func TestAdminDeadLetters(t *testing.T) {
 		t.Fatalf("second replay: %d %s", r.status, r.body)
 	}
 	r = b.do(t, http.MethodGet, "/v1/admin/dead-letters/"+strconv.FormatInt(id, 10), nil, nil)
-	if m := r.json(t); m["last_replay_by"] != "unknown" || m["last_replay_reason"] != "again" || m["replay_count"] != float64(1) {
+	if m := r.json(t); m["last_replay_by"] != "tenant:ops" || m["last_replay_reason"] != "again" || m["replay_count"] != float64(1) {
 		t.Fatalf("after replays: %s", r.body)
 	}
 
 	// Resolve: marked resolved without publishing, who/why recorded.
 	resolve := "/v1/admin/dead-letters/" + strconv.FormatInt(otherID, 10) + "/resolve"
-	r = b.do(t, http.MethodPost, resolve, jsonHeader, []byte(`{"reason":"input is broken, client told","by":"bob"}`))
+	r = b.do(t, http.MethodPost, resolve, jsonHeader, []byte(`{"reason":"input is broken, client told"}`))
 	if m := r.json(t); r.status != http.StatusOK || m["outcome"] != "resolved" || m["state"] != "resolved" || m["task_reopened"] != false {
 		t.Fatalf("resolve: %d %s", r.status, r.body)
 	}
 	r = b.do(t, http.MethodGet, "/v1/admin/dead-letters/"+strconv.FormatInt(otherID, 10), nil, nil)
-	if m := r.json(t); m["state"] != "resolved" || m["last_replay_by"] != "bob" || m["last_replay_reason"] != "input is broken, client told" || m["last_replay_at"] == nil {
+	if m := r.json(t); m["state"] != "resolved" || m["last_replay_by"] != "tenant:ops" || m["last_replay_reason"] != "input is broken, client told" || m["last_replay_at"] == nil {
 		t.Fatalf("after resolve: %s", r.body)
 	}
 	r = b.do(t, http.MethodPost, resolve, jsonHeader, []byte(`{"reason":"again"}`))
@@ -160,7 +160,7 @@ func TestAdminDeadLettersBadInput(t *testing.T) {
 		{"unknown member", http.MethodPost, replay, jsonHeader, `{"reason":"x","force":true}`, 400, CodeInvalidAdminRequest},
 		{"trailing data", http.MethodPost, replay, jsonHeader, `{"reason":"x"} {}`, 400, CodeInvalidAdminRequest},
 		{"empty body", http.MethodPost, replay, jsonHeader, ``, 400, CodeInvalidAdminRequest},
-		{"missing reason", http.MethodPost, replay, jsonHeader, `{"by":"alice"}`, 422, CodeReplayReasonRequired},
+		{"missing reason", http.MethodPost, replay, jsonHeader, `{}`, 422, CodeReplayReasonRequired},
 		{"blank reason", http.MethodPost, replay, jsonHeader, `{"reason":"   "}`, 422, CodeReplayReasonRequired},
 		{"null body", http.MethodPost, replay, jsonHeader, `null`, 422, CodeReplayReasonRequired},
 		{"wrong content type", http.MethodPost, replay, http.Header{"Content-Type": {"text/plain"}}, `{"reason":"x"}`, 415, CodeUnsupportedMediaType},
@@ -172,11 +172,11 @@ func TestAdminDeadLettersBadInput(t *testing.T) {
 		{"resolve id overflows", http.MethodPost, "/v1/admin/dead-letters/99999999999999999999/resolve", jsonHeader, `{"reason":"x"}`, 404, CodeDeadLetterNotFound},
 		{"resolve malformed JSON", http.MethodPost, resolve, jsonHeader, `{"reason"`, 400, CodeInvalidAdminRequest},
 		{"resolve not an object", http.MethodPost, resolve, jsonHeader, `"x"`, 400, CodeInvalidAdminRequest},
-		{"resolve by not a string", http.MethodPost, resolve, jsonHeader, `{"reason":"x","by":1}`, 400, CodeInvalidAdminRequest},
+		{"resolve with a by member (who acts is the credential's tenant)", http.MethodPost, resolve, jsonHeader, `{"reason":"x","by":"alice"}`, 400, CodeInvalidAdminRequest},
 		{"resolve unknown member", http.MethodPost, resolve, jsonHeader, `{"reason":"x","state":"parked"}`, 400, CodeInvalidAdminRequest},
 		{"resolve trailing data", http.MethodPost, resolve, jsonHeader, `{"reason":"x"}x`, 400, CodeInvalidAdminRequest},
 		{"resolve empty body", http.MethodPost, resolve, jsonHeader, ``, 400, CodeInvalidAdminRequest},
-		{"resolve missing reason", http.MethodPost, resolve, jsonHeader, `{"by":"alice"}`, 422, CodeReplayReasonRequired},
+		{"resolve missing reason", http.MethodPost, resolve, jsonHeader, `{}`, 422, CodeReplayReasonRequired},
 		{"resolve blank reason", http.MethodPost, resolve, jsonHeader, `{"reason":"\t "}`, 422, CodeReplayReasonRequired},
 		{"resolve null body", http.MethodPost, resolve, jsonHeader, `null`, 422, CodeReplayReasonRequired},
 		{"resolve wrong content type", http.MethodPost, resolve, http.Header{"Content-Type": {"text/plain"}}, `{"reason":"x"}`, 415, CodeUnsupportedMediaType},

@@ -36,8 +36,8 @@ func (s *Server) handleGetArtifact(w http.ResponseWriter, r *http.Request) {
 	}
 	ctx := r.Context()
 	t, err := s.store.task(ctx, id)
-	if errors.Is(err, errTaskNotFound) {
-		err = notFound(id)
+	if errors.Is(err, errTaskNotFound) || (err == nil && !canRead(principal(r), t.TenantID)) {
+		err = notFound(id) // another tenant's task: no oracle
 	}
 	if err != nil {
 		s.writeError(w, r, err)

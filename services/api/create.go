@@ -16,6 +16,7 @@ import (
 	"github.com/converge-run/converge/internal/canon"
 	"github.com/converge-run/converge/internal/fault"
 	"github.com/converge-run/converge/internal/taskevent"
+	"github.com/converge-run/converge/internal/tenant"
 	"github.com/converge-run/converge/services/api/idempotency"
 )
 
@@ -96,16 +97,17 @@ func (s *Server) handleCreate(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	inputSHA := canon.SHA256Hex(canonical)
-	k := idempotency.Key{Scope: idempotency.CreateScope, Key: key, Fingerprint: Fingerprint(inputSHA, req.OutputFormat),
+	p := principal(r)
+	k := idempotency.Key{Scope: tenant.CreateScope(p.TenantID), Key: key, Fingerprint: Fingerprint(inputSHA, req.OutputFormat),
 		TTL: s.cfg.IdempotencyTTL, Lease: s.cfg.IdempotencyLease}
 	build := func(now time.Time) (*newTask, error) {
-		return buildTask(now, req, inputSHA, int64(len(canonical)))
+		return buildTask(now, p.TenantID, req, inputSHA, int64(len(canonical)))
 	}
 
 	// At most a few rounds: a record that vanished between our conflicting
 	// insert and our read (deleted by retention) lets the next insert win.
 	for range 3 {
-		n, err := s.store.createTask(r.Context(), k, build)
+		n, err := s.store.createTask(r.Context(), k, p, build)
 		if err == nil {
 			s.metrics.idempotency.WithLabelValues(idemCreated).Inc()
 			s.log.InfoContext(r.Context(), "task created", slog.String("task_id", n.Task.TaskID), slog.String("idempotency_key", key))
@@ -115,11 +117,16 @@ func (s *Server) handleCreate(w http.ResponseWriter, r *http.Request) {
 			writeCreated(w, n.Task.TaskID, http.StatusAccepted, n.Response, false)
 			return
 		}
+		if errors.Is(err, tenant.ErrQuotaExhausted) {
+			s.metrics.idempotency.WithLabelValues(idemQuota).Inc()
+			s.writeError(w, r, newError(CodeQuotaExhausted, "tenant %s has no task left in its quota", p.Name))
+			return
+		}
 		if !errors.Is(err, errKeyTaken) {
 			s.writeError(w, r, err)
 			return
 		}
-		rec, err := s.store.idempotencyRecord(r.Context(), key)
+		rec, err := s.store.idempotencyRecord(r.Context(), k.Scope, key)
 		if errors.Is(err, pgx.ErrNoRows) {
 			continue
 		}
@@ -136,7 +143,7 @@ func (s *Server) handleCreate(w http.ResponseWriter, r *http.Request) {
 // buildTask builds the rows of a new task created at now (the creating
 // transaction's timestamp): the queued v0 snapshot, the TaskCreated event
 // and the 202 body, both in canonical form.
-func buildTask(now time.Time, req *createRequest, inputSHA string, inputSize int64) (*newTask, error) {
+func buildTask(now time.Time, tenantID string, req *createRequest, inputSHA string, inputSize int64) (*newTask, error) {
 	taskID, err := uuid.NewV7()
 	if err != nil {
 		return nil, fmt.Errorf("task id: %w", err)
@@ -146,7 +153,7 @@ func buildTask(now time.Time, req *createRequest, inputSHA string, inputSize int
 		return nil, fmt.Errorf("outbox id: %w", err)
 	}
 	t := taskevent.Task{
-		TaskID: taskID.String(), Status: taskevent.StatusQueued, Version: 0, Attempt: 0,
+		TaskID: taskID.String(), TenantID: tenantID, Status: taskevent.StatusQueued, Version: 0, Attempt: 0,
 		OutputFormat: req.OutputFormat, InputSHA256: inputSHA, InputSize: inputSize,
 		CreatedAt: now, UpdatedAt: now,
 	}

@@ -13,12 +13,13 @@ import (
 	"testing"
 	"time"
 
+	"github.com/converge-run/converge/internal/tenant"
+
 	"github.com/converge-run/converge/internal/canon"
 	"github.com/converge-run/converge/internal/corpus"
 	"github.com/converge-run/converge/internal/fault"
 	"github.com/converge-run/converge/internal/taskevent"
 	"github.com/converge-run/converge/internal/testenv"
-	"github.com/converge-run/converge/services/api/idempotency"
 )
 
 func TestCreateReplayAndKeyReuse(t *testing.T) {
@@ -70,7 +71,7 @@ func TestCreateReplayAndKeyReuse(t *testing.T) {
 	var state string
 	var recTask string
 	var respStatus int
-	if err := b.db.Pool.QueryRow(ctx, `SELECT state, task_id, response_status FROM idempotency_record WHERE scope=$1 AND idempotency_key=$2`, idempotency.CreateScope, key).
+	if err := b.db.Pool.QueryRow(ctx, `SELECT state, task_id, response_status FROM idempotency_record WHERE scope=$1 AND idempotency_key=$2`, tenant.CreateScope(b.tenant.ID), key).
 		Scan(&state, &recTask, &respStatus); err != nil || state != "succeeded" || recTask != id || respStatus != 202 {
 		t.Fatalf("idempotency record: %s %s %d %v", state, recTask, respStatus, err)
 	}
@@ -254,6 +255,7 @@ func TestCreateRejectsBadInput(t *testing.T) {
 					t.Fatal(err)
 				}
 				req.Header = h
+				req.Header.Set("Authorization", "Bearer "+b.token)
 				resp, err := b.ts.Client().Do(req)
 				if err != nil {
 					t.Fatal(err)
@@ -355,7 +357,7 @@ func TestCreateResponseLostAfterCommit(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	req.Header = http.Header{"Content-Type": {"application/json"}, "Idempotency-Key": {"lost-response-1"}}
+	req.Header = http.Header{"Content-Type": {"application/json"}, "Idempotency-Key": {"lost-response-1"}, "Authorization": {"Bearer " + b.token}}
 	client := &http.Client{Transport: &http.Transport{DisableKeepAlives: true}}
 	if resp, err := client.Do(req); err == nil {
 		resp.Body.Close()
@@ -405,7 +407,7 @@ func TestCreateInProgressRecord(t *testing.T) {
 	fp := Fingerprint(canon.SHA256Hex([]byte(`{"a":1}`)), "jcs")
 	if _, err := b.db.Pool.Exec(ctx, `
 INSERT INTO idempotency_record (scope, idempotency_key, request_fingerprint, state, locked_until, expires_at)
-VALUES ($1, 'in-progress-1', $2, 'in_progress', now() + interval '30 seconds', now() + interval '1 day')`, idempotency.CreateScope, fp); err != nil {
+VALUES ($1, 'in-progress-1', $2, 'in_progress', now() + interval '30 seconds', now() + interval '1 day')`, tenant.CreateScope(b.tenant.ID), fp); err != nil {
 		t.Fatal(err)
 	}
 	r := b.post(t, "in-progress-1", wrap(`{"a":1}`))
@@ -434,7 +436,7 @@ func TestCreateWaitsOnPrimaryKey(t *testing.T) {
 	defer tx.Rollback(ctx)
 	if _, err := tx.Exec(ctx, `
 INSERT INTO idempotency_record (scope, idempotency_key, request_fingerprint, state, locked_until, expires_at)
-VALUES ($1, 'pk-decides-1', $2, 'in_progress', now(), now() + interval '1 day')`, idempotency.CreateScope, strings.Repeat("0", 64)); err != nil {
+VALUES ($1, 'pk-decides-1', $2, 'in_progress', now(), now() + interval '1 day')`, tenant.CreateScope(b.tenant.ID), strings.Repeat("0", 64)); err != nil {
 		t.Fatal(err)
 	}
 	done := make(chan *response, 1)

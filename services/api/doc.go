@@ -13,8 +13,15 @@
 //
 // # Idempotency (seed section 3)
 //
-// A create request is identified by its Idempotency-Key (scope
-// "public:create-document-task") and described by its fingerprint: the
+// Every /v1/ request carries "Authorization: Bearer <token>", a credential
+// of a tenant (internal/tenant): without a valid one it is 401
+// UNAUTHENTICATED; admin routes (/v1/admin/) need an admin tenant's (403
+// FORBIDDEN). A tenant sees only its own tasks and artifacts: another
+// tenant's task is 404 TASK_NOT_FOUND, as if it did not exist.
+//
+// A create request is identified by its Idempotency-Key within its
+// tenant's scope (tenant.CreateScope; the same key in two tenants is two
+// intents) and described by its fingerprint: the
 // SHA-256 of the RFC 8785 form of {"operation":"create-document-task",
 // "input_sha256":..., "output_format":..., "policy_version":1}, where
 // input_sha256 is the SHA-256 of the document's canonical form. So two

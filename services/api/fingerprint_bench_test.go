@@ -46,7 +46,7 @@ func BenchmarkCreateCPU(b *testing.B) {
 		}
 		sha := canon.SHA256Hex(c)
 		sinkFingerprint = Fingerprint(sha, req.OutputFormat)
-		if _, err := buildTask(now, req, sha, int64(len(c))); err != nil {
+		if _, err := buildTask(now, "", req, sha, int64(len(c))); err != nil {
 			b.Fatal(err)
 		}
 	}

@@ -15,6 +15,7 @@ import (
 	"github.com/redis/go-redis/v9"
 
 	"github.com/converge-run/converge/internal/artifact"
+	"github.com/converge-run/converge/internal/tenant"
 	"github.com/converge-run/converge/internal/testenv"
 )
 
@@ -25,6 +26,12 @@ type testBundle struct {
 	artifacts *artifact.Store
 	srv       *Server
 	ts        *httptest.Server
+	// tenant and token: the tenant requests are sent as (Authorization:
+	// Bearer token) unless a test sets Authorization itself; admin routes
+	// use adminToken.
+	tenant     tenant.Tenant
+	token      string
+	adminToken string
 }
 
 // setup starts a Server over a fresh database and the shared Redis; opts
@@ -38,8 +45,10 @@ func setup(t *testing.T, opts ...func(*Config)) *testBundle {
 		t.Fatal(err)
 	}
 	b := &testBundle{db: db, rdb: rdb, reg: prometheus.NewRegistry(), artifacts: store}
+	b.tenant, b.token = b.addTenant(t, "team-a", false, nil)
+	_, b.adminToken = b.addTenant(t, "ops", true, nil)
 	cfg := Config{Pool: db.Pool, Redis: rdb, ArtifactStore: store, Registerer: b.reg,
-		Logger: slog.New(slog.NewTextHandler(io.Discard, nil))}
+		Auth: tenant.NewAuthenticator(db.Pool, 0), Logger: slog.New(slog.NewTextHandler(io.Discard, nil))}
 	for _, o := range opts {
 		o(&cfg)
 	}
@@ -51,6 +60,20 @@ func setup(t *testing.T, opts ...func(*Config)) *testBundle {
 	t.Cleanup(b.ts.Close)
 	return b
 }
+
+// addTenant adds a tenant to the bundle's database and returns it with its
+// token.
+func (b *testBundle) addTenant(t *testing.T, name string, admin bool, quota *int64) (tenant.Tenant, string) {
+	t.Helper()
+	ten, tok, err := tenant.Add(context.Background(), b.db.Pool, name, admin, quota)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return ten, tok
+}
+
+// bearer is the Authorization header of token.
+func bearer(token string) http.Header { return http.Header{"Authorization": {"Bearer " + token}} }
 
 type response struct {
 	status int
@@ -84,6 +107,11 @@ func (b *testBundle) try(method, path string, header http.Header, body []byte) (
 	req, err := http.NewRequest(method, b.ts.URL+path, rd)
 	if err != nil {
 		return nil, err
+	}
+	if strings.HasPrefix(path, "/v1/admin/") {
+		req.Header.Set("Authorization", "Bearer "+b.adminToken)
+	} else {
+		req.Header.Set("Authorization", "Bearer "+b.token)
 	}
 	for k, v := range header {
 		req.Header[k] = v

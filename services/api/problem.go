@@ -39,6 +39,9 @@ const (
 	CodeNotFound                = "NOT_FOUND"
 	CodeMethodNotAllowed        = "METHOD_NOT_ALLOWED"
 	CodeDatabaseUnavailable     = "DATABASE_UNAVAILABLE"
+	CodeUnauthenticated         = "UNAUTHENTICATED"
+	CodeForbidden               = "FORBIDDEN"
+	CodeQuotaExhausted          = "QUOTA_EXHAUSTED"
 	// CodeClientClosedRequest is recorded (status 499, nginx's convention)
 	// when the client went away before the answer: its cancelled context,
 	// not the database, ended the request. Nobody receives it.
@@ -82,6 +85,9 @@ var kinds = map[string]problemKind{
 	CodeNotFound:                  {http.StatusNotFound, "Not found"},
 	CodeMethodNotAllowed:          {http.StatusMethodNotAllowed, "Method not allowed"},
 	CodeDatabaseUnavailable:       {http.StatusServiceUnavailable, "Database unavailable"},
+	CodeUnauthenticated:           {http.StatusUnauthorized, "Authentication required"},
+	CodeForbidden:                 {http.StatusForbidden, "Forbidden"},
+	CodeQuotaExhausted:            {http.StatusTooManyRequests, "Quota exhausted"},
 	CodeClientClosedRequest:       {StatusClientClosedRequest, "Client closed the request"},
 	CodeCacheUnavailable:          {http.StatusServiceUnavailable, "Cache unavailable"},
 	CodeInternal:                  {http.StatusInternalServerError, "Internal error"},
@@ -234,6 +240,9 @@ func writeProblem(w http.ResponseWriter, p problem) {
 	h.Set("Cache-Control", "no-store")
 	if p.RetryAfter {
 		h.Set("Retry-After", retryAfterSeconds)
+	}
+	if p.Status == http.StatusUnauthorized {
+		h.Set("WWW-Authenticate", `Bearer realm="converge"`) // RFC 6750 section 3
 	}
 	w.WriteHeader(p.Status)
 	_, _ = w.Write(body)

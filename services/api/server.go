@@ -19,6 +19,7 @@ import (
 	"github.com/converge-run/converge/consumers/deadletter"
 	"github.com/converge-run/converge/internal/artifact"
 	"github.com/converge-run/converge/internal/fault"
+	"github.com/converge-run/converge/internal/tenant"
 	"github.com/converge-run/converge/projections/taskview"
 )
 
@@ -71,6 +72,9 @@ type Config struct {
 	// 503 DEAD_LETTERS_UNAVAILABLE. The endpoints have no authentication of
 	// their own: expose them only to operators.
 	DeadLetters *deadletter.Service
+	// Auth authenticates the bearer tokens of every /v1/ request
+	// (internal/tenant). Required.
+	Auth *tenant.Authenticator
 	// Faults arms fault points (fault.APIAfterCommitResponseLost, and
 	// fault.CacheWriteError for back-fills unless Cache.Faults is set).
 	// Nil: off.
@@ -120,6 +124,8 @@ func (c *Config) Validate() error {
 	switch {
 	case c.Pool == nil:
 		return errors.New("api: Pool required")
+	case c.Auth == nil:
+		return errors.New("api: Auth required")
 	case c.MaxBodyBytes < 1:
 		return fmt.Errorf("api: MaxBodyBytes %d must be positive", c.MaxBodyBytes)
 	case c.IdempotencyTTL < time.Minute:
@@ -255,6 +261,14 @@ func (s *Server) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		route = pattern
 		if _, path, ok := strings.Cut(pattern, " "); ok {
 			route = path
+		}
+		if strings.HasPrefix(route, "/v1/") {
+			p, err := s.authenticate(r, strings.HasPrefix(route, "/v1/admin/"))
+			if err != nil {
+				s.writeError(sw, r, err)
+				return
+			}
+			r = r.WithContext(withPrincipal(r.Context(), p))
 		}
 		s.mux.ServeHTTP(sw, r) // sets r.Pattern and the path values
 		return
@@ -394,6 +408,7 @@ const (
 	idemReplayed  = "replayed"
 	idemKeyReused = "key_reused"
 	idemInProg    = "in_progress"
+	idemQuota     = "quota_exhausted"
 )
 
 func newMetrics(reg prometheus.Registerer) (*metrics, error) {
@@ -409,7 +424,7 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 		}, []string{"route", "method"}),
 		idempotency: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "converge_api_idempotency_total",
-			Help: "POST /v1/tasks idempotency outcomes: created (new task), replayed (first response returned again), key_reused (same key, different request), in_progress.",
+			Help: "POST /v1/tasks idempotency outcomes: created (new task), replayed (first response returned again), key_reused (same key, different request), in_progress, quota_exhausted (429, nothing written).",
 		}, []string{"outcome"}),
 		cache: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "converge_cache_requests_total",
@@ -421,7 +436,7 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 			return nil, err
 		}
 	}
-	for _, o := range []string{idemCreated, idemReplayed, idemKeyReused, idemInProg} {
+	for _, o := range []string{idemCreated, idemReplayed, idemKeyReused, idemInProg, idemQuota} {
 		m.idempotency.WithLabelValues(o)
 	}
 	for _, r := range []string{"hit", "miss", "error"} {

@@ -14,6 +14,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/prometheus/client_golang/prometheus"
 
+	"github.com/converge-run/converge/internal/tenant"
 	"github.com/converge-run/converge/internal/testenv"
 )
 
@@ -79,10 +80,14 @@ func TestConfigValidation(t *testing.T) {
 		t.Fatal("nil Pool accepted")
 	}
 	db := testenv.NewDB(t)
-	if _, err := New(Config{Pool: db.Pool, Registerer: struct{ prometheus.Registerer }{prometheus.NewRegistry()}}); err == nil {
+	auth := tenant.NewAuthenticator(db.Pool, 0)
+	if _, err := New(Config{Pool: db.Pool}); err == nil {
+		t.Fatal("nil Auth accepted")
+	}
+	if _, err := New(Config{Pool: db.Pool, Auth: auth, Registerer: struct{ prometheus.Registerer }{prometheus.NewRegistry()}}); err == nil {
 		t.Fatal("Registerer without Gatherer accepted")
 	}
-	s, err := New(Config{Pool: db.Pool})
+	s, err := New(Config{Pool: db.Pool, Auth: auth})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -94,7 +99,7 @@ func TestConfigValidation(t *testing.T) {
 func TestServeShutsDownOnCancel(t *testing.T) {
 	t.Parallel()
 	db := testenv.NewDB(t)
-	s, err := New(Config{Pool: db.Pool, Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
+	s, err := New(Config{Pool: db.Pool, Auth: tenant.NewAuthenticator(db.Pool, 0), Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -14,6 +14,7 @@ import (
 	"github.com/converge-run/converge/internal/outbox"
 	"github.com/converge-run/converge/internal/task"
 	"github.com/converge-run/converge/internal/taskevent"
+	"github.com/converge-run/converge/internal/tenant"
 	"github.com/converge-run/converge/services/api/idempotency"
 )
 
@@ -61,7 +62,7 @@ type newTask struct {
 // the rest of its batch, COMMIT included; the transaction is then rolled
 // back. A connection whose rollback fails is closed, never returned to the
 // pool mid-transaction.
-func (s *store) createTask(ctx context.Context, k idempotency.Key, build func(now time.Time) (*newTask, error)) (*newTask, error) {
+func (s *store) createTask(ctx context.Context, k idempotency.Key, p tenant.Principal, build func(now time.Time) (*newTask, error)) (*newTask, error) {
 	conn, err := s.pool.Acquire(ctx)
 	if err != nil {
 		return nil, fmt.Errorf("acquire connection: %w", err)
@@ -92,6 +93,9 @@ func (s *store) createTask(ctx context.Context, k idempotency.Key, build func(no
 	}
 	t := n.Task
 	b = pgx.Batch{}
+	if p.HasQuota {
+		tenant.QueueConsumeQuota(&b, p.TenantID) // first: no lock held long, nothing inserted when exhausted
+	}
 	task.QueueCreate(&b, t, k.Fingerprint, n.Document)
 	outbox.QueueInsert(&b, outbox.Row{ID: n.OutboxID, TaskID: t.TaskID, Version: t.Version, Type: taskevent.TypeTaskCreated,
 		Payload: n.Payload, PayloadSHA256: n.PayloadSHA256, CreatedAt: t.CreatedAt})
@@ -102,7 +106,9 @@ func (s *store) createTask(ctx context.Context, k idempotency.Key, build func(no
 		}
 		return nil
 	})
-	if err := conn.SendBatch(ctx, &b).Close(); err != nil {
+	if err := conn.SendBatch(ctx, &b).Close(); errors.Is(err, tenant.ErrQuotaExhausted) {
+		return nil, err
+	} else if err != nil {
 		return nil, fmt.Errorf("create task %s: %w", t.TaskID, err)
 	}
 	committed = true
@@ -125,8 +131,8 @@ func rollback(conn *pgx.Conn) {
 
 // idempotencyRecord reads the create record of key, or returns an error
 // wrapping pgx.ErrNoRows.
-func (s *store) idempotencyRecord(ctx context.Context, key string) (*idempotency.Record, error) {
-	return idempotency.Get(ctx, s.pool, idempotency.CreateScope, key)
+func (s *store) idempotencyRecord(ctx context.Context, scope, key string) (*idempotency.Record, error) {
+	return idempotency.Get(ctx, s.pool, scope, key)
 }
 
 // task reads a task row as a snapshot, or returns errTaskNotFound.

@@ -14,6 +14,7 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/converge-run/converge/internal/task"
+	"github.com/converge-run/converge/internal/tenant"
 	"github.com/converge-run/converge/services/api/idempotency"
 )
 
@@ -28,10 +29,10 @@ func TestCreateTaskGuardsTheRecord(t *testing.T) {
 	b := setup(t)
 	ctx := context.Background()
 	s := &store{pool: b.db.Pool}
-	k := idempotency.Key{Scope: idempotency.CreateScope, Key: "guard-key-1", Fingerprint: strings.Repeat("a", 64), TTL: time.Hour, Lease: time.Minute}
+	k := idempotency.Key{Scope: tenant.CreateScope(b.tenant.ID), Key: "guard-key-1", Fingerprint: strings.Repeat("a", 64), TTL: time.Hour, Lease: time.Minute}
 	build := func(id string) func(now time.Time) (*newTask, error) {
 		return func(now time.Time) (*newTask, error) {
-			n, err := buildTask(now, &createRequest{Document: []byte(`{"a":1}`), OutputFormat: OutputFormatJCS}, strings.Repeat("b", 64), 7)
+			n, err := buildTask(now, b.tenant.ID, &createRequest{Document: []byte(`{"a":1}`), OutputFormat: OutputFormatJCS}, strings.Repeat("b", 64), 7)
 			if err != nil {
 				return nil, err
 			}
@@ -39,7 +40,7 @@ func TestCreateTaskGuardsTheRecord(t *testing.T) {
 			return n, nil
 		}
 	}
-	if _, err := s.createTask(ctx, k, build("guard-task")); err != nil {
+	if _, err := s.createTask(ctx, k, tenant.Principal{TenantID: b.tenant.ID}, build("guard-task")); err != nil {
 		t.Fatalf("createTask: %v", err)
 	}
 	var state string

@@ -100,6 +100,10 @@ func (s *Server) handleGetTask(w http.ResponseWriter, r *http.Request) {
 			}
 		}
 	}
+	if !canRead(principal(r), t.TenantID) {
+		s.writeError(w, r, notFound(id)) // another tenant's task: no oracle
+		return
+	}
 	body, err := json.Marshal(taskResource{Task: *t, Links: taskLinks(t.TaskID)})
 	if err != nil {
 		s.writeError(w, r, fmt.Errorf("encode task %s: %w", id, err))

@@ -57,7 +57,7 @@ func TestGetTaskCacheAside(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	v5 := taskevent.Task{TaskID: id, Status: taskevent.StatusRunning, Version: 5, Attempt: 1, OutputFormat: "jcs",
+	v5 := taskevent.Task{TaskID: id, TenantID: b.tenant.ID, Status: taskevent.StatusRunning, Version: 5, Attempt: 1, OutputFormat: "jcs",
 		InputSHA256: body["input_sha256"].(string), InputSize: 7, CreatedAt: time.Now().UTC(), UpdatedAt: time.Now().UTC()}
 	if stored, err := cache.Put(ctx, v5); err != nil || !stored {
 		t.Fatalf("put v5: %v %v", stored, err)

@@ -37,8 +37,9 @@ import (
 	"github.com/converge-run/converge/internal/taskevent"
 )
 
-// CreateScope is the scope of task creation (idempotency_record.scope).
-const CreateScope = "public:create-document-task"
+// The scope of a record (idempotency_record.scope) names its owner and
+// operation: tenant.CreateScope for the API's creates (issue 12; before
+// tenants existed every record had the scope "public:create-document-task").
 
 // State is idempotency_record.state.
 type State string

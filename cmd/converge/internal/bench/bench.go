@@ -15,6 +15,8 @@ import (
 	"strings"
 	"time"
 
+	"github.com/converge-run/converge/internal/tenant"
+
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/twmb/franz-go/pkg/kfake"
@@ -403,6 +405,16 @@ func (e *env) newDB(ctx context.Context, name string) (string, *pgxpool.Pool, er
 		return "", nil, err
 	}
 	return u, pool, nil
+}
+
+// benchTenant adds the tenant a stage's load is sent as (no quota) and
+// returns it with its API token.
+func benchTenant(ctx context.Context, pool *pgxpool.Pool) (tenant.Tenant, string, error) {
+	t, tok, err := tenant.Add(ctx, pool, "bench", false, nil)
+	if err != nil {
+		return tenant.Tenant{}, "", fmt.Errorf("bench tenant: %w", err)
+	}
+	return t, tok, nil
 }
 
 // profile starts a CPU profile named name when ProfileDir is set; the

@@ -11,6 +11,8 @@ import (
 	"strings"
 	"time"
 
+	"github.com/converge-run/converge/internal/tenant"
+
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/redis/go-redis/v9"
@@ -65,6 +67,11 @@ func runCreate(ctx context.Context, e *env, res *Results) error {
 	if err != nil {
 		return err
 	}
+	ten, token, err := benchTenant(ctx, pool)
+	if err != nil {
+		pool.Close()
+		return err
+	}
 	pool.Close()
 	// The API's pool as `converge api` opens it (pgxpool defaults).
 	apiPool, err := pgxpool.New(ctx, dbURL)
@@ -94,7 +101,7 @@ func runCreate(ctx context.Context, e *env, res *Results) error {
 		return err
 	}
 	serve := func(pool *pgxpool.Pool) (string, *http.Server, error) {
-		srv, err := api.New(api.Config{Pool: pool, Redis: rdb, ArtifactStore: store, Logger: e.log.With("component", "api"),
+		srv, err := api.New(api.Config{Pool: pool, Redis: rdb, ArtifactStore: store, Auth: tenant.NewAuthenticator(pool, 0), Logger: e.log.With("component", "api"),
 			Registerer: prometheus.NewRegistry()})
 		if err != nil {
 			return "", nil, err
@@ -119,11 +126,12 @@ func runCreate(ctx context.Context, e *env, res *Results) error {
 	defer wideHS.Close()
 
 	fx := newFixtures(e.cfg.DocSize)
+	fx.tenantID = ten.ID
 	script, pipelined := createScript(fx), createScriptPipelined(fx)
 	secs := int(e.cfg.CreateDuration.Seconds())
 
 	// Warm up both sides (connections, prepared statements, caches).
-	if _, err := loadgen.Run(ctx, loadgen.Config{BaseURL: baseURL, Clients: 16, Duration: time.Second, DocSize: e.cfg.DocSize}); err != nil {
+	if _, err := loadgen.Run(ctx, loadgen.Config{BaseURL: baseURL, Token: token, Clients: 16, Duration: time.Second, DocSize: e.cfg.DocSize}); err != nil {
 		return err
 	}
 	if _, err := e.pgbench(ctx, "bench_create", script, 4, 1, 0); err != nil {
@@ -141,7 +149,7 @@ func runCreate(ctx context.Context, e *env, res *Results) error {
 				stop = e.profile("create-16")
 			}
 			m := e.cpuStart()
-			lr, err := loadgen.Run(ctx, loadgen.Config{BaseURL: baseURL, Clients: c, Duration: e.cfg.CreateDuration, DocSize: e.cfg.DocSize})
+			lr, err := loadgen.Run(ctx, loadgen.Config{BaseURL: baseURL, Token: token, Clients: c, Duration: e.cfg.CreateDuration, DocSize: e.cfg.DocSize})
 			p.APICPU = m.stop(0)
 			stop()
 			if err != nil {
@@ -168,7 +176,7 @@ func runCreate(ctx context.Context, e *env, res *Results) error {
 			p.PipelinedTPS = append(p.PipelinedTPS, round2(pp.TPS))
 			wide := ""
 			if c > 4 {
-				wr, err := loadgen.Run(ctx, loadgen.Config{BaseURL: wideURL, Clients: c, Duration: e.cfg.CreateDuration, DocSize: e.cfg.DocSize})
+				wr, err := loadgen.Run(ctx, loadgen.Config{BaseURL: wideURL, Token: token, Clients: c, Duration: e.cfg.CreateDuration, DocSize: e.cfg.DocSize})
 				if err != nil {
 					return err
 				}
@@ -213,7 +221,7 @@ func createScript(fx *fixtures) string {
 	return createReplacer(fx).Replace(`\set r random(1, 1000000000000000)
 BEGIN;
 INSERT INTO idempotency_record (scope, idempotency_key, request_fingerprint, state, locked_until, created_at, expires_at) VALUES ($SCOPE, $ID, $FP, 'in_progress', now() + 30000 * interval '1 millisecond', now(), now() + 86400000 * interval '1 millisecond') ON CONFLICT (scope, idempotency_key) DO NOTHING RETURNING created_at;
-INSERT INTO task (task_id, request_fingerprint, status, version, attempt, output_format, input_sha256, input_size, created_at, updated_at) VALUES ($ID, $FP, 'queued', 0, 0, 'jcs', $INSHA, $INSIZE, now(), now());
+INSERT INTO task (task_id, tenant_id, request_fingerprint, status, version, attempt, output_format, input_sha256, input_size, created_at, updated_at) VALUES ($ID, $TENANT, $FP, 'queued', 0, 0, 'jcs', $INSHA, $INSIZE, now(), now());
 INSERT INTO task_input (task_id, document) VALUES ($ID, $DOC);
 INSERT INTO outbox_event (outbox_id, aggregate_id, aggregate_version, event_type, payload, payload_sha256, created_at) VALUES ('o' || $ID, $ID, 0, 'TaskCreated', $PAYLOAD, $PSHA, now());
 UPDATE idempotency_record SET state = 'succeeded', task_id = $ID, response_status = 202, response_body = $RESP, locked_until = NULL WHERE scope = $SCOPE AND idempotency_key = $ID AND state = 'in_progress' AND request_fingerprint = $FP;
@@ -233,7 +241,7 @@ BEGIN;
 INSERT INTO idempotency_record (scope, idempotency_key, request_fingerprint, state, locked_until, created_at, expires_at) VALUES ($SCOPE, $ID, $FP, 'in_progress', now() + 30000 * interval '1 millisecond', now(), now() + 86400000 * interval '1 millisecond') ON CONFLICT (scope, idempotency_key) DO NOTHING RETURNING created_at;
 \endpipeline
 \startpipeline
-INSERT INTO task (task_id, request_fingerprint, status, version, attempt, output_format, input_sha256, input_size, created_at, updated_at) VALUES ($ID, $FP, 'queued', 0, 0, 'jcs', $INSHA, $INSIZE, now(), now());
+INSERT INTO task (task_id, tenant_id, request_fingerprint, status, version, attempt, output_format, input_sha256, input_size, created_at, updated_at) VALUES ($ID, $TENANT, $FP, 'queued', 0, 0, 'jcs', $INSHA, $INSIZE, now(), now());
 INSERT INTO task_input (task_id, document) VALUES ($ID, $DOC);
 INSERT INTO outbox_event (outbox_id, aggregate_id, aggregate_version, event_type, payload, payload_sha256, created_at) VALUES ('o' || $ID, $ID, 0, 'TaskCreated', $PAYLOAD, $PSHA, now());
 WITH completed AS (UPDATE idempotency_record SET state = 'succeeded', task_id = $ID, response_status = 202, response_body = $RESP, locked_until = NULL WHERE scope = $SCOPE AND idempotency_key = $ID AND state = 'in_progress' AND request_fingerprint = $FP RETURNING 1) SELECT 1 / (SELECT count(*)::int FROM completed);
@@ -249,7 +257,8 @@ func createReplacer(fx *fixtures) *strings.Replacer {
 	payload, sha := fx.event(phTask, phOutbox)
 	return strings.NewReplacer(
 		"$ID", id,
-		"$SCOPE", sqlText("public:create-document-task"),
+		"$SCOPE", sqlText(tenant.CreateScope(fx.tenantID)),
+		"$TENANT", sqlText(fx.tenantID),
 		"$FP", "'"+fx.fingerprint+"'",
 		"$INSHA", "'"+fx.inputSHA+"'",
 		"$INSIZE", fmt.Sprint(fx.inputSize),

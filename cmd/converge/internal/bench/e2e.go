@@ -55,6 +55,11 @@ func runE2E(ctx context.Context, e *env, res *Results) error {
 	if err != nil {
 		return err
 	}
+	_, token, err := benchTenant(ctx, pool)
+	if err != nil {
+		pool.Close()
+		return err
+	}
 	defer pool.Close()
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
@@ -88,7 +93,7 @@ func runE2E(ctx context.Context, e *env, res *Results) error {
 	baseURL := "http://" + ln.Addr().String()
 	tasks := &loadgen.DBTasks{Pool: pool}
 	// Warm up: consumer groups joined, statements prepared.
-	if _, err := loadgen.Run(ctx, loadgen.Config{BaseURL: baseURL, Rate: 50, Duration: 2 * time.Second, DocSize: e.cfg.DocSize,
+	if _, err := loadgen.Run(ctx, loadgen.Config{BaseURL: baseURL, Token: token, Rate: 50, Duration: 2 * time.Second, DocSize: e.cfg.DocSize,
 		Wait: true, WaitTimeout: time.Minute, Tasks: tasks}); err != nil {
 		return err
 	}
@@ -106,7 +111,7 @@ func runE2E(ctx context.Context, e *env, res *Results) error {
 				stop = e.profile(fmt.Sprintf("e2e-%.0f", rate))
 			}
 			m := e.cpuStart()
-			lr, err := loadgen.Run(ctx, loadgen.Config{BaseURL: baseURL, Rate: rate, Duration: e.cfg.E2EStep, DocSize: e.cfg.DocSize,
+			lr, err := loadgen.Run(ctx, loadgen.Config{BaseURL: baseURL, Token: token, Rate: rate, Duration: e.cfg.E2EStep, DocSize: e.cfg.DocSize,
 				Wait: true, WaitTimeout: 60 * time.Second, Tasks: tasks})
 			st.CPU = m.stop(0)
 			stop()

@@ -29,6 +29,7 @@ type fixtures struct {
 	created     []byte // TaskCreated payload template (canonical JSON)
 	completed   []byte // TaskCompleted payload template
 	response    []byte // the 202 body as stored in idempotency_record
+	tenantID    string // the tenant of the create stage's pgbench rows
 }
 
 func newFixtures(docSize int) *fixtures {

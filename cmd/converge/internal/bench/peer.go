@@ -222,6 +222,7 @@ type peerPipeline struct {
 	e       *env
 	dbURL   string
 	db      string
+	token   string // the API token of the load generator's tenant
 	pool    *pgxpool.Pool
 	baseURL string
 	cancel  context.CancelFunc
@@ -234,12 +235,17 @@ func (e *env) startPeerPipeline(ctx context.Context) (*peerPipeline, error) {
 	if err != nil {
 		return nil, err
 	}
+	_, token, err := benchTenant(ctx, pool)
+	if err != nil {
+		pool.Close()
+		return nil, err
+	}
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		pool.Close()
 		return nil, err
 	}
-	p := &peerPipeline{e: e, dbURL: dbURL, db: db, pool: pool, baseURL: "http://" + ln.Addr().String(), done: make(chan error, 1)}
+	p := &peerPipeline{e: e, dbURL: dbURL, db: db, pool: pool, token: token, baseURL: "http://" + ln.Addr().String(), done: make(chan error, 1)}
 	ready := make(chan struct{})
 	pctx, cancel := context.WithCancel(ctx)
 	p.cancel = cancel
@@ -287,7 +293,7 @@ func (p *peerPipeline) loadgen(ctx context.Context, prefix string, n int) (time.
 	}
 	cmd := exec.CommandContext(ctx, self, "loadgen", "--api-url", p.baseURL, "--clients", strconv.Itoa(peerClients),
 		"--count", strconv.Itoa(n), "--duration", "0", "--doc-size", strconv.Itoa(p.e.cfg.DocSize),
-		"--wait-timeout", "5m", "--database-url", p.dbURL, "--key-prefix", prefix, "--log-level", "warn")
+		"--wait-timeout", "5m", "--database-url", p.dbURL, "--token", p.token, "--key-prefix", prefix, "--log-level", "warn")
 	var out bytes.Buffer
 	cmd.Stdout, cmd.Stderr = &out, &out
 	if err := cmd.Run(); err != nil {

@@ -34,6 +34,8 @@ import (
 	"strings"
 	"time"
 
+	"github.com/converge-run/converge/internal/tenant"
+
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/prometheus/client_golang/prometheus"
 
@@ -166,6 +168,7 @@ type X struct {
 	rep     *Report
 	reg     *prometheus.Registry
 	api     string
+	token   string // API token of the experiment's tenant (added at the first start)
 	cancel  context.CancelFunc
 	done    chan error
 	tasks   []string // task ids involved
@@ -214,6 +217,14 @@ func (x *X) start(ctx context.Context, faults *fault.Set, tune func(*pipeline.Co
 	go func() { x.done <- pipeline.Run(pctx, cfg) }()
 	select {
 	case <-ready:
+		if x.token == "" {
+			_, tok, err := tenant.Add(ctx, x.pool, "experiment", false, nil)
+			if err != nil {
+				x.stop()
+				return fmt.Errorf("experiment tenant: %w", err)
+			}
+			x.token = tok
+		}
 		return nil
 	case err := <-x.done:
 		x.cancel = nil
@@ -251,7 +262,7 @@ func (x *X) wait(ctx context.Context) error {
 }
 
 func (x *X) client() *submit.Client {
-	return &submit.Client{BaseURL: x.api, PollInterval: 20 * time.Millisecond}
+	return &submit.Client{BaseURL: x.api, Token: x.token, PollInterval: 20 * time.Millisecond}
 }
 
 // post sends POST /v1/tasks and returns the status, the body and the
@@ -264,6 +275,7 @@ func (x *X) post(ctx context.Context, key string, doc []byte) (int, map[string]a
 	}
 	req.Header.Set("Content-Type", "application/json")
 	req.Header.Set("Idempotency-Key", key)
+	req.Header.Set("Authorization", "Bearer "+x.token)
 	resp, err := http.DefaultClient.Do(req)
 	if err != nil {
 		return 0, nil, false, err

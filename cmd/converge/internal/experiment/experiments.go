@@ -162,7 +162,12 @@ func corruptArtifact(ctx context.Context, x *X) error {
 	}
 	_, herr := store.Head(token)
 	x.check("the artifact is not readable in the store", errors.Is(herr, artifact.ErrNotFound), "Head: %v", herr)
-	resp, err := http.Get(x.api + "/v1/tasks/" + id + "/artifact")
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, x.api+"/v1/tasks/"+id+"/artifact", nil)
+	if err != nil {
+		return err
+	}
+	req.Header.Set("Authorization", "Bearer "+x.token)
+	resp, err := http.DefaultClient.Do(req)
 	if err != nil {
 		return err
 	}
@@ -357,6 +362,7 @@ func staleCache(ctx context.Context, x *X) error {
 		return err
 	}
 	req, _ := http.NewRequestWithContext(ctx, http.MethodGet, x.api+"/v1/tasks/"+id, nil)
+	req.Header.Set("Authorization", "Bearer "+x.token)
 	resp, err := http.DefaultClient.Do(req)
 	if err != nil {
 		return err

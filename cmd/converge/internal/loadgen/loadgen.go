@@ -62,6 +62,9 @@ const (
 type Config struct {
 	// BaseURL of the API, like http://127.0.0.1:8080. Required.
 	BaseURL string
+	// Token is the API token of the tenant the load is sent as
+	// ("Authorization: Bearer <Token>"); empty sends none.
+	Token string
 	// Rate is the fixed arrival rate in requests per second (open model).
 	// Zero selects the closed model.
 	Rate float64
@@ -126,7 +129,7 @@ func (c *Config) setDefaults() error {
 		c.HTTP = &http.Client{Transport: tr, Timeout: 60 * time.Second}
 	}
 	if c.Tasks == nil {
-		c.Tasks = &HTTPTasks{BaseURL: c.BaseURL, HTTP: c.HTTP}
+		c.Tasks = &HTTPTasks{BaseURL: c.BaseURL, Token: c.Token, HTTP: c.HTTP}
 	}
 	return nil
 }
@@ -442,6 +445,9 @@ func (r *run) do(ctx context.Context, i int, from time.Time) {
 	}
 	req.Header.Set("Content-Type", "application/json")
 	req.Header.Set("Idempotency-Key", r.cfg.KeyPrefix+strconv.Itoa(i))
+	if r.cfg.Token != "" {
+		req.Header.Set("Authorization", "Bearer "+r.cfg.Token)
+	}
 	r.sent.Add(1)
 	resp, err := r.cfg.HTTP.Do(req)
 	if err != nil {
@@ -559,6 +565,7 @@ type TaskReader interface {
 // HTTPTasks reads tasks with GET /v1/tasks/{id}, 16 at a time.
 type HTTPTasks struct {
 	BaseURL string
+	Token   string // as Config.Token
 	HTTP    *http.Client
 }
 
@@ -595,6 +602,9 @@ func (h *HTTPTasks) get(ctx context.Context, id string) (TaskState, error) {
 	req, err := http.NewRequestWithContext(ctx, http.MethodGet, h.BaseURL+"/v1/tasks/"+id, nil)
 	if err != nil {
 		return TaskState{}, err
+	}
+	if h.Token != "" {
+		req.Header.Set("Authorization", "Bearer "+h.Token)
 	}
 	resp, err := h.HTTP.Do(req)
 	if err != nil {

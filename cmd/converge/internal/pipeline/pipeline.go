@@ -13,6 +13,8 @@ import (
 	"net"
 	"time"
 
+	"github.com/converge-run/converge/internal/tenant"
+
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
 	"github.com/redis/go-redis/v9"
@@ -217,6 +219,7 @@ func Run(ctx context.Context, cfg Config) error {
 	}
 	srv, err := api.New(api.Config{
 		Pool: pool, Redis: rdb, ArtifactStore: store, MaxBodyBytes: cfg.MaxBodyBytes, DeadLetters: dls,
+		Auth:   tenant.NewAuthenticator(pool, 0),
 		Logger: log.With("component", "api"), Registerer: reg, Gatherer: reg, Faults: cfg.Faults,
 	})
 	if err != nil {

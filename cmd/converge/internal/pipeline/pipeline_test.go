@@ -16,6 +16,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/converge-run/converge/internal/tenant"
+
 	"github.com/gowebpki/jcs"
 	"github.com/twmb/franz-go/pkg/kgo"
 
@@ -34,6 +36,7 @@ type bundle struct {
 	kafka   *testenv.Kafka
 	baseURL string
 	client  *submit.Client
+	token   string // API token of the tenant the tests send as
 	cancel  context.CancelFunc
 	done    chan error
 }
@@ -63,7 +66,12 @@ func setupOn(t *testing.T, db *testenv.DB, mod func(cfg *pipeline.Config)) *bund
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	b := &bundle{db: db, kafka: k, baseURL: "http://" + ln.Addr().String(), cancel: cancel, done: make(chan error, 1)}
-	b.client = &submit.Client{BaseURL: b.baseURL, PollInterval: 20 * time.Millisecond}
+	_, tok, err := tenant.Add(context.Background(), db.Pool, "pipeline-test", false, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	b.token = tok
+	b.client = &submit.Client{BaseURL: b.baseURL, Token: tok, PollInterval: 20 * time.Millisecond}
 	cfg := pipeline.Config{
 		DatabaseURL: db.URL, Brokers: k.Brokers, RedisURL: redisURL, ArtifactDir: t.TempDir(),
 		SlotName: "s_" + db.Name, PublicationName: "p_" + db.Name, Listener: ln,
@@ -101,6 +109,7 @@ func (b *bundle) post(t *testing.T, key string, body []byte) (*http.Response, []
 	req, _ := http.NewRequest(http.MethodPost, b.baseURL+"/v1/tasks", bytes.NewReader(body))
 	req.Header.Set("Content-Type", "application/json")
 	req.Header.Set("Idempotency-Key", key)
+	req.Header.Set("Authorization", "Bearer "+b.token)
 	resp, err := http.DefaultClient.Do(req)
 	if err != nil {
 		t.Fatalf("POST: %v", err)
@@ -112,7 +121,9 @@ func (b *bundle) post(t *testing.T, key string, body []byte) (*http.Response, []
 
 func (b *bundle) artifact(t *testing.T, taskID string) []byte {
 	t.Helper()
-	resp, err := http.Get(b.baseURL + "/v1/tasks/" + taskID + "/artifact")
+	req, _ := http.NewRequest(http.MethodGet, b.baseURL+"/v1/tasks/"+taskID+"/artifact", nil)
+	req.Header.Set("Authorization", "Bearer "+b.token)
+	resp, err := http.DefaultClient.Do(req)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -48,6 +48,7 @@ func TestEventBeforeItsCommitIsVisible(t *testing.T) {
 		req, _ := http.NewRequest(http.MethodPost, b.baseURL+"/v1/tasks", strings.NewReader(`{"document":{"held":true}}`))
 		req.Header.Set("Content-Type", "application/json")
 		req.Header.Set("Idempotency-Key", "visibility-held")
+		req.Header.Set("Authorization", "Bearer "+b.token)
 		var out struct {
 			TaskID string `json:"task_id"`
 		}

@@ -32,6 +32,9 @@ import (
 type Client struct {
 	// BaseURL like http://127.0.0.1:8080. Required.
 	BaseURL string
+	// Token is the API token sent as "Authorization: Bearer <Token>"
+	// (internal/tenant); empty sends none.
+	Token string
 	// HTTP defaults to a client with a 60 s timeout.
 	HTTP *http.Client
 	// PollInterval between task reads while waiting. Defaults to 50 ms.
@@ -126,6 +129,7 @@ func (c *Client) Create(ctx context.Context, key string, doc []byte) (Result, er
 	}
 	req.Header.Set("Content-Type", "application/json")
 	req.Header.Set("Idempotency-Key", key)
+	c.authorize(req)
 	resp, err := c.http().Do(req)
 	if err != nil {
 		return Result{}, fmt.Errorf("POST /v1/tasks: %w", err)
@@ -156,12 +160,19 @@ func (c *Client) Create(ctx context.Context, key string, doc []byte) (Result, er
 	return r, nil
 }
 
+func (c *Client) authorize(req *http.Request) {
+	if c.Token != "" {
+		req.Header.Set("Authorization", "Bearer "+c.Token)
+	}
+}
+
 // Get reads a task.
 func (c *Client) Get(ctx context.Context, taskID string) (*taskevent.Task, error) {
 	req, err := http.NewRequestWithContext(ctx, http.MethodGet, c.BaseURL+"/v1/tasks/"+taskID, nil)
 	if err != nil {
 		return nil, err
 	}
+	c.authorize(req)
 	resp, err := c.http().Do(req)
 	if err != nil {
 		return nil, err

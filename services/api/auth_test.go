@@ -1,0 +1,196 @@
+package api
+
+import (
+	"bytes"
+	"context"
+	"log/slog"
+	"net/http"
+	"strings"
+	"sync"
+	"testing"
+
+	"github.com/converge-run/converge/internal/tenant"
+	"github.com/converge-run/converge/internal/testenv"
+)
+
+// Every /v1/ request needs a valid bearer token: missing, malformed,
+// unknown, rotated-out and disabled tokens are one 401 answer with
+// WWW-Authenticate (RFC 6750); the token never reaches the logs; admin
+// routes need an admin tenant (403); health and metrics need nothing.
+func TestAuthentication(t *testing.T) {
+	t.Parallel()
+	var logs bytes.Buffer
+	var mu sync.Mutex
+	b := setup(t, func(c *Config) {
+		c.Logger = slog.New(slog.NewTextHandler(lockedWriter{&mu, &logs}, &slog.HandlerOptions{Level: slog.LevelDebug}))
+	})
+	_, disabled := b.addTenant(t, "gone", false, nil)
+	if err := tenant.Disable(context.Background(), b.db.Pool, "gone"); err != nil {
+		t.Fatal(err)
+	}
+	_, rotated := b.addTenant(t, "rotating", false, nil)
+	if _, err := tenant.Rotate(context.Background(), b.db.Pool, "rotating"); err != nil {
+		t.Fatal(err)
+	}
+	unknown, _ := tenant.NewToken()
+	cases := map[string]http.Header{
+		"missing":        {"Authorization": {""}},
+		"basic scheme":   {"Authorization": {"Basic dXNlcjpwYXNz"}},
+		"malformed":      {"Authorization": {"Bearer not-a-token"}},
+		"unknown":        bearer(unknown),
+		"disabled":       bearer(disabled),
+		"rotated out":    bearer(rotated),
+		"bearer, no arg": {"Authorization": {"Bearer"}},
+	}
+	for name, h := range cases {
+		for _, path := range []string{"/v1/tasks/01890a5d-ac96-774b-bcce-b302099a8057", "/v1/admin/dead-letters"} {
+			r := b.do(t, http.MethodGet, path, h, nil)
+			wantProblem(t, r, http.StatusUnauthorized, CodeUnauthenticated)
+			if got := r.header.Get("WWW-Authenticate"); !strings.HasPrefix(got, "Bearer") {
+				t.Errorf("%s %s: WWW-Authenticate %q", name, path, got)
+			}
+		}
+		h := h.Clone()
+		h.Set("Content-Type", "application/json")
+		h.Set("Idempotency-Key", "auth-key-1")
+		wantProblem(t, b.do(t, http.MethodPost, "/v1/tasks", h, wrap(`{"a":1}`)), http.StatusUnauthorized, CodeUnauthenticated)
+	}
+	if n := b.count(t, "task"); n != 0 {
+		t.Errorf("%d tasks created without a valid token", n)
+	}
+	wantProblem(t, b.do(t, http.MethodGet, "/v1/admin/dead-letters", bearer(b.token), nil), http.StatusForbidden, CodeForbidden)
+	if r := b.do(t, http.MethodGet, "/v1/admin/dead-letters", nil, nil); r.status == http.StatusUnauthorized || r.status == http.StatusForbidden {
+		t.Errorf("admin token on an admin route: %d %s", r.status, r.body)
+	}
+	for _, path := range []string{"/healthz", "/metrics"} {
+		if r := b.do(t, http.MethodGet, path, http.Header{"Authorization": {""}}, nil); r.status != http.StatusOK {
+			t.Errorf("%s without a token: %d", path, r.status)
+		}
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	for _, tok := range []string{b.token, b.adminToken, disabled, rotated, unknown} {
+		if strings.Contains(logs.String(), tok) || strings.Contains(logs.String(), tok[len(tenant.TokenPrefix):]) {
+			t.Errorf("a token appears in the logs")
+		}
+	}
+}
+
+type lockedWriter struct {
+	mu *sync.Mutex
+	w  *bytes.Buffer
+}
+
+func (l lockedWriter) Write(p []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.w.Write(p)
+}
+
+// A tenant reads only its own tasks and artifacts: another tenant's are
+// 404 TASK_NOT_FOUND, as unknown ids are (no oracle), from PostgreSQL and
+// from the Redis view alike; an admin reads every task. The same
+// Idempotency-Key in two tenants is two tasks.
+func TestTenantIsolation(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	_, other := b.addTenant(t, "team-b", false, nil)
+	post := func(token, key, doc string) *response {
+		h := bearer(token)
+		h.Set("Content-Type", "application/json")
+		h.Set("Idempotency-Key", key)
+		return b.do(t, http.MethodPost, "/v1/tasks", h, wrap(doc))
+	}
+	a := post(b.token, "shared-key-1", `{"owner":"a"}`)
+	bb := post(other, "shared-key-1", `{"owner":"b"}`) // a different document: no 422, another intent
+	if a.status != http.StatusAccepted || bb.status != http.StatusAccepted {
+		t.Fatalf("creates: %d %s / %d %s", a.status, a.body, bb.status, bb.body)
+	}
+	idA, idB := a.json(t)["task_id"].(string), bb.json(t)["task_id"].(string)
+	if idA == idB || a.header.Get("Idempotent-Replayed") != "" || bb.header.Get("Idempotent-Replayed") != "" {
+		t.Fatalf("same key in two tenants: tasks %s and %s", idA, idB)
+	}
+	for range 2 { // the second read is served from the view the first back-filled
+		wantProblem(t, b.do(t, http.MethodGet, "/v1/tasks/"+idA, bearer(other), nil), http.StatusNotFound, CodeTaskNotFound)
+		if r := b.do(t, http.MethodGet, "/v1/tasks/"+idA, nil, nil); r.status != http.StatusOK || r.json(t)["tenant_id"] != b.tenant.ID {
+			t.Fatalf("owner's read: %d %s", r.status, r.body)
+		}
+	}
+	wantProblem(t, b.do(t, http.MethodGet, "/v1/tasks/"+idA+"/artifact", bearer(other), nil), http.StatusNotFound, CodeTaskNotFound)
+	wantProblem(t, b.do(t, http.MethodGet, "/v1/tasks/"+idA+"/artifact", nil, nil), http.StatusConflict, CodeArtifactNotReady)
+	if r := b.do(t, http.MethodGet, "/v1/tasks/"+idB, bearer(b.adminToken), nil); r.status != http.StatusOK {
+		t.Errorf("admin read of another tenant's task: %d", r.status)
+	}
+	// A task of before tenants (no owner) is an admin's only.
+	legacy := testenv.MustCreateTask(t, b.db.Pool, []byte(`{"legacy":true}`))
+	wantProblem(t, b.do(t, http.MethodGet, "/v1/tasks/"+legacy.Task.TaskID, nil, nil), http.StatusNotFound, CodeTaskNotFound)
+	if r := b.do(t, http.MethodGet, "/v1/tasks/"+legacy.Task.TaskID, bearer(b.adminToken), nil); r.status != http.StatusOK {
+		t.Errorf("admin read of a task without tenant: %d", r.status)
+	}
+}
+
+// Seed 2.2 through the API: 50 concurrent creates against a quota of 10 —
+// exactly 10 tasks (each with its record and outbox row), 40 × 429
+// QUOTA_EXHAUSTED with nothing written, remaining 0; a replay of a created
+// key still answers 202 and consumes nothing.
+func TestQuotaThroughTheAPI(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	q := int64(10)
+	limited, tok := b.addTenant(t, "limited", false, &q)
+	var wg sync.WaitGroup
+	var mu sync.Mutex
+	statuses := map[int]int{}
+	var firstKey string
+	for i := range 50 {
+		wg.Go(func() {
+			h := bearer(tok)
+			h.Set("Content-Type", "application/json")
+			h.Set("Idempotency-Key", "quota-key-"+testenv.Itoa(i))
+			r, err := b.try(http.MethodPost, "/v1/tasks", h, wrap(`{"n":`+testenv.Itoa(i)+`}`))
+			if err != nil {
+				t.Error(err)
+				return
+			}
+			mu.Lock()
+			statuses[r.status]++
+			if r.status == http.StatusAccepted && firstKey == "" {
+				firstKey = "quota-key-" + testenv.Itoa(i)
+			}
+			mu.Unlock()
+			if r.status == http.StatusTooManyRequests {
+				if p := r.json(t); p["code"] != CodeQuotaExhausted {
+					t.Errorf("429 code %v", p["code"])
+				}
+			}
+		})
+	}
+	wg.Wait()
+	if statuses[http.StatusAccepted] != 10 || statuses[http.StatusTooManyRequests] != 40 {
+		t.Fatalf("statuses %v, want 10 × 202 and 40 × 429", statuses)
+	}
+	ctx := context.Background()
+	var tasks, records, outbox int
+	var remaining int64
+	if err := b.db.Pool.QueryRow(ctx, `SELECT (SELECT count(*) FROM task WHERE tenant_id = $1),
+  (SELECT count(*) FROM idempotency_record WHERE scope = $2),
+  (SELECT count(*) FROM outbox_event),
+  (SELECT remaining FROM quota WHERE tenant_id = $1)`, limited.ID, tenant.CreateScope(limited.ID)).Scan(&tasks, &records, &outbox, &remaining); err != nil {
+		t.Fatal(err)
+	}
+	if tasks != 10 || records != 10 || outbox != 10 || remaining != 0 {
+		t.Errorf("tasks %d, records %d, outbox rows %d, remaining %d; want 10, 10, 10, 0", tasks, records, outbox, remaining)
+	}
+	h := bearer(tok)
+	h.Set("Content-Type", "application/json")
+	h.Set("Idempotency-Key", firstKey)
+	var n string
+	for i := range 50 {
+		if "quota-key-"+testenv.Itoa(i) == firstKey {
+			n = testenv.Itoa(i)
+		}
+	}
+	if r := b.do(t, http.MethodPost, "/v1/tasks", h, wrap(`{"n":`+n+`}`)); r.status != http.StatusAccepted || r.header.Get("Idempotent-Replayed") != "true" {
+		t.Errorf("replay with the quota used up: %d %s", r.status, r.body)
+	}
+}
