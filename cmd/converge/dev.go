@@ -129,7 +129,7 @@ func (c *DevCmd) Run(env *runEnv) error {
 	cfg := pipeline.Config{
 		DatabaseURL: dbURL, Brokers: brokers, RedisURL: redisURL, ArtifactDir: artifactDir,
 		Topic: c.Topic, Partitions: c.TopicPartitions, SlotName: c.SlotName, PublicationName: c.PublicationName,
-		Listener: ln, MaxBodyBytes: c.MaxBodyBytes, Faults: env.faults, Logger: log, Registry: reg,
+		Listener: ln, MaxBodyBytes: c.MaxBodyBytes, MaxInFlightPerTenant: c.MaxInFlight, Faults: env.faults, Logger: log, Registry: reg,
 		Worker: worker.Config{VisibilityTimeout: c.WorkerVisibilityTimeout},
 		Ready: func(addr string) {
 			fmt.Printf(`

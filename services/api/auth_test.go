@@ -3,11 +3,14 @@ package api
 import (
 	"bytes"
 	"context"
+	"io"
 	"log/slog"
 	"net/http"
+	"net/http/httptest"
 	"strings"
 	"sync"
 	"testing"
+	"time"
 
 	"github.com/converge-run/converge/internal/tenant"
 	"github.com/converge-run/converge/internal/testenv"
@@ -193,4 +196,129 @@ func TestQuotaThroughTheAPI(t *testing.T) {
 	if r := b.do(t, http.MethodPost, "/v1/tasks", h, wrap(`{"n":`+n+`}`)); r.status != http.StatusAccepted || r.header.Get("Idempotent-Replayed") != "true" {
 		t.Errorf("replay with the quota used up: %d %s", r.status, r.body)
 	}
+}
+
+// stalledPost starts a POST /v1/tasks as token whose body never ends until
+// the returned func is called; it returns once the server is reading it.
+func (b *testBundle) stalledPost(t *testing.T, token, key string) (finish func() *response) {
+	t.Helper()
+	pr, pw := io.Pipe()
+	req, err := http.NewRequest(http.MethodPost, b.ts.URL+"/v1/tasks", pr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	req.Header = http.Header{"Content-Type": {"application/json"}, "Idempotency-Key": {key}, "Authorization": {"Bearer " + token}}
+	done := make(chan *response, 1)
+	go func() {
+		resp, err := b.ts.Client().Do(req)
+		if err != nil {
+			done <- &response{status: -1, body: []byte(err.Error())}
+			return
+		}
+		defer resp.Body.Close()
+		data, _ := io.ReadAll(resp.Body)
+		done <- &response{status: resp.StatusCode, header: resp.Header, body: data}
+	}()
+	if _, err := pw.Write([]byte(`{"document":`)); err != nil { // read by the handler: the request is in process
+		t.Fatal(err)
+	}
+	return func() *response {
+		// The server may have stopped reading (a timeout): never block on
+		// the pipe.
+		go func() {
+			_, _ = pw.Write([]byte(`{"stalled":true}}`))
+			pw.Close()
+		}()
+		select {
+		case r := <-done:
+			pw.CloseWithError(io.ErrClosedPipe)
+			return r
+		case <-time.After(20 * time.Second):
+			pw.CloseWithError(io.ErrClosedPipe)
+			t.Error("no response 20s after the body ended")
+			return &response{status: -1}
+		}
+	}
+}
+
+// One tenant cannot take every handler: beyond MaxInFlightPerTenant
+// requests in process its next is 429 RATE_LIMITED with Retry-After, while
+// another tenant is still served.
+func TestInFlightLimitPerTenant(t *testing.T) {
+	t.Parallel()
+	b := setup(t, func(c *Config) { c.MaxInFlightPerTenant = 2 })
+	_, other := b.addTenant(t, "team-b", false, nil)
+	f1 := b.stalledPost(t, b.token, "stall-key-1")
+	f2 := b.stalledPost(t, b.token, "stall-key-2")
+	testenv.Eventually(t, 10*time.Second, "the tenant's third request refused", func() bool {
+		r := b.post(t, "stall-key-3", wrap(`{"third":true}`))
+		if r.status == http.StatusTooManyRequests {
+			wantProblem(t, r, http.StatusTooManyRequests, CodeRateLimited)
+			if r.header.Get("Retry-After") == "" {
+				t.Error("429 RATE_LIMITED without Retry-After")
+			}
+			return true
+		}
+		return false
+	})
+	h := bearer(other)
+	h.Set("Content-Type", "application/json")
+	h.Set("Idempotency-Key", "other-tenant-1")
+	if r := b.do(t, http.MethodPost, "/v1/tasks", h, wrap(`{"other":true}`)); r.status != http.StatusAccepted {
+		t.Fatalf("another tenant while the first is at its limit: %d %s", r.status, r.body)
+	}
+	for _, f := range []func() *response{f1, f2} {
+		if r := f(); r.status != http.StatusAccepted {
+			t.Errorf("stalled request after its body ended: %d %s", r.status, r.body)
+		}
+	}
+	if r := b.post(t, "stall-key-3", wrap(`{"third":true}`)); r.status != http.StatusAccepted {
+		t.Errorf("after the others ended: %d %s", r.status, r.body)
+	}
+}
+
+// Request bodies in flight are bounded in bytes: with the bound taken by a
+// body being read, the next create is 503 OVERLOADED with Retry-After,
+// before its body is read; a body that stops arriving is 408
+// REQUEST_TIMEOUT, not 400.
+func TestBodyLimits(t *testing.T) {
+	t.Parallel()
+	t.Run("bytes in flight", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t, func(c *Config) { c.MaxBodyBytes = 1 << 20; c.MaxBodyBytesInFlight = 1 << 20 })
+		f := b.stalledPost(t, b.token, "big-stall-1") // chunked: reserves MaxBodyBytes
+		testenv.Eventually(t, 10*time.Second, "a second body refused", func() bool {
+			r := b.post(t, "small-1", wrap(`{"small":true}`))
+			if r.status == http.StatusServiceUnavailable {
+				wantProblem(t, r, http.StatusServiceUnavailable, CodeOverloaded)
+				return r.header.Get("Retry-After") != ""
+			}
+			return false
+		})
+		if r := f(); r.status != http.StatusAccepted {
+			t.Errorf("the first body: %d %s", r.status, r.body)
+		}
+		if r := b.post(t, "small-1", wrap(`{"small":true}`)); r.status != http.StatusAccepted {
+			t.Errorf("after the first ended: %d %s", r.status, r.body)
+		}
+	})
+	t.Run("slow body", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t)
+		srv := httptest.NewUnstartedServer(b.srv.Handler())
+		srv.Config.ReadTimeout = 300 * time.Millisecond
+		srv.Start()
+		t.Cleanup(srv.Close)
+		b.ts = srv
+		f := b.stalledPost(t, b.token, "slow-body-1")
+		time.Sleep(time.Second)
+		r := f()
+		if r.status != http.StatusRequestTimeout {
+			t.Fatalf("slow body: %d %s, want 408", r.status, r.body)
+		}
+		wantProblem(t, r, http.StatusRequestTimeout, CodeRequestTimeout)
+		if n := b.count(t, "task"); n != 0 {
+			t.Errorf("%d tasks from a body that timed out", n)
+		}
+	})
 }

@@ -77,10 +77,24 @@ func (s *Server) handleCreate(w http.ResponseWriter, r *http.Request) {
 		s.writeError(w, r, &http.MaxBytesError{Limit: s.cfg.MaxBodyBytes})
 		return
 	}
+	reserve := r.ContentLength
+	if reserve < 0 {
+		reserve = s.cfg.MaxBodyBytes // chunked: it may grow to the limit
+	}
+	release, ok := s.limits.reserveBody(reserve)
+	if !ok {
+		s.writeError(w, r, newError(CodeOverloaded, "the server is reading as many request bodies as it holds at once; retry"))
+		return
+	}
+	defer release()
 	body, err := io.ReadAll(http.MaxBytesReader(w, r.Body, s.cfg.MaxBodyBytes))
 	if err != nil {
 		var me *http.MaxBytesError
-		if !errors.As(err, &me) {
+		switch {
+		case errors.As(err, &me):
+		case isTimeout(err):
+			err = newError(CodeRequestTimeout, "the request body was not received within the server's read timeout")
+		default:
 			err = canonError(canon.CodeMalformedJSON, "request body could not be read: "+err.Error(), -1)
 		}
 		s.writeError(w, r, err)

@@ -42,6 +42,9 @@ const (
 	CodeUnauthenticated         = "UNAUTHENTICATED"
 	CodeForbidden               = "FORBIDDEN"
 	CodeQuotaExhausted          = "QUOTA_EXHAUSTED"
+	CodeRateLimited             = "RATE_LIMITED"
+	CodeOverloaded              = "OVERLOADED"
+	CodeRequestTimeout          = "REQUEST_TIMEOUT"
 	// CodeClientClosedRequest is recorded (status 499, nginx's convention)
 	// when the client went away before the answer: its cancelled context,
 	// not the database, ended the request. Nobody receives it.
@@ -88,6 +91,9 @@ var kinds = map[string]problemKind{
 	CodeUnauthenticated:           {http.StatusUnauthorized, "Authentication required"},
 	CodeForbidden:                 {http.StatusForbidden, "Forbidden"},
 	CodeQuotaExhausted:            {http.StatusTooManyRequests, "Quota exhausted"},
+	CodeRateLimited:               {http.StatusTooManyRequests, "Too many requests in process"},
+	CodeOverloaded:                {http.StatusServiceUnavailable, "Overloaded"},
+	CodeRequestTimeout:            {http.StatusRequestTimeout, "Request body not received in time"},
 	CodeClientClosedRequest:       {StatusClientClosedRequest, "Client closed the request"},
 	CodeCacheUnavailable:          {http.StatusServiceUnavailable, "Cache unavailable"},
 	CodeInternal:                  {http.StatusInternalServerError, "Internal error"},
@@ -166,7 +172,7 @@ func problemFor(err error) problem {
 		if !ok {
 			p.Code = CodeInternal
 		}
-		p.RetryAfter = p.Code == CodeIdempotencyInProgress || p.Status == http.StatusServiceUnavailable
+		p.RetryAfter = p.Code == CodeIdempotencyInProgress || p.Code == CodeRateLimited || p.Status == http.StatusServiceUnavailable
 		p.Type = problemType(p.Code)
 		return p
 	case errors.As(err, &ce):

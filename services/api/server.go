@@ -49,6 +49,21 @@ type Config struct {
 	IdempotencyLease time.Duration
 	// ReadyTimeout bounds the dependency pings of GET /readyz. Defaults to 1s.
 	ReadyTimeout time.Duration
+	// MaxInFlightPerTenant bounds the /v1/ requests one tenant has in
+	// process at once, so that one tenant cannot take every handler (and
+	// database connection) from the others; one more is 429 RATE_LIMITED
+	// with Retry-After. Defaults to 64.
+	MaxInFlightPerTenant int
+	// MaxBodyBytesInFlight bounds the create-request bodies being read or
+	// held at once, in bytes (each counted at its Content-Length, or at
+	// MaxBodyBytes when it has none), so that many large bodies cannot take
+	// the process's memory; a body that does not fit is 503 OVERLOADED with
+	// Retry-After, before it is read. Defaults to 8 × MaxBodyBytes.
+	MaxBodyBytesInFlight int64
+	// WriteTimeout bounds writing a response (http.Server.WriteTimeout,
+	// from the end of reading the request headers), so that a client that
+	// never reads cannot hold a handler. Defaults to 2m.
+	WriteTimeout time.Duration
 	// ReadTimeout bounds reading a whole request, body included, so a client
 	// that stops sending cannot hold a connection (or a shutdown). Defaults
 	// to 60s.
@@ -97,6 +112,15 @@ func (c *Config) setDefaults() {
 	if c.ReadTimeout == 0 {
 		c.ReadTimeout = time.Minute
 	}
+	if c.WriteTimeout == 0 {
+		c.WriteTimeout = 2 * time.Minute
+	}
+	if c.MaxInFlightPerTenant == 0 {
+		c.MaxInFlightPerTenant = 64
+	}
+	if c.MaxBodyBytesInFlight == 0 {
+		c.MaxBodyBytesInFlight = 8 * c.MaxBodyBytes
+	}
 	if c.ShutdownTimeout == 0 {
 		c.ShutdownTimeout = 10 * time.Second
 	}
@@ -128,6 +152,10 @@ func (c *Config) Validate() error {
 		return errors.New("api: Auth required")
 	case c.MaxBodyBytes < 1:
 		return fmt.Errorf("api: MaxBodyBytes %d must be positive", c.MaxBodyBytes)
+	case c.MaxInFlightPerTenant < 1:
+		return fmt.Errorf("api: MaxInFlightPerTenant %d must be positive", c.MaxInFlightPerTenant)
+	case c.MaxBodyBytesInFlight < c.MaxBodyBytes:
+		return fmt.Errorf("api: MaxBodyBytesInFlight %d must be at least MaxBodyBytes %d", c.MaxBodyBytesInFlight, c.MaxBodyBytes)
 	case c.IdempotencyTTL < time.Minute:
 		return fmt.Errorf("api: IdempotencyTTL %s must be at least 1m", c.IdempotencyTTL)
 	case c.IdempotencyLease <= 0 || c.ReadyTimeout <= 0 || c.ShutdownTimeout <= 0:
@@ -147,6 +175,7 @@ type Server struct {
 	cache   *taskview.Cache // nil without Redis
 	mux     *http.ServeMux
 	metrics *metrics
+	limits  *limits
 }
 
 // New validates cfg and builds a Server. It registers the metrics on
@@ -156,7 +185,8 @@ func New(cfg Config) (*Server, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
-	s := &Server{cfg: cfg, log: cfg.Logger, store: &store{pool: cfg.Pool}, mux: http.NewServeMux()}
+	s := &Server{cfg: cfg, log: cfg.Logger, store: &store{pool: cfg.Pool}, mux: http.NewServeMux(),
+		limits: newLimits(cfg.MaxInFlightPerTenant, cfg.MaxBodyBytesInFlight)}
 	if cfg.Redis != nil {
 		c, err := taskview.NewCache(cfg.Redis, cfg.Cache)
 		if err != nil {
@@ -203,6 +233,7 @@ func (s *Server) Serve(ctx context.Context, ln net.Listener) error {
 		Handler:           s,
 		ReadHeaderTimeout: 10 * time.Second,
 		ReadTimeout:       s.cfg.ReadTimeout,
+		WriteTimeout:      s.cfg.WriteTimeout,
 		IdleTimeout:       2 * time.Minute,
 		ErrorLog:          slog.NewLogLogger(s.log.Handler(), slog.LevelWarn),
 	}
@@ -268,6 +299,12 @@ func (s *Server) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 				s.writeError(sw, r, err)
 				return
 			}
+			release, ok := s.limits.enter(p.TenantID)
+			if !ok {
+				s.writeError(sw, r, newError(CodeRateLimited, "tenant %s has %d requests in process, the most allowed; retry after the ones in process end", p.Name, s.cfg.MaxInFlightPerTenant))
+				return
+			}
+			defer release()
 			r = r.WithContext(withPrincipal(r.Context(), p))
 		}
 		s.mux.ServeHTTP(sw, r) // sets r.Pattern and the path values

@@ -59,6 +59,8 @@ type Config struct {
 	HTTPAddr string
 	// MaxBodyBytes of a create request. Defaults to the API's default.
 	MaxBodyBytes int64
+	// MaxInFlightPerTenant of the API. Defaults to the API's default.
+	MaxInFlightPerTenant int
 	// Faults armed in every component. Defaults to none.
 	Faults *fault.Set
 	// Logger defaults to slog.Default().
@@ -218,7 +220,7 @@ func Run(ctx context.Context, cfg Config) error {
 		return err
 	}
 	srv, err := api.New(api.Config{
-		Pool: pool, Redis: rdb, ArtifactStore: store, MaxBodyBytes: cfg.MaxBodyBytes, DeadLetters: dls,
+		Pool: pool, Redis: rdb, ArtifactStore: store, MaxBodyBytes: cfg.MaxBodyBytes, MaxInFlightPerTenant: cfg.MaxInFlightPerTenant, DeadLetters: dls,
 		Auth:   tenant.NewAuthenticator(pool, 0),
 		Logger: log.With("component", "api"), Registerer: reg, Gatherer: reg, Faults: cfg.Faults,
 	})
