@@ -158,7 +158,14 @@ func (c *APICmd) Run(env *runEnv) error {
 	if err != nil {
 		return err
 	}
-	return srv.Run(env.ctx, c.HTTPAddr)
+	adminLn, err := net.Listen("tcp", c.AdminAddr)
+	if err != nil {
+		return fmt.Errorf("admin api listen %s: %w", c.AdminAddr, err)
+	}
+	g, gctx := errgroup.WithContext(env.ctx)
+	g.Go(func() error { return srv.Run(gctx, c.HTTPAddr) })
+	g.Go(func() error { return srv.ServeAdmin(gctx, adminLn) })
+	return g.Wait()
 }
 
 // RelayCmd runs the CDC relay.

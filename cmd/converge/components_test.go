@@ -19,11 +19,13 @@ import (
 	"github.com/converge-run/converge/internal/testenv"
 )
 
-// runAPI runs `converge api` in process on a free port until the test ends
-// and returns its base URL.
+// runAPI runs `converge api` in process on free ports until the test ends
+// and returns the base URL of its admin plane (the public API is on
+// c.HTTPAddr).
 func runAPI(t *testing.T, c APICmd) string {
 	t.Helper()
 	c.HTTPAddr = "127.0.0.1:" + strconv.Itoa(testenv.FreePort(t))
+	c.AdminAddr = "127.0.0.1:" + strconv.Itoa(testenv.FreePort(t))
 	c.ArtifactDir = t.TempDir()
 	c.MaxBodyBytes = 1 << 20
 	ctx, cancel := context.WithCancel(context.Background())
@@ -37,7 +39,7 @@ func runAPI(t *testing.T, c APICmd) string {
 			t.Error("converge api did not stop")
 		}
 	})
-	base := "http://" + c.HTTPAddr
+	base := "http://" + c.AdminAddr
 	testenv.Eventually(t, 20*time.Second, "converge api serves", func() bool {
 		resp, err := http.Get(base + "/healthz")
 		if err != nil {

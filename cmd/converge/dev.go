@@ -125,16 +125,22 @@ func (c *DevCmd) Run(env *runEnv) error {
 		return fmt.Errorf("API listen %s: %w", c.HTTPAddr, err)
 	}
 	apiURL := "http://" + ln.Addr().String()
+	adminLn, err := net.Listen("tcp", c.AdminAddr)
+	if err != nil {
+		ln.Close()
+		return fmt.Errorf("admin API listen %s: %w", c.AdminAddr, err)
+	}
 
 	cfg := pipeline.Config{
 		DatabaseURL: dbURL, Brokers: brokers, RedisURL: redisURL, ArtifactDir: artifactDir,
 		Topic: c.Topic, Partitions: c.TopicPartitions, SlotName: c.SlotName, PublicationName: c.PublicationName,
-		Listener: ln, MaxBodyBytes: c.MaxBodyBytes, MaxInFlightPerTenant: c.MaxInFlight, Faults: env.faults, Logger: log, Registry: reg,
+		Listener: ln, AdminListener: adminLn, MaxBodyBytes: c.MaxBodyBytes, MaxInFlightPerTenant: c.MaxInFlight, Faults: env.faults, Logger: log, Registry: reg,
 		Worker: worker.Config{VisibilityTimeout: c.WorkerVisibilityTimeout},
 		Ready: func(addr string) {
 			fmt.Printf(`
 converge is running (Ctrl-C stops it cleanly)
   API          %s   (POST /v1/tasks, GET /v1/tasks/{id}, /metrics, /healthz, /readyz)
+  admin API    http://%s   (/v1/admin/dead-letters; admin token)
   PostgreSQL   %s
   Kafka        %v   (topic %s; any Kafka client can connect)
   Redis        %s
@@ -145,7 +151,7 @@ Submit documents:  ./bin/converge submit --api-url %s PATH...   (sends the dev t
 Read a task:       curl -H "Authorization: Bearer $(cat %s)" %s/v1/tasks/<task_id>
 Manage tenants:    ./bin/converge tenants add|list|rotate|disable  (next to this data directory)
 
-`, apiURL, redact(dbURL), brokers, c.Topic, redisURL, artifactDir, tokens["dev"], tokens["admin"], filepath.Join(dataDir, devTokenDir),
+`, apiURL, adminLn.Addr().String(), redact(dbURL), brokers, c.Topic, redisURL, artifactDir, tokens["dev"], tokens["admin"], filepath.Join(dataDir, devTokenDir),
 				apiURL, filepath.Join(dataDir, devTokenDir, "dev.token"), apiURL)
 		},
 	}

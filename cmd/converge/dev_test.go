@@ -114,6 +114,7 @@ func TestDevKilledMidBatch(t *testing.T) {
 		"CONVERGE_DEV_KAFKA_PORT=" + strconv.Itoa(kPort),
 		"CONVERGE_DEV_REDIS_PORT=" + strconv.Itoa(rPort),
 		"CONVERGE_HTTP_ADDR=127.0.0.1:" + strconv.Itoa(hPort),
+		"CONVERGE_ADMIN_ADDR=127.0.0.1:" + strconv.Itoa(testenv.FreePort(t)),
 		"CONVERGE_DEV_NO_EXAMPLES=true",
 		"CONVERGE_DATABASE_URL=", "CONVERGE_KAFKA_BROKERS=", "CONVERGE_REDIS_URL=", "CONVERGE_FAULTS=",
 	}

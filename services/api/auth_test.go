@@ -322,3 +322,36 @@ func TestBodyLimits(t *testing.T) {
 		}
 	})
 }
+
+// The admin endpoints are served only on the admin plane's listener, the
+// public API only on its own; /metrics and /healthz on both.
+func TestAdminPlaneApart(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	get := func(base, path, token string) int {
+		req, _ := http.NewRequest(http.MethodGet, base+path, nil)
+		req.Header.Set("Authorization", "Bearer "+token)
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close()
+		return resp.StatusCode
+	}
+	if st := get(b.ts.URL, "/v1/admin/dead-letters", b.adminToken); st != http.StatusNotFound {
+		t.Errorf("admin endpoint on the public listener: %d, want 404", st)
+	}
+	if st := get(b.adminTS.URL, "/v1/tasks/01890a5d-ac96-774b-bcce-b302099a8057", b.token); st != http.StatusNotFound {
+		t.Errorf("public endpoint on the admin listener: %d, want 404", st)
+	}
+	if st := get(b.adminTS.URL, "/v1/admin/dead-letters", b.adminToken); st == http.StatusNotFound || st == http.StatusUnauthorized {
+		t.Errorf("admin endpoint on the admin listener: %d", st)
+	}
+	for _, base := range []string{b.ts.URL, b.adminTS.URL} {
+		for _, path := range []string{"/metrics", "/healthz"} {
+			if st := get(base, path, ""); st != http.StatusOK {
+				t.Errorf("%s%s: %d", base, path, st)
+			}
+		}
+	}
+}

@@ -26,6 +26,7 @@ type testBundle struct {
 	artifacts *artifact.Store
 	srv       *Server
 	ts        *httptest.Server
+	adminTS   *httptest.Server // the admin plane (AdminHandler): /v1/admin/ requests go here
 	// tenant and token: the tenant requests are sent as (Authorization:
 	// Bearer token) unless a test sets Authorization itself; admin routes
 	// use adminToken.
@@ -58,6 +59,8 @@ func setup(t *testing.T, opts ...func(*Config)) *testBundle {
 	}
 	b.ts = httptest.NewServer(b.srv.Handler())
 	t.Cleanup(b.ts.Close)
+	b.adminTS = httptest.NewServer(b.srv.AdminHandler())
+	t.Cleanup(b.adminTS.Close)
 	return b
 }
 
@@ -104,7 +107,11 @@ func (b *testBundle) try(method, path string, header http.Header, body []byte) (
 	if body != nil {
 		rd = bytes.NewReader(body)
 	}
-	req, err := http.NewRequest(method, b.ts.URL+path, rd)
+	base := b.ts.URL
+	if strings.HasPrefix(path, "/v1/admin/") {
+		base = b.adminTS.URL
+	}
+	req, err := http.NewRequest(method, base+path, rd)
 	if err != nil {
 		return nil, err
 	}

@@ -209,12 +209,36 @@ func New(cfg Config) (*Server, error) {
 	return s, nil
 }
 
-// Handler returns the API's http.Handler: routing, problem+json for
-// unknown routes (404) and methods (405), panic recovery and metrics.
+// Handler returns the public API's http.Handler: routing, problem+json for
+// unknown routes (404) and methods (405), panic recovery and metrics. It
+// does not serve the admin endpoints (/v1/admin/: 404 here); AdminHandler
+// does, on a listener of their own (issue 12: an admin plane apart).
 func (s *Server) Handler() http.Handler { return s }
 
-// Run listens on addr (host:port) and serves until ctx is cancelled, then
-// shuts down gracefully and returns nil. See Serve.
+// AdminHandler returns the admin plane's http.Handler: the /v1/admin/
+// endpoints (admin credentials only), /metrics and /healthz; every other
+// route is 404.
+func (s *Server) AdminHandler() http.Handler { return adminPlane{s} }
+
+type adminPlane struct{ s *Server }
+
+func (a adminPlane) ServeHTTP(w http.ResponseWriter, r *http.Request) { a.s.serveHTTP(w, r, true) }
+
+// onPlane reports whether route (a mux pattern's path) is served on the
+// admin plane (admin) or the public one.
+func onPlane(route string, admin bool) bool {
+	switch {
+	case route == "/metrics" || route == "/healthz":
+		return true
+	case strings.HasPrefix(route, "/v1/admin/"):
+		return admin
+	default:
+		return !admin
+	}
+}
+
+// Run listens on addr (host:port) and serves the public API until ctx is
+// cancelled, then shuts down gracefully and returns nil. See Serve.
 func (s *Server) Run(ctx context.Context, addr string) error {
 	var lc net.ListenConfig
 	ln, err := lc.Listen(ctx, "tcp", addr)
@@ -229,8 +253,18 @@ func (s *Server) Run(ctx context.Context, addr string) error {
 // closes the connections still open after that (logged as a warning) and
 // returns nil; it returns an error when serving fails. Serve closes ln.
 func (s *Server) Serve(ctx context.Context, ln net.Listener) error {
+	return s.serve(ctx, ln, s, "api")
+}
+
+// ServeAdmin serves the admin plane (AdminHandler) on ln as Serve serves
+// the public API.
+func (s *Server) ServeAdmin(ctx context.Context, ln net.Listener) error {
+	return s.serve(ctx, ln, s.AdminHandler(), "admin api")
+}
+
+func (s *Server) serve(ctx context.Context, ln net.Listener, h http.Handler, name string) error {
 	srv := &http.Server{
-		Handler:           s,
+		Handler:           h,
 		ReadHeaderTimeout: 10 * time.Second,
 		ReadTimeout:       s.cfg.ReadTimeout,
 		WriteTimeout:      s.cfg.WriteTimeout,
@@ -239,29 +273,31 @@ func (s *Server) Serve(ctx context.Context, ln net.Listener) error {
 	}
 	errc := make(chan error, 1)
 	go func() { errc <- srv.Serve(ln) }()
-	s.log.InfoContext(ctx, "api listening", slog.String("addr", ln.Addr().String()))
+	s.log.InfoContext(ctx, name+" listening", slog.String("addr", ln.Addr().String()))
 	select {
 	case err := <-errc:
-		return fmt.Errorf("api serve: %w", err)
+		return fmt.Errorf("%s serve: %w", name, err)
 	case <-ctx.Done():
 	}
 	sctx, cancel := context.WithTimeout(context.Background(), s.cfg.ShutdownTimeout)
 	defer cancel()
 	if err := srv.Shutdown(sctx); err != nil {
-		s.log.Warn("api shutdown: closing connections still open", slog.Duration("after", s.cfg.ShutdownTimeout), slog.Any("err", err))
+		s.log.Warn(name+" shutdown: closing connections still open", slog.Duration("after", s.cfg.ShutdownTimeout), slog.Any("err", err))
 		srv.Close()
 	}
 	if err := <-errc; err != nil && !errors.Is(err, http.ErrServerClosed) {
-		return fmt.Errorf("api serve: %w", err)
+		return fmt.Errorf("%s serve: %w", name, err)
 	}
-	s.log.Info("api stopped")
+	s.log.Info(name + " stopped")
 	return nil
 }
 
 // ServeHTTP routes r, turning the mux's own 404 and 405 answers into
 // problem documents, recovers panics into 500 INTERNAL (re-panicking
 // http.ErrAbortHandler so the connection is dropped), and records metrics.
-func (s *Server) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+func (s *Server) ServeHTTP(w http.ResponseWriter, r *http.Request) { s.serveHTTP(w, r, false) }
+
+func (s *Server) serveHTTP(w http.ResponseWriter, r *http.Request, admin bool) {
 	start := time.Now()
 	sw := &statusWriter{ResponseWriter: w}
 	route := "unmatched"
@@ -292,6 +328,11 @@ func (s *Server) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		route = pattern
 		if _, path, ok := strings.Cut(pattern, " "); ok {
 			route = path
+		}
+		if !onPlane(route, admin) {
+			route = "unmatched"
+			s.writeError(sw, r, newError(CodeNotFound, "no resource at %s on this listener", clip(r.URL.Path, 200)))
+			return
 		}
 		if strings.HasPrefix(route, "/v1/") {
 			p, err := s.authenticate(r, strings.HasPrefix(route, "/v1/admin/"))

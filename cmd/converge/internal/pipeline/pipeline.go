@@ -55,6 +55,9 @@ type Config struct {
 	PublicationName string
 	// Listener for the HTTP API; when nil one is opened on HTTPAddr.
 	Listener net.Listener
+	// AdminListener serves the admin plane (api.Server.ServeAdmin: the
+	// /v1/admin/ endpoints); nil serves none.
+	AdminListener net.Listener
 	// HTTPAddr defaults to 127.0.0.1:8080.
 	HTTPAddr string
 	// MaxBodyBytes of a create request. Defaults to the API's default.
@@ -263,6 +266,9 @@ func Run(ctx context.Context, cfg Config) error {
 		}
 		return srv.Serve(gctx, ln)
 	})
+	if cfg.AdminListener != nil {
+		run("admin api", func(ctx context.Context) error { return srv.ServeAdmin(ctx, cfg.AdminListener) })
+	}
 	err = g.Wait()
 	if err != nil {
 		log.Error("pipeline stopped", "err", err)
