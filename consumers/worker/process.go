@@ -174,6 +174,9 @@ func (w *Worker) intake(ctx context.Context, tx pgx.Tx, j *job) (string, error) 
 				map[string]any{"task_version": t.Version, "task_status": t.Status}); err != nil {
 				return "", err
 			}
+			if t.Status == taskevent.StatusCancelled {
+				return OutcomeCancelled, nil // its CAS on queued refused: never started
+			}
 			return OutcomeDuplicate, nil
 		default:
 			return "", &DeterministicError{Code: CodeTaskVersionConflict,

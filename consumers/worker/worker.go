@@ -51,6 +51,10 @@ const (
 	// retryable errors MaxAttempts times, and was parked on the dead-letter
 	// topic (seed 13.5).
 	OutcomeDeadLettered = "dead_lettered"
+	// OutcomeCancelled: the task was cancelled while queued (a client's
+	// version-guarded cancel won against the start): not started, nothing
+	// performed.
+	OutcomeCancelled = "cancelled"
 )
 
 // DefaultProcessorVersion identifies this processing code in dead letters
@@ -396,7 +400,7 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 			Buckets: prometheus.ExponentialBuckets(0.005, 2.5, 14),
 		}),
 	}
-	for _, o := range []string{OutcomeProcessed, OutcomeDuplicate, OutcomeConflict, OutcomeIgnored, OutcomeFailed, OutcomeRetried, OutcomeDeadLettered} {
+	for _, o := range []string{OutcomeProcessed, OutcomeDuplicate, OutcomeConflict, OutcomeIgnored, OutcomeFailed, OutcomeRetried, OutcomeDeadLettered, OutcomeCancelled} {
 		m.messages.WithLabelValues(o)
 	}
 	for _, c := range []prometheus.Collector{m.batched, m.messages, m.deadLettered, m.effects, m.processing, m.endToEnd} {

@@ -901,3 +901,28 @@ func TestSlowPartitionDoesNotBlockOthers(t *testing.T) {
 		t.Errorf("retried = %v, want 0", rw.count(OutcomeRetried))
 	}
 }
+
+// A task cancelled while queued is never started: its TaskCreated record
+// finds it terminal, the outcome is cancelled, no effect is planned and no
+// artifact written.
+func TestCancelledTaskIsNotStarted(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	c := createTask(t, b.db.Pool, []byte(`{"cancel":"me"}`))
+	if ch, err := task.CancelIfQueued(context.Background(), b.db.Pool, c.taskID, 0); err != nil || !ch.Applied {
+		t.Fatalf("cancel: %+v %v", ch, err)
+	}
+	b.produce(t, c.record())
+	rw := b.start(t, nil)
+	testenv.Eventually(t, waitFor, "cancelled outcome counted", func() bool { return rw.count(OutcomeCancelled) == 1 })
+	testenv.Eventually(t, waitFor, "offsets committed", func() bool { return b.allCommitted(t) })
+	if tk := b.task(t, c.taskID); tk.Status != taskevent.StatusCancelled || tk.Version != 1 || tk.Attempt != 0 {
+		t.Errorf("task %s/v%d attempt %d, want cancelled/v1 attempt 0", tk.Status, tk.Version, tk.Attempt)
+	}
+	if n := b.scalar(t, `SELECT count(*) FROM effect_ledger WHERE task_id = $1`, c.taskID); n != int64(0) {
+		t.Errorf("%v effects for a cancelled task", n)
+	}
+	if n := b.objects(t, c.taskID); n != 0 {
+		t.Errorf("%d artifacts for a cancelled task", n)
+	}
+}

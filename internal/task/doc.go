@@ -5,21 +5,24 @@
 //
 // # Invariants
 //
-//   - Status moves only along queued -> running -> completed | failed, and
-//     failed -> queued for a dead-letter replay (ReopenIfFailed); a
+//   - Status moves only along queued -> running -> completed | failed,
+//     queued -> cancelled for a client's version-guarded cancel
+//     (CancelIfQueued; terminal), and failed -> queued for a dead-letter
+//     replay (ReopenIfFailed); a
 //     status CHECK constraint refuses anything else (compensating and
 //     compensated are allowed by the schema, seed 2.1, and not entered by
 //     this code).
 //   - Every transition is a compare-and-set on status and version that
 //     increments the version (StartIfQueued, CompleteIfRunning,
-//     FailIfRunning, FailIfNotTerminal, ReopenIfFailed): a change computed
+//     FailIfRunning, FailIfNotTerminal, CancelIfQueued, ReopenIfFailed): a change computed
 //     from a stale read matches no row and applies nothing (Changed.Applied
 //     is false), so two deliveries, or a delivery and a repair, never both
 //     apply (DESIGN.md, River's rescuer bug). The snapshot a transition
 //     returns is the one its outbox event carries (package outbox), written
 //     in the same transaction (seed 4).
 //   - A task is created at version 0, status queued, with its document
-//     (task_input), in the API's create transaction (QueueCreate).
+//     (task_input) and its tenant (internal/tenant), in the API's create
+//     transaction (QueueCreate).
 //   - Versions stay below 2^53 (a CHECK constraint), so they survive JSON
 //     and Lua doubles.
 //   - A task not found may be one whose creating transaction is not visible

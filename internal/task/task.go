@@ -200,8 +200,21 @@ func FailIfNotTerminal(ctx context.Context, q dbpool.Querier, id string, version
 	var c Changed
 	err := scanChanged(q.QueryRow(ctx, `
 UPDATE task SET status = 'failed', version = version + 1, terminal_error_code = $3, updated_at = now()
-WHERE task_id = $1 AND version = $2 AND status NOT IN ('completed', 'failed', 'compensated')
+WHERE task_id = $1 AND version = $2 AND status NOT IN ('completed', 'failed', 'compensated', 'cancelled')
 RETURNING `+Columns, id, version, code), &c, "fail task "+id)
+	return c, err
+}
+
+// CancelIfQueued moves task id queued at version to cancelled (version+1): a
+// client's version-guarded cancel (issue 12). The worker's StartIfQueued
+// takes the same row at the same version: of a concurrent cancel and start
+// exactly one applies.
+func CancelIfQueued(ctx context.Context, q dbpool.Querier, id string, version int64) (Changed, error) {
+	var c Changed
+	err := scanChanged(q.QueryRow(ctx, `
+UPDATE task SET status = 'cancelled', version = version + 1, updated_at = now()
+WHERE task_id = $1 AND status = 'queued' AND version = $2
+RETURNING `+Columns, id, version), &c, "cancel task "+id)
 	return c, err
 }
 

@@ -37,6 +37,9 @@ const (
 	// queued or running without progress; it carries the task's current
 	// version (unchanged) and the worker handles it like TaskCreated.
 	TypeTaskRedriveRequested = "TaskRedriveRequested"
+	// TypeTaskCancelled is written by the API when a queued task is
+	// cancelled (POST /v1/tasks/{id}/cancel, a version-guarded change).
+	TypeTaskCancelled = "TaskCancelled"
 )
 
 // DeadLetterTopic returns the dead-letter topic of a task-events topic:
@@ -67,11 +70,13 @@ const (
 	StatusFailed       = "failed"
 	StatusCompensating = "compensating"
 	StatusCompensated  = "compensated"
+	StatusCancelled    = "cancelled"
 )
 
-// Terminal reports whether status is final: completed, failed or compensated.
+// Terminal reports whether status is final: completed, failed, compensated
+// or cancelled.
 func Terminal(status string) bool {
-	return status == StatusCompleted || status == StatusFailed || status == StatusCompensated
+	return status == StatusCompleted || status == StatusFailed || status == StatusCompensated || status == StatusCancelled
 }
 
 // Task is the task snapshot every event carries and the Redis task view

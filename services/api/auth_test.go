@@ -200,7 +200,7 @@ func TestQuotaThroughTheAPI(t *testing.T) {
 
 // stalledPost starts a POST /v1/tasks as token whose body never ends until
 // the returned func is called; it returns once the server is reading it.
-func (b *testBundle) stalledPost(t *testing.T, token, key string) (finish func() *response) {
+func (b *testBundle) stalledPost(t *testing.T, token, key string, want int) (finish func() *response) {
 	t.Helper()
 	pr, pw := io.Pipe()
 	req, err := http.NewRequest(http.MethodPost, b.ts.URL+"/v1/tasks", pr)
@@ -219,9 +219,18 @@ func (b *testBundle) stalledPost(t *testing.T, token, key string) (finish func()
 		data, _ := io.ReadAll(resp.Body)
 		done <- &response{status: resp.StatusCode, header: resp.Header, body: data}
 	}()
-	if _, err := pw.Write([]byte(`{"document":`)); err != nil { // read by the handler: the request is in process
-		t.Fatal(err)
-	}
+	// Never leave the request hanging (the server's Close would wait for
+	// it): cleanups run before the bundle's, which were registered first.
+	t.Cleanup(func() { pw.CloseWithError(io.ErrClosedPipe) })
+	// Whitespace fills the transport's buffer, so headers and the first
+	// chunk reach the server now; then wait until the handler reads it.
+	start := append([]byte(`{"document":`), bytes.Repeat([]byte(" "), 16<<10)...)
+	go func() { _, _ = pw.Write(start) }()
+	testenv.Eventually(t, 10*time.Second, "the stalled request in process", func() bool {
+		b.srv.limits.mu.Lock()
+		defer b.srv.limits.mu.Unlock()
+		return b.srv.limits.bytes > 0 && len(b.srv.limits.inFlight) > 0 && b.srv.limits.inFlight[b.tenantOf(t, token)] >= want
+	})
 	return func() *response {
 		// The server may have stopped reading (a timeout): never block on
 		// the pipe.
@@ -248,8 +257,8 @@ func TestInFlightLimitPerTenant(t *testing.T) {
 	t.Parallel()
 	b := setup(t, func(c *Config) { c.MaxInFlightPerTenant = 2 })
 	_, other := b.addTenant(t, "team-b", false, nil)
-	f1 := b.stalledPost(t, b.token, "stall-key-1")
-	f2 := b.stalledPost(t, b.token, "stall-key-2")
+	f1 := b.stalledPost(t, b.token, "stall-key-1", 1)
+	f2 := b.stalledPost(t, b.token, "stall-key-2", 2)
 	testenv.Eventually(t, 10*time.Second, "the tenant's third request refused", func() bool {
 		r := b.post(t, "stall-key-3", wrap(`{"third":true}`))
 		if r.status == http.StatusTooManyRequests {
@@ -286,7 +295,7 @@ func TestBodyLimits(t *testing.T) {
 	t.Run("bytes in flight", func(t *testing.T) {
 		t.Parallel()
 		b := setup(t, func(c *Config) { c.MaxBodyBytes = 1 << 20; c.MaxBodyBytesInFlight = 1 << 20 })
-		f := b.stalledPost(t, b.token, "big-stall-1") // chunked: reserves MaxBodyBytes
+		f := b.stalledPost(t, b.token, "big-stall-1", 1) // chunked: reserves MaxBodyBytes
 		testenv.Eventually(t, 10*time.Second, "a second body refused", func() bool {
 			r := b.post(t, "small-1", wrap(`{"small":true}`))
 			if r.status == http.StatusServiceUnavailable {
@@ -310,7 +319,7 @@ func TestBodyLimits(t *testing.T) {
 		srv.Start()
 		t.Cleanup(srv.Close)
 		b.ts = srv
-		f := b.stalledPost(t, b.token, "slow-body-1")
+		f := b.stalledPost(t, b.token, "slow-body-1", 1)
 		time.Sleep(time.Second)
 		r := f()
 		if r.status != http.StatusRequestTimeout {

@@ -47,7 +47,7 @@ func eventSchemas(t *testing.T) (map[string]*jsonschema.Schema, map[string]map[s
 		typ, _, _ := strings.Cut(name, ".")
 		compiled[typ], raw[typ] = sch, doc.(map[string]any)
 	}
-	for _, typ := range []string{taskevent.TypeTaskCreated, taskevent.TypeTaskCompleted, taskevent.TypeTaskFailed} {
+	for _, typ := range []string{taskevent.TypeTaskCreated, taskevent.TypeTaskCompleted, taskevent.TypeTaskFailed, taskevent.TypeTaskCancelled} {
 		if compiled[typ] == nil {
 			t.Fatalf("no schema for %s (files %v)", typ, names)
 		}
@@ -123,7 +123,10 @@ func TestEventSchemas(t *testing.T) {
 		}
 		return v
 	}
+	cancelled := ev.Task
+	cancelled.Status, cancelled.Version, cancelled.UpdatedAt = taskevent.StatusCancelled, 1, later
 	events := map[string][]byte{
+		taskevent.TypeTaskCancelled: encode(taskevent.TypeTaskCancelled, cancelled),
 		taskevent.TypeTaskCreated:   created,
 		taskevent.TypeTaskCompleted: encode(taskevent.TypeTaskCompleted, done),
 		taskevent.TypeTaskFailed:    encode(taskevent.TypeTaskFailed, failed),
@@ -150,6 +153,7 @@ func TestEventSchemas(t *testing.T) {
 		"completed without artifact": encode(taskevent.TypeTaskCompleted, ev.Task),
 		"failed without error code":  encode(taskevent.TypeTaskFailed, func() taskevent.Task { x := failed; x.TerminalErrorCode = nil; return x }()),
 		"created not at version 0":   encode(taskevent.TypeTaskCreated, func() taskevent.Task { x := ev.Task; x.Version = 3; return x }()),
+		"cancelled with an artifact": encode(taskevent.TypeTaskCancelled, func() taskevent.Task { x := cancelled; x.ArtifactSHA256 = &sum; return x }()),
 	} {
 		var probe map[string]any
 		_ = json.Unmarshal(bad, &probe)

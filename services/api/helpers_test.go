@@ -75,6 +75,16 @@ func (b *testBundle) addTenant(t *testing.T, name string, admin bool, quota *int
 	return ten, tok
 }
 
+// tenantOf returns the tenant id of token.
+func (b *testBundle) tenantOf(t *testing.T, token string) string {
+	t.Helper()
+	p, err := tenant.Lookup(context.Background(), b.db.Pool, token)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return p.TenantID
+}
+
 // bearer is the Authorization header of token.
 func bearer(token string) http.Header { return http.Header{"Authorization": {"Bearer " + token}} }
 

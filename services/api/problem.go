@@ -43,6 +43,10 @@ const (
 	CodeForbidden               = "FORBIDDEN"
 	CodeQuotaExhausted          = "QUOTA_EXHAUSTED"
 	CodeRateLimited             = "RATE_LIMITED"
+	CodePreconditionRequired    = "PRECONDITION_REQUIRED"
+	CodeIfMatchInvalid          = "IF_MATCH_INVALID"
+	CodeVersionMismatch         = "VERSION_MISMATCH"
+	CodeTaskNotCancellable      = "TASK_NOT_CANCELLABLE"
 	CodeOverloaded              = "OVERLOADED"
 	CodeRequestTimeout          = "REQUEST_TIMEOUT"
 	// CodeClientClosedRequest is recorded (status 499, nginx's convention)
@@ -92,6 +96,10 @@ var kinds = map[string]problemKind{
 	CodeForbidden:                 {http.StatusForbidden, "Forbidden"},
 	CodeQuotaExhausted:            {http.StatusTooManyRequests, "Quota exhausted"},
 	CodeRateLimited:               {http.StatusTooManyRequests, "Too many requests in process"},
+	CodePreconditionRequired:      {http.StatusPreconditionRequired, "If-Match required"},
+	CodeIfMatchInvalid:            {http.StatusBadRequest, "If-Match invalid"},
+	CodeVersionMismatch:           {http.StatusPreconditionFailed, "Task version does not match"},
+	CodeTaskNotCancellable:        {http.StatusConflict, "Task cannot be cancelled"},
 	CodeOverloaded:                {http.StatusServiceUnavailable, "Overloaded"},
 	CodeRequestTimeout:            {http.StatusRequestTimeout, "Request body not received in time"},
 	CodeClientClosedRequest:       {StatusClientClosedRequest, "Client closed the request"},

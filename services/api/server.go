@@ -202,6 +202,7 @@ func New(cfg Config) (*Server, error) {
 	s.mux.HandleFunc("POST /v1/tasks", s.handleCreate)
 	s.mux.HandleFunc("GET /v1/tasks/{id}", s.handleGetTask)
 	s.mux.HandleFunc("GET /v1/tasks/{id}/artifact", s.handleGetArtifact)
+	s.mux.HandleFunc("POST /v1/tasks/{id}/cancel", s.handleCancel)
 	s.mux.HandleFunc("GET /healthz", s.handleHealthz)
 	s.mux.HandleFunc("GET /readyz", s.handleReadyz)
 	s.registerAdmin()

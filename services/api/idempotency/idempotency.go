@@ -85,15 +85,21 @@ RETURNING created_at`, k.Scope, k.Key, k.Fingerprint, k.Lease.Milliseconds(), k.
 const sqlComplete = `
 WITH completed AS (
   UPDATE idempotency_record
-  SET state = 'succeeded', task_id = $3, response_status = 202, response_body = $4, locked_until = NULL
+  SET state = 'succeeded', task_id = $3, response_status = $6, response_body = $4, locked_until = NULL
   WHERE scope = $1 AND idempotency_key = $2 AND state = 'in_progress' AND request_fingerprint = $5
   RETURNING 1)
 SELECT 1 / (SELECT count(*)::int FROM completed)`
 
 // QueueComplete queues the completion of k's record with taskID and the 202
-// response on b (see sqlComplete).
+// response of a create on b (see sqlComplete).
 func QueueComplete(b *pgx.Batch, k Key, taskID string, response []byte) {
-	b.Queue(sqlComplete, k.Scope, k.Key, taskID, string(response), k.Fingerprint).
+	QueueCompleteWith(b, k, taskID, 202, response)
+}
+
+// QueueCompleteWith is QueueComplete with the response's status (a cancel's
+// 200).
+func QueueCompleteWith(b *pgx.Batch, k Key, taskID string, status int, response []byte) {
+	b.Queue(sqlComplete, k.Scope, k.Key, taskID, string(response), k.Fingerprint, status).
 		Exec(func(pgconn.CommandTag) error { return nil })
 }
 

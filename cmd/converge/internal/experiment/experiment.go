@@ -388,7 +388,7 @@ func (x *X) invariants(ctx context.Context) {
 	all := x.scalar(ctx, `SELECT count(*) FROM task`)
 	x.check("one task per intent", n == int64(len(keys)) && all == int64(len(keys)),
 		"%d idempotency keys, %d distinct tasks behind them, %d tasks in the database", len(keys), n, all)
-	nonTerminal := x.scalar(ctx, `SELECT count(*) FROM task WHERE task_id = ANY($1) AND status NOT IN ('completed', 'failed', 'compensated')`, tasks)
+	nonTerminal := x.scalar(ctx, `SELECT count(*) FROM task WHERE task_id = ANY($1) AND status NOT IN ('completed', 'failed', 'compensated', 'cancelled')`, tasks)
 	x.check("no task left non-terminal", nonTerminal == 0, "%d non-terminal", nonTerminal)
 	badCompleted := x.scalar(ctx, `SELECT count(*) FROM task t WHERE t.task_id = ANY($1) AND t.status = 'completed' AND
   (SELECT count(*) FROM effect_ledger e WHERE e.task_id = t.task_id AND e.effect_kind = 'artifact.put' AND e.state = 'verified'

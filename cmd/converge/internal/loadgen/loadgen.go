@@ -553,7 +553,7 @@ type TaskState struct {
 
 // Terminal reports whether the task reached a final status.
 func (s TaskState) Terminal() bool {
-	return s.Status == "completed" || s.Status == "failed" || s.Status == "compensated"
+	return s.Status == "completed" || s.Status == "failed" || s.Status == "compensated" || s.Status == "cancelled"
 }
 
 // TaskReader reads the states of tasks. Missing ids are left out of the
