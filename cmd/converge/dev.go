@@ -2,11 +2,14 @@ package main
 
 import (
 	"context"
+	"crypto/rand"
 	"embed"
+	"encoding/base64"
 	"errors"
 	"fmt"
 	"io/fs"
 	"net"
+	"net/url"
 	"os"
 	"path/filepath"
 	"strconv"
@@ -67,7 +70,11 @@ func (c *DevCmd) Run(env *runEnv) error {
 
 	dbURL := c.DatabaseURL
 	if dbURL == "" {
-		pg, err := localpg.Start(ctx, localpg.Config{DataDir: filepath.Join(dataDir, "pg"), Port: c.PGPort, Fsync: true, Logger: log})
+		pw, err := devSecret(dataDir, "postgres.password")
+		if err != nil {
+			return err
+		}
+		pg, err := localpg.Start(ctx, localpg.Config{DataDir: filepath.Join(dataDir, "pg"), Port: c.PGPort, Fsync: true, Password: pw, Logger: log})
 		if err != nil {
 			return fmt.Errorf("embedded PostgreSQL: %w", err)
 		}
@@ -108,7 +115,11 @@ func (c *DevCmd) Run(env *runEnv) error {
 
 	redisURL := c.RedisURL
 	if redisURL == "" {
-		rs, err := localredis.Start(ctx, localredis.Config{Port: c.RedisPort, Dir: filepath.Join(dataDir, "redis")})
+		pw, err := devSecret(dataDir, "redis.password")
+		if err != nil {
+			return err
+		}
+		rs, err := localredis.Start(ctx, localredis.Config{Port: c.RedisPort, Dir: filepath.Join(dataDir, "redis"), Password: pw})
 		if err != nil {
 			return fmt.Errorf("embedded Redis: %w", err)
 		}
@@ -151,7 +162,7 @@ Submit documents:  ./bin/converge submit --api-url %s PATH...   (sends the dev t
 Read a task:       curl -H "Authorization: Bearer $(cat %s)" %s/v1/tasks/<task_id>
 Manage tenants:    ./bin/converge tenants add|list|rotate|disable  (next to this data directory)
 
-`, apiURL, adminLn.Addr().String(), redact(dbURL), brokers, c.Topic, redisURL, artifactDir, tokens["dev"], tokens["admin"], filepath.Join(dataDir, devTokenDir),
+`, apiURL, adminLn.Addr().String(), redact(dbURL), brokers, c.Topic, redactRedis(redisURL), artifactDir, tokens["dev"], tokens["admin"], filepath.Join(dataDir, devTokenDir),
 				apiURL, filepath.Join(dataDir, devTokenDir, "dev.token"), apiURL)
 		},
 	}
@@ -246,6 +257,42 @@ func ensureDatabase(ctx context.Context, adminURL, name string) error {
 	}
 	_, err = conn.Exec(ctx, "CREATE DATABASE "+pgx.Identifier{name}.Sanitize())
 	return err
+}
+
+// redactRedis is a Redis URL without its password.
+func redactRedis(u string) string {
+	p, err := url.Parse(u)
+	if err != nil {
+		return "(unparseable URL)"
+	}
+	p.User = nil
+	return p.String()
+}
+
+// devSecret returns the password kept in dataDir/secrets/name (mode 0600),
+// creating it (32 random bytes, base64url) on first use: the embedded
+// PostgreSQL's and redis-server's passwords (issue 12: no trust, no open
+// Redis, even in dev).
+func devSecret(dataDir, name string) (string, error) {
+	dir := filepath.Join(dataDir, "secrets")
+	path := filepath.Join(dir, name)
+	if b, err := os.ReadFile(path); err == nil {
+		if s := strings.TrimSpace(string(b)); s != "" {
+			return s, nil
+		}
+	}
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		return "", err
+	}
+	var raw [32]byte
+	if _, err := rand.Read(raw[:]); err != nil {
+		return "", err
+	}
+	s := base64.RawURLEncoding.EncodeToString(raw[:])
+	if err := os.WriteFile(path, []byte(s+"\n"), 0o600); err != nil {
+		return "", err
+	}
+	return s, nil
 }
 
 func redact(u string) string {

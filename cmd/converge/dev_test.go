@@ -160,7 +160,22 @@ func TestDevKilledMidBatch(t *testing.T) {
 		return
 	}
 	// Kill as soon as some, but not all, tasks completed: mid-batch.
-	dbURL := fmt.Sprintf("postgres://postgres@127.0.0.1:%d/converge?sslmode=disable", pgPort)
+	// The embedded PostgreSQL wants its password: the URL is in the data
+	// directory (mode 0600).
+	rawURL, err := os.ReadFile(filepath.Join(dir, "data", devDatabaseURLFile))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if fi, err := os.Stat(filepath.Join(dir, "data", devDatabaseURLFile)); err != nil || fi.Mode().Perm() != 0o600 {
+		t.Fatalf("database.url mode %v (%v), want 0600", fi.Mode().Perm(), err)
+	}
+	dbURL := strings.TrimSpace(string(rawURL))
+	if noPw := fmt.Sprintf("postgres://postgres@127.0.0.1:%d/converge?sslmode=disable", pgPort); noPw == dbURL {
+		t.Fatal("the embedded PostgreSQL has no password")
+	} else if c, err := pgx.Connect(ctx, noPw); err == nil {
+		c.Close(ctx)
+		t.Fatal("the embedded PostgreSQL accepted a connection without its password")
+	}
 	conn, err := pgx.Connect(ctx, dbURL)
 	if err != nil {
 		t.Fatal(err)

@@ -18,6 +18,7 @@ import (
 	"os/exec"
 	"os/user"
 	"path/filepath"
+	"regexp"
 	"sort"
 	"strconv"
 	"strings"
@@ -40,6 +41,13 @@ type Config struct {
 	Fsync bool
 	// Settings are extra -c name=value server settings.
 	Settings map[string]string
+	// Password, when set, is required of every connection (user postgres,
+	// SCRAM-SHA-256; URL carries it): set with ALTER ROLE at every start and
+	// pg_hba.conf's trust entries rewritten to scram-sha-256, so a cluster
+	// initialized without one gets it too. It must consist of URL-safe
+	// characters (A-Z a-z 0-9 _ -). Empty leaves the cluster on trust (tests,
+	// benchmarks).
+	Password string
 	// Logger receives progress messages. Defaults to slog.Default().
 	Logger *slog.Logger
 }
@@ -202,13 +210,70 @@ func Start(ctx context.Context, cfg Config) (*Cluster, error) {
 			return nil, fmt.Errorf("postgres did not accept connections within 60s: %v; see %s", err, logPath)
 		}
 	}
-	cfg.Logger.Info("postgres started", "port", cfg.Port, "data_dir", dataDir, "fsync", cfg.Fsync)
+	if cfg.Password != "" {
+		if err := c.requirePassword(ctx, cred); err != nil {
+			c.Stop()
+			return nil, err
+		}
+	}
+	cfg.Logger.Info("postgres started", "port", cfg.Port, "data_dir", dataDir, "fsync", cfg.Fsync, "password", cfg.Password != "")
 	return c, nil
+}
+
+var passwordRE = regexp.MustCompile(`^[A-Za-z0-9_-]{16,128}$`)
+
+// requirePassword sets the postgres role's password and makes pg_hba.conf
+// ask for it (see Config.Password).
+func (c *Cluster) requirePassword(ctx context.Context, cred *syscall.Credential) error {
+	if !passwordRE.MatchString(c.cfg.Password) {
+		return errors.New("localpg: Password must be 16-128 characters of A-Z a-z 0-9 _ -")
+	}
+	conn, err := pgx.Connect(ctx, c.URL("postgres"))
+	if err != nil {
+		return err
+	}
+	defer conn.Close(ctx)
+	// The character set checked above cannot end the literal.
+	if _, err := conn.Exec(ctx, "ALTER ROLE postgres PASSWORD '"+c.cfg.Password+"'"); err != nil {
+		return fmt.Errorf("set the postgres password: %w", err)
+	}
+	hba := filepath.Join(c.cfg.DataDir, "pg_hba.conf")
+	b, err := os.ReadFile(hba)
+	if err != nil {
+		return err
+	}
+	lines := strings.Split(string(b), "\n")
+	changed := false
+	for i, l := range lines {
+		f := strings.Fields(l)
+		if len(f) >= 4 && !strings.HasPrefix(f[0], "#") && f[len(f)-1] == "trust" {
+			lines[i] = strings.Join(append(f[:len(f)-1], "scram-sha-256"), " ")
+			changed = true
+		}
+	}
+	if !changed {
+		return nil
+	}
+	if err := os.WriteFile(hba, []byte(strings.Join(lines, "\n")), 0o600); err != nil {
+		return err
+	}
+	if err := chown(hba, cred); err != nil {
+		return err
+	}
+	if _, err := conn.Exec(ctx, "SELECT pg_reload_conf()"); err != nil {
+		return fmt.Errorf("reload pg_hba.conf: %w", err)
+	}
+	c.cfg.Logger.Info("postgres: password authentication (scram-sha-256) required from now on", "data_dir", c.cfg.DataDir)
+	return nil
 }
 
 // URL returns a connection URL for database db.
 func (c *Cluster) URL(db string) string {
-	return fmt.Sprintf("postgres://postgres@127.0.0.1:%d/%s?sslmode=disable", c.cfg.Port, db)
+	user := "postgres"
+	if c.cfg.Password != "" {
+		user += ":" + c.cfg.Password
+	}
+	return fmt.Sprintf("postgres://%s@127.0.0.1:%d/%s?sslmode=disable", user, c.cfg.Port, db)
 }
 
 // Port returns the TCP port.

@@ -30,6 +30,10 @@ type Config struct {
 	Dir string
 	// Persist enables RDB snapshots in Dir. Defaults to false.
 	Persist bool
+	// Password, when set, is required of every client (requirepass); it is
+	// passed in a config file of mode 0600 in Dir, not on the command line,
+	// and URL carries it. Empty: no password (tests).
+	Password string
 }
 
 // Server is a running redis-server.
@@ -63,6 +67,16 @@ func Start(ctx context.Context, cfg Config) (*Server, error) {
 	} else {
 		l.Close()
 	}
+	if cfg.Password != "" {
+		if strings.ContainsAny(cfg.Password, " \t\r\n\"'") {
+			return nil, errors.New("localredis: Password must not contain spaces or quotes")
+		}
+		conf := filepath.Join(dir, "redis-auth.conf")
+		if err := os.WriteFile(conf, []byte("requirepass "+cfg.Password+"\n"), 0o600); err != nil {
+			return nil, err
+		}
+		args = append([]string{conf}, args...) // the config file comes first
+	}
 	cmd := exec.Command(bin, args...)
 	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGTERM, Setpgid: true}
 	if err := cmd.Start(); err != nil {
@@ -70,7 +84,7 @@ func Start(ctx context.Context, cfg Config) (*Server, error) {
 	}
 	s := &Server{cfg: cfg, cmd: cmd, done: make(chan struct{})}
 	go func() { _ = cmd.Wait(); close(s.done) }()
-	cl := redis.NewClient(&redis.Options{Addr: s.Addr()})
+	cl := redis.NewClient(&redis.Options{Addr: s.Addr(), Password: cfg.Password})
 	defer cl.Close()
 	deadline := time.Now().Add(20 * time.Second)
 	for {
@@ -102,7 +116,12 @@ func Start(ctx context.Context, cfg Config) (*Server, error) {
 func (s *Server) Addr() string { return "127.0.0.1:" + strconv.Itoa(s.cfg.Port) }
 
 // URL returns a redis:// URL for database 0.
-func (s *Server) URL() string { return "redis://" + s.Addr() + "/0" }
+func (s *Server) URL() string {
+	if s.cfg.Password != "" {
+		return "redis://:" + s.cfg.Password + "@" + s.Addr() + "/0"
+	}
+	return "redis://" + s.Addr() + "/0"
+}
 
 // Stop ends the server and waits for it.
 func (s *Server) Stop() {

@@ -1,0 +1,66 @@
+package localpg_test
+
+import (
+	"context"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/converge-run/converge/internal/localpg"
+	"github.com/converge-run/converge/internal/testenv"
+)
+
+func TestMain(m *testing.M) { testenv.Main(m) }
+
+// With a Password the cluster refuses connections without it (also one
+// first initialized on trust, restarted with a password), and URL carries
+// it.
+func TestPassword(t *testing.T) {
+	if _, err := localpg.BinDir(); err != nil {
+		if testenv.InCI() {
+			t.Fatal(err)
+		}
+		t.Skip(err)
+	}
+	ctx := context.Background()
+	dir, err := os.MkdirTemp("", "converge-localpg-test-")
+	if err != nil {
+		t.Fatal(err)
+	}
+	os.Chmod(dir, 0o755)
+	t.Cleanup(func() { os.RemoveAll(dir) })
+	port := testenv.FreePort(t)
+	cfg := localpg.Config{DataDir: filepath.Join(dir, "data"), Port: port}
+	c, err := localpg.Start(ctx, cfg) // on trust
+	if err != nil {
+		t.Fatal(err)
+	}
+	plain := c.URL("postgres")
+	c.Stop()
+	cfg.Password = "s3cret_Pass-word_0123456789"
+	c, err = localpg.Start(ctx, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Stop()
+	if !strings.Contains(c.URL("postgres"), cfg.Password) {
+		t.Fatalf("URL %q lacks the password", c.URL("postgres"))
+	}
+	if conn, err := pgx.Connect(ctx, plain); err == nil {
+		conn.Close(ctx)
+		t.Fatal("connected without the password")
+	}
+	bad := strings.Replace(c.URL("postgres"), cfg.Password, "wrong_password_0123456789", 1)
+	if conn, err := pgx.Connect(ctx, bad); err == nil {
+		conn.Close(ctx)
+		t.Fatal("connected with a wrong password")
+	}
+	conn, err := pgx.Connect(ctx, c.URL("postgres"))
+	if err != nil {
+		t.Fatalf("with the password: %v", err)
+	}
+	conn.Close(ctx)
+}
