@@ -22,6 +22,7 @@ const (
 	colEventType
 	colPayload
 	colPayloadSHA256
+	colTenantID // optional: absent before migration 00007
 	numCols
 )
 
@@ -32,6 +33,7 @@ var outboxColumns = [numCols]string{
 	colEventType:        "event_type",
 	colPayload:          "payload",
 	colPayloadSHA256:    "payload_sha256",
+	colTenantID:         "tenant_id",
 }
 
 // relation is a decoded pgoutput RelationMessage. outbox is false for any
@@ -63,7 +65,7 @@ func newRelation(m *pglogrepl.RelationMessage) (*relation, error) {
 		}
 	}
 	for i, pos := range rel.index {
-		if pos < 0 {
+		if pos < 0 && i != colTenantID {
 			return nil, fmt.Errorf("relation %s (oid %d) has no column %s", rel.name, m.RelationID, outboxColumns[i])
 		}
 	}
@@ -80,6 +82,7 @@ type outboxRow struct {
 	eventType        string
 	payload          []byte // the payload column's text: canonical JSON as written
 	payloadSHA256    string // the column, as written by the producer of the row
+	tenantID         string // empty when NULL or when the table has no such column
 }
 
 // decode reads an outbox row from an insert tuple (text format). Errors wrap
@@ -92,6 +95,9 @@ func (rel *relation) decode(t *pglogrepl.TupleData) (outboxRow, error) {
 	}
 	var text [numCols][]byte
 	for i, pos := range rel.index {
+		if i == colTenantID && (pos < 0 || t.Columns[pos].DataType == pglogrepl.TupleDataTypeNull) {
+			continue
+		}
 		c := t.Columns[pos]
 		if c.DataType != pglogrepl.TupleDataTypeText {
 			return row, fmt.Errorf("%w: column %s of %s: tuple data type %q, want text", ErrInvalidRow, outboxColumns[i], rel.name, c.DataType)
@@ -99,16 +105,18 @@ func (rel *relation) decode(t *pglogrepl.TupleData) (outboxRow, error) {
 		text[i] = c.Data
 	}
 	var sb strings.Builder
-	sb.Grow(len(text[colOutboxID]) + len(text[colAggregateID]) + len(text[colEventType]) + len(text[colPayloadSHA256]))
+	sb.Grow(len(text[colOutboxID]) + len(text[colAggregateID]) + len(text[colEventType]) + len(text[colPayloadSHA256]) + len(text[colTenantID]))
 	sb.Write(text[colOutboxID])
 	sb.Write(text[colAggregateID])
 	sb.Write(text[colEventType])
 	sb.Write(text[colPayloadSHA256])
+	sb.Write(text[colTenantID])
 	all := sb.String()
 	a := len(text[colOutboxID])
 	b := a + len(text[colAggregateID])
 	c := b + len(text[colEventType])
-	row.outboxID, row.aggregateID, row.eventType, row.payloadSHA256 = all[:a], all[a:b], all[b:c], all[c:]
+	d := c + len(text[colPayloadSHA256])
+	row.outboxID, row.aggregateID, row.eventType, row.payloadSHA256, row.tenantID = all[:a], all[a:b], all[b:c], all[c:d], all[d:]
 	row.payload = append([]byte(nil), text[colPayload]...)
 	v, err := strconv.ParseInt(string(text[colAggregateVersion]), 10, 64)
 	if err != nil {
@@ -135,7 +143,7 @@ func (rel *relation) decode(t *pglogrepl.TupleData) (outboxRow, error) {
 // record with its headers, and one buffer for the key and the header
 // values.
 func (row outboxRow) record(topic string) (rec *kgo.Record, hashMatches bool) {
-	hs := taskevent.Headers(row.outboxID, row.eventType, row.aggregateVersion, row.payloadSHA256)
+	hs := taskevent.Headers(row.outboxID, row.eventType, row.aggregateVersion, row.payloadSHA256, row.tenantID)
 	r := new(recordWithHeaders)
 	buf := make([]byte, 0, len(row.aggregateID)+valuesLen(&hs))
 	buf = append(buf, row.aggregateID...)

@@ -53,7 +53,7 @@ func TestAppendHeaders(t *testing.T) {
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
 			t.Parallel()
-			want := taskevent.Headers(tc.eventID, tc.typ, tc.version, tc.sha)
+			want := taskevent.Headers(tc.eventID, tc.typ, tc.version, tc.sha, "tenant-1")
 			room := tc.room
 			if room < 0 {
 				room = valuesLen(&want)
@@ -116,7 +116,7 @@ func TestRecord(t *testing.T) {
 			if rec.Topic != "topic" || string(rec.Key) != row.aggregateID {
 				t.Errorf("topic %q key %q", rec.Topic, rec.Key)
 			}
-			want := taskevent.Headers(row.outboxID, row.eventType, row.aggregateVersion, tc.column) // always the column
+			want := taskevent.Headers(row.outboxID, row.eventType, row.aggregateVersion, tc.column, row.tenantID) // always the column
 			if len(rec.Headers) != len(want) {
 				t.Fatalf("%d headers, want %d", len(rec.Headers), len(want))
 			}

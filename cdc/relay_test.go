@@ -316,7 +316,7 @@ func checkRecord(t *testing.T, r *kgo.Record, e outboxEvent) {
 	if got := canonSHA(r.Value); got != header(r, taskevent.HeaderPayloadSHA256) || got != e.sha {
 		t.Errorf("%s: sha256(value) %s, header %s, column %s", e.id, got, header(r, taskevent.HeaderPayloadSHA256), e.sha)
 	}
-	wantHeaders := taskevent.Headers(e.id, e.typ, e.version, e.sha)
+	wantHeaders := taskevent.Headers(e.id, e.typ, e.version, e.sha, "")
 	if len(r.Headers) != len(wantHeaders) {
 		t.Fatalf("%s: %d headers, want %d", e.id, len(r.Headers), len(wantHeaders))
 	}

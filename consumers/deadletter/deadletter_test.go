@@ -124,7 +124,7 @@ WHERE task_id = $1`, taskID, sum([]byte("x")))
 	}
 	r := &kgo.Record{Topic: b.kafka.Topic, Partition: 0, Offset: b.nextOffset, Key: []byte(taskID), Value: value, Timestamp: now}
 	b.nextOffset++
-	for _, h := range taskevent.Headers(ev.EventID, ev.EventType, ev.TaskVersion, vsum) {
+	for _, h := range taskevent.Headers(ev.EventID, ev.EventType, ev.TaskVersion, vsum, ev.Task.TenantID) {
 		r.Headers = append(r.Headers, kgo.RecordHeader{Key: h[0], Value: []byte(h[1])})
 	}
 	return taskID, r

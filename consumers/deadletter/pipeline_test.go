@@ -42,7 +42,7 @@ WHERE aggregate_id = $1 AND event_type = $2 ORDER BY aggregate_version DESC LIMI
 		t.Fatalf("re-encode %s: %v (sha %s, row says %s)", eventType, err, vsum, sum)
 	}
 	r := &kgo.Record{Topic: b.kafka.Topic, Key: []byte(taskID), Value: value}
-	for _, h := range taskevent.Headers(id, eventType, version, sum) {
+	for _, h := range taskevent.Headers(id, eventType, version, sum, "") {
 		r.Headers = append(r.Headers, kgo.RecordHeader{Key: h[0], Value: []byte(h[1])})
 	}
 	b.produce(t, r)

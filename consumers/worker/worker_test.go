@@ -169,7 +169,7 @@ func createTaskIn(tx pgx.Tx, doc []byte) (created, error) {
 func record(key string, value []byte, ev *taskevent.Event, sum string) *kgo.Record {
 	r := &kgo.Record{Topic: taskevent.DefaultTopic, Key: []byte(key), Value: value}
 	if ev != nil {
-		for _, h := range taskevent.Headers(ev.EventID, ev.EventType, ev.TaskVersion, sum) {
+		for _, h := range taskevent.Headers(ev.EventID, ev.EventType, ev.TaskVersion, sum, ev.Task.TenantID) {
 			r.Headers = append(r.Headers, kgo.RecordHeader{Key: h[0], Value: []byte(h[1])})
 		}
 	}

@@ -29,6 +29,9 @@ type Row struct {
 	PayloadSHA256 string
 	// CreatedAt is the row's created_at; zero: now() of the transaction.
 	CreatedAt time.Time
+	// TenantID is the task's tenant (the tenant-id record header); empty:
+	// none (a task of before tenants).
+	TenantID string
 }
 
 // NewEvent returns the event of a task change: a new UUIDv7 as event id (the
@@ -48,19 +51,20 @@ func RowOf(ev *taskevent.Event) (Row, error) {
 	if err != nil {
 		return Row{}, err
 	}
-	return Row{ID: ev.EventID, TaskID: ev.TaskID, Version: ev.TaskVersion, Type: ev.EventType, Payload: value, PayloadSHA256: sum}, nil
+	return Row{ID: ev.EventID, TaskID: ev.TaskID, Version: ev.TaskVersion, Type: ev.EventType, Payload: value, PayloadSHA256: sum,
+		TenantID: ev.Task.TenantID}, nil
 }
 
 const sqlInsert = `
-INSERT INTO outbox_event (outbox_id, aggregate_id, aggregate_version, event_type, payload, payload_sha256, created_at)
-VALUES ($1, $2, $3, $4, $5, $6, COALESCE($7, now()))`
+INSERT INTO outbox_event (outbox_id, aggregate_id, aggregate_version, event_type, payload, payload_sha256, created_at, tenant_id)
+VALUES ($1, $2, $3, $4, $5, $6, COALESCE($7, now()), NULLIF($8, ''))`
 
 func (r Row) args() []any {
 	var created *time.Time
 	if !r.CreatedAt.IsZero() {
 		created = &r.CreatedAt
 	}
-	return []any{r.ID, r.TaskID, r.Version, r.Type, string(r.Payload), r.PayloadSHA256, created}
+	return []any{r.ID, r.TaskID, r.Version, r.Type, string(r.Payload), r.PayloadSHA256, created, r.TenantID}
 }
 
 // Insert writes the event of a task change in the transaction of the change

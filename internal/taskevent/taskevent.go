@@ -60,6 +60,9 @@ const (
 	HeaderAggregateVersion = "aggregate-version"
 	HeaderPayloadSHA256    = "payload-sha256"
 	HeaderContentType      = "content-type"
+	// HeaderTenantID is the tenant of the task (issue 12), for routing by
+	// tenant without parsing the value; empty for a task of before tenants.
+	HeaderTenantID = "tenant-id"
 )
 
 // Task status values (task.status).
@@ -173,19 +176,21 @@ func Decode(value []byte) (*Event, error) {
 }
 
 // NumHeaders is the number of headers of every task-event record.
-const NumHeaders = 5
+const NumHeaders = 6
 
 // Headers returns the record headers for an event as key/value pairs in a
 // fixed order: the one definition of the header contract (the relay and
 // every test build their records from it). An array, so that the relay's
-// hot path does not allocate for it.
-func Headers(eventID, eventType string, version int64, payloadSHA256 string) [NumHeaders][2]string {
+// hot path does not allocate for it. tenantID is the task's tenant (the
+// value's task.tenant_id), empty for a task of before tenants.
+func Headers(eventID, eventType string, version int64, payloadSHA256, tenantID string) [NumHeaders][2]string {
 	return [NumHeaders][2]string{
 		{HeaderEventID, eventID},
 		{HeaderEventType, eventType},
 		{HeaderAggregateVersion, strconv.FormatInt(version, 10)},
 		{HeaderPayloadSHA256, payloadSHA256},
 		{HeaderContentType, "application/json"},
+		{HeaderTenantID, tenantID},
 	}
 }
 

@@ -359,26 +359,27 @@ func TestDecodeIgnoresUnknownMembers(t *testing.T) {
 func TestHeaders(t *testing.T) {
 	t.Parallel()
 	sum := strings.Repeat("0f", 32)
-	got := taskevent.Headers("evt-1", taskevent.TypeTaskCompleted, 9007199254740991, sum)
+	got := taskevent.Headers("evt-1", taskevent.TypeTaskCompleted, 9007199254740991, sum, "tenant-1")
 	want := [taskevent.NumHeaders][2]string{
 		{"event-id", "evt-1"},
 		{"event-type", "TaskCompleted"},
 		{"aggregate-version", "9007199254740991"},
 		{"payload-sha256", sum},
 		{"content-type", "application/json"},
+		{"tenant-id", "tenant-1"},
 	}
 	if got != want {
 		t.Errorf("Headers =\n%v\nwant\n%v", got, want)
 	}
 	// The names are the exported constants, in that order.
 	names := []string{taskevent.HeaderEventID, taskevent.HeaderEventType, taskevent.HeaderAggregateVersion,
-		taskevent.HeaderPayloadSHA256, taskevent.HeaderContentType}
+		taskevent.HeaderPayloadSHA256, taskevent.HeaderContentType, taskevent.HeaderTenantID}
 	for i, h := range got {
 		if h[0] != names[i] {
 			t.Errorf("header %d = %s, want %s", i, h[0], names[i])
 		}
 	}
-	if v := taskevent.Headers("e", "t", 0, "")[2][1]; v != "0" {
+	if v := taskevent.Headers("e", "t", 0, "", "")[2][1]; v != "0" {
 		t.Errorf("aggregate-version of 0 = %q", v)
 	}
 }
@@ -387,7 +388,7 @@ func TestHeadersMatchEncode(t *testing.T) {
 	t.Parallel()
 	e := events()["completed"]
 	out, sum := mustEncode(t, e)
-	h := taskevent.Headers(e.EventID, e.EventType, e.TaskVersion, sum)
+	h := taskevent.Headers(e.EventID, e.EventType, e.TaskVersion, sum, e.Task.TenantID)
 	if h[3][1] != canon.SHA256Hex(out) {
 		t.Errorf("payload-sha256 header %s does not hash the value", h[3][1])
 	}

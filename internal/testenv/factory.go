@@ -39,7 +39,7 @@ func (c Created) Record() *kgo.Record { return EventRecord(&c.Event, c.Value, c.
 // with the contract's headers (taskevent.Headers).
 func EventRecord(ev *taskevent.Event, value []byte, sum string) *kgo.Record {
 	r := &kgo.Record{Topic: taskevent.DefaultTopic, Key: []byte(ev.TaskID), Value: value}
-	for _, h := range taskevent.Headers(ev.EventID, ev.EventType, ev.TaskVersion, sum) {
+	for _, h := range taskevent.Headers(ev.EventID, ev.EventType, ev.TaskVersion, sum, ev.Task.TenantID) {
 		r.Headers = append(r.Headers, kgo.RecordHeader{Key: h[0], Value: []byte(h[1])})
 	}
 	return r

@@ -74,7 +74,7 @@ func eventRecord(t *testing.T, task taskevent.Task, eventType string) *kgo.Recor
 		t.Fatal(err)
 	}
 	r := &kgo.Record{Topic: taskevent.DefaultTopic, Key: []byte(task.TaskID), Value: value}
-	for _, h := range taskevent.Headers(ev.EventID, eventType, task.Version, sum) {
+	for _, h := range taskevent.Headers(ev.EventID, eventType, task.Version, sum, task.TenantID) {
 		r.Headers = append(r.Headers, kgo.RecordHeader{Key: h[0], Value: []byte(h[1])})
 	}
 	return r

@@ -98,7 +98,7 @@ func (s *store) createTask(ctx context.Context, k idempotency.Key, p tenant.Prin
 	}
 	task.QueueCreate(&b, t, k.Fingerprint, n.Document)
 	outbox.QueueInsert(&b, outbox.Row{ID: n.OutboxID, TaskID: t.TaskID, Version: t.Version, Type: taskevent.TypeTaskCreated,
-		Payload: n.Payload, PayloadSHA256: n.PayloadSHA256, CreatedAt: t.CreatedAt})
+		Payload: n.Payload, PayloadSHA256: n.PayloadSHA256, CreatedAt: t.CreatedAt, TenantID: t.TenantID})
 	idempotency.QueueComplete(&b, k, t.TaskID, n.Response)
 	b.Queue("COMMIT").Exec(func(tag pgconn.CommandTag) error {
 		if tag.String() != "COMMIT" {

@@ -162,7 +162,7 @@ func fillWorker(ctx context.Context, pool *pgxpool.Pool, kcl *kgo.Client, fx *fi
 		eventID := fmt.Sprintf("%s-evt-%08d", prefix, i)
 		payload, sha := fx.event(id, eventID)
 		rec := &kgo.Record{Topic: topic, Key: []byte(id), Value: payload}
-		for _, h := range taskevent.Headers(eventID, taskevent.TypeTaskCreated, 0, sha) {
+		for _, h := range taskevent.Headers(eventID, taskevent.TypeTaskCreated, 0, sha, "") {
 			rec.Headers = append(rec.Headers, kgo.RecordHeader{Key: h[0], Value: []byte(h[1])})
 		}
 		wg.Add(1)

@@ -383,6 +383,10 @@ func TestTaskEventsReadableByAnyKafkaClient(t *testing.T) {
 				t.Errorf("decode: %v", err)
 				return
 			}
+			// The task's tenant travels in the value and in a header.
+			if e.Task.TenantID == "" || h[taskevent.HeaderTenantID] != e.Task.TenantID {
+				t.Errorf("%s: tenant %q in the value, header tenant-id %q", e.EventType, e.Task.TenantID, h[taskevent.HeaderTenantID])
+			}
 			types = append(types, fmt.Sprintf("%s@%d", e.EventType, e.TaskVersion))
 		})
 	}
