@@ -178,21 +178,26 @@ func (c *Cache) PutMany(ctx context.Context, ts []taskevent.Task) ([]PutResult, 
 	if valid == 0 {
 		return rs, nil
 	}
-	for loaded := false; ; loaded = true {
+	// EVALSHA first (the script's body is not sent each time); a Redis that
+	// forgot the script (restarted, flushed) answers NOSCRIPT, and the
+	// writes go again with EVAL, which cannot (it also caches the script).
+	for evalBody := false; ; evalBody = true {
 		cmds := make([]*redis.Cmd, len(ts))
 		_, err := c.client.Pipelined(ctx, func(pipe redis.Pipeliner) error {
 			for i, t := range ts {
-				if raws[i] != nil {
-					cmds[i] = putScript.EvalSha(ctx, pipe, []string{Key(t.TaskID)}, t.Version, raws[i], c.ttl().Milliseconds())
+				if raws[i] == nil {
+					continue
+				}
+				keys, args := []string{Key(t.TaskID)}, []any{t.Version, raws[i], c.ttl().Milliseconds()}
+				if evalBody {
+					cmds[i] = putScript.Eval(ctx, pipe, keys, args...)
+				} else {
+					cmds[i] = putScript.EvalSha(ctx, pipe, keys, args...)
 				}
 			}
 			return nil
 		})
-		if err != nil && !loaded && redis.HasErrorPrefix(err, "NOSCRIPT") {
-			// A Redis that restarted or was flushed forgot the script.
-			if err := putScript.Load(ctx, c.client).Err(); err != nil {
-				return nil, fmt.Errorf("put %d task views: load script: %w", valid, err)
-			}
+		if err != nil && !evalBody && redis.HasErrorPrefix(err, "NOSCRIPT") {
 			continue
 		}
 		if err != nil {
