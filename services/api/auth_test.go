@@ -364,3 +364,41 @@ func TestAdminPlaneApart(t *testing.T) {
 		}
 	}
 }
+
+// The tenant admin endpoints (admin plane, admin token): add shows the
+// token once and it works; list never shows tokens; rotate replaces it;
+// disable stops it; names are checked; a non-admin is 403.
+func TestAdminTenants(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	jh := http.Header{"Content-Type": {"application/json"}}
+	r := b.do(t, http.MethodPost, "/v1/admin/tenants", jh, []byte(`{"name":"team-z","quota":3}`))
+	if r.status != http.StatusCreated {
+		t.Fatalf("add: %d %s", r.status, r.body)
+	}
+	tok, _ := r.json(t)["token"].(string)
+	if !tenant.WellFormed(tok) {
+		t.Fatalf("add answered token %q", tok)
+	}
+	if g := b.do(t, http.MethodGet, "/v1/tasks/01890a5d-ac96-774b-bcce-b302099a8057", bearer(tok), nil); g.status != http.StatusNotFound {
+		t.Errorf("new token: %d, want 404 (authenticated)", g.status)
+	}
+	wantProblem(t, b.do(t, http.MethodPost, "/v1/admin/tenants", jh, []byte(`{"name":"team-z"}`)), http.StatusConflict, CodeTenantExists)
+	wantProblem(t, b.do(t, http.MethodPost, "/v1/admin/tenants", jh, []byte(`{"name":"Bad Name"}`)), http.StatusBadRequest, CodeInvalidAdminRequest)
+	wantProblem(t, b.do(t, http.MethodPost, "/v1/admin/tenants", jh, []byte(`{"name":"x","quota":-1}`)), http.StatusBadRequest, CodeInvalidAdminRequest)
+	l := b.do(t, http.MethodGet, "/v1/admin/tenants", nil, nil)
+	if l.status != http.StatusOK || bytes.Contains(l.body, []byte(tok)) || !bytes.Contains(l.body, []byte(`"team-z"`)) {
+		t.Fatalf("list: %d %s", l.status, l.body)
+	}
+	rot := b.do(t, http.MethodPost, "/v1/admin/tenants/team-z/rotate", nil, nil)
+	newTok, _ := rot.json(t)["token"].(string)
+	if rot.status != http.StatusOK || !tenant.WellFormed(newTok) || newTok == tok {
+		t.Fatalf("rotate: %d %s", rot.status, rot.body)
+	}
+	wantProblem(t, b.do(t, http.MethodPost, "/v1/admin/tenants/nobody/rotate", nil, nil), http.StatusNotFound, CodeTenantNotFound)
+	if d := b.do(t, http.MethodPost, "/v1/admin/tenants/team-z/disable", nil, nil); d.status != http.StatusOK || d.json(t)["disabled_at"] == nil {
+		t.Fatalf("disable: %d %s", d.status, d.body)
+	}
+	h := http.Header{"Authorization": {"Bearer " + b.token}}
+	wantProblem(t, b.do(t, http.MethodGet, "/v1/admin/tenants", h, nil), http.StatusForbidden, CodeForbidden)
+}
