@@ -340,7 +340,11 @@ type SubmitCmd struct {
 // Run submits and prints one line per document; exits 1 when any document
 // did not complete.
 func (c *SubmitCmd) Run(env *runEnv) error {
-	cl := &submit.Client{BaseURL: c.APIURL, Token: clientToken(c.Token, c.DataDir)}
+	tok, err := clientToken(c.Token, c.DataDir)
+	if err != nil {
+		return err
+	}
+	cl := &submit.Client{BaseURL: c.APIURL, Token: tok}
 	s, err := submit.Run(env.ctx, os.Stdout, cl, c.Paths, c.Concurrency, c.Timeout)
 	if err != nil {
 		return err

@@ -32,8 +32,12 @@ type LoadgenCmd struct {
 // Run runs the load and prints the result; exits 1 when no request was
 // accepted.
 func (c *LoadgenCmd) Run(env *runEnv) error {
+	tok, err := clientToken(c.Token, c.DataDir)
+	if err != nil {
+		return err
+	}
 	cfg := loadgen.Config{
-		BaseURL: c.APIURL, Token: clientToken(c.Token, c.DataDir), Rate: c.Rate, Clients: c.Clients, Duration: c.Duration, Count: c.Count,
+		BaseURL: c.APIURL, Token: tok, Rate: c.Rate, Clients: c.Clients, Duration: c.Duration, Count: c.Count,
 		DocsDir: c.Docs, DocSize: c.DocSize, Wait: c.Wait, WaitTimeout: c.WaitTimeout, Progress: os.Stderr, KeyPrefix: c.KeyPrefix,
 	}
 	if c.DatabaseURL != "" && c.Wait {

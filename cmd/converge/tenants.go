@@ -195,13 +195,15 @@ func ensureDevTenants(ctx context.Context, pool *pgxpool.Pool, dataDir string) (
 
 // clientToken is the API token of submit and loadgen: --token /
 // CONVERGE_TOKEN, else the dev tenant's token of a converge dev whose data
-// directory is dataDir, else none.
-func clientToken(token, dataDir string) string {
+// directory is dataDir; an error says where it looked when there is none.
+func clientToken(token, dataDir string) (string, error) {
 	if token != "" {
-		return token
+		return token, nil
 	}
-	if b, err := os.ReadFile(filepath.Join(dataDir, devTokenDir, "dev.token")); err == nil {
-		return strings.TrimSpace(string(b))
+	path := filepath.Join(dataDir, devTokenDir, "dev.token")
+	b, err := os.ReadFile(path)
+	if err != nil {
+		return "", fmt.Errorf("no API token: pass --token or set CONVERGE_TOKEN (a tenant's token: converge tenants add), or run next to a converge dev (its dev token %s: %v)", path, err)
 	}
-	return ""
+	return strings.TrimSpace(string(b)), nil
 }

@@ -27,6 +27,9 @@ var (
 	ErrNameTaken = errors.New("tenant name taken")
 	// ErrNotFound: no tenant has this name.
 	ErrNotFound = errors.New("tenant not found")
+	// ErrDisabled: the tenant is disabled; its tokens cannot be rotated (a
+	// new token would never authenticate).
+	ErrDisabled = errors.New("tenant disabled")
 	// ErrUnauthenticated: the token is malformed, unknown, revoked, or its
 	// tenant is disabled. Callers answer all of these alike (401), so that
 	// the answer is no oracle.
@@ -190,12 +193,16 @@ func Rotate(ctx context.Context, db *pgxpool.Pool, name string) (string, error) 
 	h := Hash(token)
 	err = pgx.BeginFunc(ctx, db, func(tx pgx.Tx) error {
 		var id string
-		err := tx.QueryRow(ctx, `SELECT tenant_id FROM tenant WHERE name = $1 FOR UPDATE`, name).Scan(&id)
+		var disabled bool
+		err := tx.QueryRow(ctx, `SELECT tenant_id, disabled_at IS NOT NULL FROM tenant WHERE name = $1 FOR UPDATE`, name).Scan(&id, &disabled)
 		if errors.Is(err, pgx.ErrNoRows) {
 			return fmt.Errorf("%w: %s", ErrNotFound, name)
 		}
 		if err != nil {
 			return err
+		}
+		if disabled {
+			return fmt.Errorf("%w: %s", ErrDisabled, name)
 		}
 		if _, err := tx.Exec(ctx, `UPDATE api_credential SET revoked_at = now() WHERE tenant_id = $1 AND revoked_at IS NULL`, id); err != nil {
 			return fmt.Errorf("revoke credentials of tenant %s: %w", name, err)

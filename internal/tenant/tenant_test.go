@@ -83,6 +83,9 @@ func TestLifecycle(t *testing.T) {
 	if _, err := Lookup(ctx, db.Pool, newTok); !errors.Is(err, ErrUnauthenticated) {
 		t.Errorf("disabled tenant's token: %v, want ErrUnauthenticated", err)
 	}
+	if _, err := Rotate(ctx, db.Pool, "team-a"); !errors.Is(err, ErrDisabled) {
+		t.Errorf("Rotate of a disabled tenant = %v, want ErrDisabled", err)
+	}
 	if err := Disable(ctx, db.Pool, "nobody"); !errors.Is(err, ErrNotFound) {
 		t.Errorf("Disable(nobody) = %v", err)
 	}

@@ -48,6 +48,8 @@ func tenantErr(err error) error {
 	switch {
 	case errors.Is(err, tenant.ErrNotFound):
 		return &Error{Code: CodeTenantNotFound, Detail: "no tenant of this name", Err: err}
+	case errors.Is(err, tenant.ErrDisabled):
+		return &Error{Code: CodeTenantExists, Detail: "the tenant is disabled: its tokens cannot be rotated", Err: err}
 	case errors.Is(err, tenant.ErrNameTaken):
 		return &Error{Code: CodeTenantExists, Detail: "a tenant of this name exists", Err: err}
 	case errors.Is(err, tenant.ErrInvalidName):

@@ -45,6 +45,10 @@ func (s *Server) handleGetArtifact(w http.ResponseWriter, r *http.Request) {
 	}
 	switch t.Status {
 	case taskevent.StatusCompleted:
+	case taskevent.StatusCancelled:
+		s.writeError(w, r, &Error{Code: CodeTaskCancelled, Detail: fmt.Sprintf("task %s was cancelled before it ran and has no artifact", id),
+			Extensions: map[string]any{"task_status": t.Status}})
+		return
 	case taskevent.StatusFailed, taskevent.StatusCompensated:
 		code := ""
 		if t.TerminalErrorCode != nil {

@@ -29,6 +29,9 @@ func principal(r *http.Request) tenant.Principal {
 // is 403 FORBIDDEN; a database that does not answer is 503. The token is
 // never logged.
 func (s *Server) authenticate(r *http.Request, admin bool) (tenant.Principal, error) {
+	if len(r.Header.Values("Authorization")) > 1 {
+		return tenant.Principal{}, newError(CodeUnauthenticated, "send one Authorization header")
+	}
 	h := r.Header.Get("Authorization")
 	scheme, token, ok := strings.Cut(h, " ")
 	if h == "" || !ok || !strings.EqualFold(scheme, "Bearer") {

@@ -44,6 +44,7 @@ func TestAuthentication(t *testing.T) {
 		"disabled":       bearer(disabled),
 		"rotated out":    bearer(rotated),
 		"bearer, no arg": {"Authorization": {"Bearer"}},
+		"two headers":    {"Authorization": {"Bearer " + b.token, "Bearer " + b.token}},
 	}
 	for name, h := range cases {
 		for _, path := range []string{"/v1/tasks/01890a5d-ac96-774b-bcce-b302099a8057", "/v1/admin/dead-letters"} {
@@ -309,6 +310,24 @@ func TestBodyLimits(t *testing.T) {
 		}
 		if r := b.post(t, "small-1", wrap(`{"small":true}`)); r.status != http.StatusAccepted {
 			t.Errorf("after the first ended: %d %s", r.status, r.body)
+		}
+	})
+	t.Run("a tenant's share", func(t *testing.T) {
+		t.Parallel()
+		// One tenant holding its share (a quarter) of the bytes in flight
+		// is refused more, and another tenant is still read.
+		b := setup(t, func(c *Config) { c.MaxBodyBytes = 1 << 20; c.MaxBodyBytesInFlight = 4 << 20 })
+		_, other := b.addTenant(t, "team-b", false, nil)
+		f := b.stalledPost(t, b.token, "share-stall-1", 1)
+		wantProblem(t, b.post(t, "share-small-1", wrap(`{"small":true}`)), http.StatusServiceUnavailable, CodeOverloaded)
+		h := bearer(other)
+		h.Set("Content-Type", "application/json")
+		h.Set("Idempotency-Key", "share-other-1")
+		if r := b.do(t, http.MethodPost, "/v1/tasks", h, wrap(`{"other":true}`)); r.status != http.StatusAccepted {
+			t.Errorf("another tenant while the first holds its share: %d %s", r.status, r.body)
+		}
+		if r := f(); r.status != http.StatusAccepted {
+			t.Errorf("the stalled body: %d %s", r.status, r.body)
 		}
 	})
 	t.Run("slow body", func(t *testing.T) {

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"log/slog"
 	"net/http"
+	"regexp"
 	"strconv"
 	"strings"
 	"time"
@@ -40,6 +41,10 @@ func cancelFingerprint(taskID string, version int64) string {
 	return canon.SHA256Hex(b)
 }
 
+// ifMatchRE is an entity tag exactly as ETag writes a version: a decimal
+// without sign or leading zeros, below 2^53, in quotes.
+var ifMatchRE = regexp.MustCompile(`^"(0|[1-9][0-9]{0,15})"$`)
+
 // parseIfMatch reads If-Match: one strong entity tag whose value is a
 // task version ("3"), as GET /v1/tasks/{id} sends in ETag.
 func parseIfMatch(h http.Header) (int64, error) {
@@ -48,11 +53,11 @@ func parseIfMatch(h http.Header) (int64, error) {
 		return 0, newError(CodePreconditionRequired, `a cancel needs If-Match: "<version>" (the ETag of GET /v1/tasks/{id}), so that it applies only to the version the client saw`)
 	}
 	v := strings.TrimSpace(strings.Join(vs, ","))
-	if len(v) < 3 || v[0] != '"' || v[len(v)-1] != '"' {
+	if !ifMatchRE.MatchString(v) {
 		return 0, newError(CodeIfMatchInvalid, `If-Match must be one strong entity tag holding a task version, like "3"`)
 	}
 	n, err := strconv.ParseInt(v[1:len(v)-1], 10, 64)
-	if err != nil || n < 0 {
+	if err != nil {
 		return 0, newError(CodeIfMatchInvalid, `If-Match must be one strong entity tag holding a task version, like "3"`)
 	}
 	return n, nil
@@ -137,7 +142,9 @@ func (s *Server) cancelInTx(ctx context.Context, tx pgx.Tx, k idempotency.Key, p
 	if err != nil {
 		return nil, err
 	}
-	if !found || !canRead(p, t.TenantID) {
+	if !found || t.TenantID == "" || t.TenantID != p.TenantID {
+		// Only the owning tenant cancels (an admin reads every task but
+		// changes none): another tenant's task is not found.
 		return nil, notFound(id)
 	}
 	if t.Version != version {

@@ -48,7 +48,14 @@ func TestCancel(t *testing.T) {
 
 	wantProblem(t, b.cancel(t, id, "", "cancel-key-1"), http.StatusPreconditionRequired, CodePreconditionRequired)
 	wantProblem(t, b.cancel(t, id, "0", "cancel-key-1"), http.StatusBadRequest, CodeIfMatchInvalid)
-	wantProblem(t, b.cancel(t, id, `W/"0"`, "cancel-key-1"), http.StatusBadRequest, CodeIfMatchInvalid)
+	for _, bad := range []string{`W/"0"`, `"00"`, `"+0"`, `"-1"`, `*`, `"0", "1"`, `"99999999999999999999"`} {
+		wantProblem(t, b.cancel(t, id, bad, "cancel-key-1"), http.StatusBadRequest, CodeIfMatchInvalid)
+	}
+	// An admin reads every task but cancels only its own tenant's.
+	ah := bearer(b.adminToken)
+	ah.Set("If-Match", `"0"`)
+	ah.Set("Idempotency-Key", "cancel-admin-1")
+	wantProblem(t, b.do(t, http.MethodPost, "/v1/tasks/"+id+"/cancel", ah, nil), http.StatusNotFound, CodeTaskNotFound)
 	wantProblem(t, b.cancel(t, id, `"0"`, ""), http.StatusBadRequest, CodeIdempotencyKeyMissing)
 	_, other := b.addTenant(t, "team-b", false, nil)
 	h := bearer(other)
@@ -88,6 +95,8 @@ func TestCancel(t *testing.T) {
 	if g := b.do(t, http.MethodGet, "/v1/tasks/"+id, nil, nil); g.json(t)["status"] != taskevent.StatusCancelled {
 		t.Errorf("GET after cancel: %s", g.body)
 	}
+	// A cancelled task never has an artifact: not "not ready".
+	wantProblem(t, b.do(t, http.MethodGet, "/v1/tasks/"+id+"/artifact", nil, nil), http.StatusConflict, CodeTaskCancelled)
 
 	// Running: 409 with its status, nothing changed.
 	id2 := b.createQueued(t, "cancel-create-2", `{"cancel":2}`)

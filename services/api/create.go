@@ -81,9 +81,9 @@ func (s *Server) handleCreate(w http.ResponseWriter, r *http.Request) {
 	if reserve < 0 {
 		reserve = s.cfg.MaxBodyBytes // chunked: it may grow to the limit
 	}
-	release, ok := s.limits.reserveBody(reserve)
+	release, ok := s.limits.reserveBody(principal(r).TenantID, reserve)
 	if !ok {
-		s.writeError(w, r, newError(CodeOverloaded, "the server is reading as many request bodies as it holds at once; retry"))
+		s.writeError(w, r, newError(CodeOverloaded, "the server (or this tenant's share of it) is reading as many request bodies as it holds at once; retry"))
 		return
 	}
 	defer release()

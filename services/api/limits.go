@@ -13,16 +13,25 @@ import (
 // a client told 429 or 503 with Retry-After backs off; one left waiting
 // holds a connection.
 type limits struct {
-	perTenant int
-	maxBytes  int64
+	perTenant      int
+	maxBytes       int64
+	maxTenantBytes int64 // a tenant's share of maxBytes
 
-	mu       sync.Mutex
-	inFlight map[string]int // tenant id -> requests in process (absent: 0)
-	bytes    int64
+	mu          sync.Mutex
+	inFlight    map[string]int   // tenant id -> requests in process (absent: 0)
+	bytes       int64            // body bytes reserved, all tenants
+	tenantBytes map[string]int64 // tenant id -> body bytes reserved (absent: 0)
 }
 
+// tenantBytesShare is the fraction of the body bytes in flight one tenant
+// may hold: a tenant that holds bodies open (sending them slowly, or not at
+// all until the read timeout) can take at most a quarter, so other tenants'
+// creates are still read.
+const tenantBytesShare = 4
+
 func newLimits(perTenant int, maxBytes int64) *limits {
-	return &limits{perTenant: perTenant, maxBytes: maxBytes, inFlight: map[string]int{}}
+	return &limits{perTenant: perTenant, maxBytes: maxBytes, maxTenantBytes: maxBytes / tenantBytesShare,
+		inFlight: map[string]int{}, tenantBytes: map[string]int64{}}
 }
 
 // enter admits one more request of tenant, or reports false when it has
@@ -43,19 +52,26 @@ func (l *limits) enter(tenant string) (release func(), ok bool) {
 	}, true
 }
 
-// reserveBody reserves n bytes of body buffer, or reports false when they
-// do not fit under maxBytes; release returns them.
-func (l *limits) reserveBody(n int64) (release func(), ok bool) {
+// reserveBody reserves n bytes of body buffer for tenant, or reports false
+// when they do not fit under maxBytes or under the tenant's share
+// (maxBytes / tenantBytesShare, but at least one body of n bytes when the
+// tenant holds none); release returns them.
+func (l *limits) reserveBody(tenant string, n int64) (release func(), ok bool) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
-	if l.bytes+n > l.maxBytes {
+	held := l.tenantBytes[tenant]
+	if l.bytes+n > l.maxBytes || (held > 0 && held+n > l.maxTenantBytes) {
 		return nil, false
 	}
 	l.bytes += n
+	l.tenantBytes[tenant] = held + n
 	return func() {
 		l.mu.Lock()
+		defer l.mu.Unlock()
 		l.bytes -= n
-		l.mu.Unlock()
+		if l.tenantBytes[tenant] -= n; l.tenantBytes[tenant] <= 0 {
+			delete(l.tenantBytes, tenant)
+		}
 	}, true
 }
 

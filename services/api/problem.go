@@ -47,6 +47,7 @@ const (
 	CodeIfMatchInvalid          = "IF_MATCH_INVALID"
 	CodeVersionMismatch         = "VERSION_MISMATCH"
 	CodeTaskNotCancellable      = "TASK_NOT_CANCELLABLE"
+	CodeTaskCancelled           = "TASK_CANCELLED"
 	CodeOverloaded              = "OVERLOADED"
 	CodeRequestTimeout          = "REQUEST_TIMEOUT"
 	// CodeClientClosedRequest is recorded (status 499, nginx's convention)
@@ -100,6 +101,7 @@ var kinds = map[string]problemKind{
 	CodeIfMatchInvalid:            {http.StatusBadRequest, "If-Match invalid"},
 	CodeVersionMismatch:           {http.StatusPreconditionFailed, "Task version does not match"},
 	CodeTaskNotCancellable:        {http.StatusConflict, "Task cannot be cancelled"},
+	CodeTaskCancelled:             {http.StatusConflict, "Task cancelled: no artifact"},
 	CodeOverloaded:                {http.StatusServiceUnavailable, "Overloaded"},
 	CodeRequestTimeout:            {http.StatusRequestTimeout, "Request body not received in time"},
 	CodeClientClosedRequest:       {StatusClientClosedRequest, "Client closed the request"},
