@@ -21,6 +21,57 @@ type TenantsCmd struct {
 	List    TenantsListCmd    `cmd:"" help:"List tenants."`
 	Rotate  TenantsRotateCmd  `cmd:"" help:"Revoke every token of a tenant and print a new one (shown once)."`
 	Disable TenantsDisableCmd `cmd:"" help:"Disable a tenant: its tokens stop working (within 2 seconds); its tasks stay."`
+	Enable  TenantsEnableCmd  `cmd:"" help:"Enable a disabled tenant again (its tokens that were not rotated out work again)."`
+	Quota   TenantsQuotaCmd   `cmd:"" help:"Set a tenant's remaining tasks (--none: no quota)."`
+}
+
+// TenantsEnableCmd is `converge tenants enable NAME`.
+type TenantsEnableCmd struct {
+	TenantsDB
+	Name string `arg:"" help:"Tenant name."`
+}
+
+// Run enables the tenant.
+func (c *TenantsEnableCmd) Run(env *runEnv) error {
+	pool, err := c.open(env.ctx)
+	if err != nil {
+		return err
+	}
+	defer pool.Close()
+	if err := tenant.Enable(env.ctx, pool, c.Name); err != nil {
+		return err
+	}
+	fmt.Fprintf(os.Stderr, "tenant %s enabled\n", c.Name)
+	return nil
+}
+
+// TenantsQuotaCmd is `converge tenants quota NAME (N | --none)`.
+type TenantsQuotaCmd struct {
+	TenantsDB
+	Name      string `arg:"" help:"Tenant name."`
+	Remaining *int64 `arg:"" optional:"" help:"Tasks the tenant may still create."`
+	None      bool   `help:"Remove the quota (unlimited)."`
+}
+
+// Run sets or removes the quota.
+func (c *TenantsQuotaCmd) Run(env *runEnv) error {
+	if (c.Remaining == nil) == !c.None {
+		return errors.New("give the remaining tasks, or --none for no quota")
+	}
+	pool, err := c.open(env.ctx)
+	if err != nil {
+		return err
+	}
+	defer pool.Close()
+	if err := tenant.SetQuota(env.ctx, pool, c.Name, c.Remaining); err != nil {
+		return err
+	}
+	if c.None {
+		fmt.Fprintf(os.Stderr, "tenant %s: no quota\n", c.Name)
+	} else {
+		fmt.Fprintf(os.Stderr, "tenant %s: %d tasks left\n", c.Name, *c.Remaining)
+	}
+	return nil
 }
 
 // TenantsDB is how the tenants commands reach PostgreSQL:

@@ -232,6 +232,49 @@ func Disable(ctx context.Context, db dbpool.Querier, name string) error {
 	return nil
 }
 
+// Enable re-enables tenant name (its tokens that are not revoked work
+// again). Enabling an active tenant changes nothing.
+func Enable(ctx context.Context, db dbpool.Querier, name string) error {
+	tag, err := db.Exec(ctx, `UPDATE tenant SET disabled_at = NULL WHERE name = $1`, name)
+	if err != nil {
+		return fmt.Errorf("enable tenant %s: %w", name, err)
+	}
+	if tag.RowsAffected() != 1 {
+		return fmt.Errorf("%w: %s", ErrNotFound, name)
+	}
+	return nil
+}
+
+// SetQuota sets tenant name's remaining tasks to *remaining, or removes its
+// quota (unlimited) when remaining is nil. A create in flight that already
+// took one keeps it: the quota row is updated under its lock, as creates
+// take from it.
+func SetQuota(ctx context.Context, db *pgxpool.Pool, name string, remaining *int64) error {
+	if remaining != nil && *remaining < 0 {
+		return fmt.Errorf("tenant %s: quota %d must not be negative", name, *remaining)
+	}
+	return pgx.BeginFunc(ctx, db, func(tx pgx.Tx) error {
+		var id string
+		err := tx.QueryRow(ctx, `SELECT tenant_id FROM tenant WHERE name = $1`, name).Scan(&id)
+		if errors.Is(err, pgx.ErrNoRows) {
+			return fmt.Errorf("%w: %s", ErrNotFound, name)
+		}
+		if err != nil {
+			return err
+		}
+		if remaining == nil {
+			_, err = tx.Exec(ctx, `DELETE FROM quota WHERE tenant_id = $1`, id)
+		} else {
+			_, err = tx.Exec(ctx, `INSERT INTO quota (tenant_id, remaining) VALUES ($1, $2)
+ON CONFLICT (tenant_id) DO UPDATE SET remaining = EXCLUDED.remaining`, id, *remaining)
+		}
+		if err != nil {
+			return fmt.Errorf("set quota of tenant %s: %w", name, err)
+		}
+		return nil
+	})
+}
+
 // Lookup authenticates token against the database: the principal of its
 // tenant, or ErrUnauthenticated (malformed, unknown, revoked, disabled).
 // The row is found by the token's hash (an index lookup, which reveals

@@ -86,6 +86,31 @@ func TestLifecycle(t *testing.T) {
 	if _, err := Rotate(ctx, db.Pool, "team-a"); !errors.Is(err, ErrDisabled) {
 		t.Errorf("Rotate of a disabled tenant = %v, want ErrDisabled", err)
 	}
+	if err := Enable(ctx, db.Pool, "team-a"); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := Lookup(ctx, db.Pool, newTok); err != nil {
+		t.Errorf("re-enabled tenant's token: %v", err)
+	}
+	five := int64(5)
+	if err := SetQuota(ctx, db.Pool, "team-a", &five); err != nil {
+		t.Fatal(err)
+	}
+	if p, err := Lookup(ctx, db.Pool, newTok); err != nil || !p.HasQuota {
+		t.Errorf("after SetQuota: %+v %v", p, err)
+	}
+	if err := SetQuota(ctx, db.Pool, "team-a", nil); err != nil {
+		t.Fatal(err)
+	}
+	if p, _ := Lookup(ctx, db.Pool, newTok); p.HasQuota {
+		t.Error("quota still there after SetQuota(nil)")
+	}
+	if err := SetQuota(ctx, db.Pool, "nobody", &five); !errors.Is(err, ErrNotFound) {
+		t.Errorf("SetQuota(nobody) = %v", err)
+	}
+	if err := Disable(ctx, db.Pool, "team-a"); err != nil {
+		t.Fatal(err)
+	}
 	if err := Disable(ctx, db.Pool, "nobody"); !errors.Is(err, ErrNotFound) {
 		t.Errorf("Disable(nobody) = %v", err)
 	}
