@@ -160,7 +160,7 @@ converge is running (Ctrl-C stops it cleanly)
                admin  %s   (admin endpoints; tokens in %s)
 Submit documents:  ./bin/converge submit --api-url %s PATH...   (sends the dev token from the data directory)
 Read a task:       curl -H "Authorization: Bearer $(cat %s)" %s/v1/tasks/<task_id>
-Manage tenants:    ./bin/converge tenants add|list|rotate|disable  (next to this data directory)
+Manage tenants:    ./bin/converge tenants add|list|rotate|disable|enable|quota  (next to this data directory)
 
 `, apiURL, adminLn.Addr().String(), redact(dbURL), brokers, c.Topic, redactRedis(redisURL), artifactDir, tokens["dev"], tokens["admin"], filepath.Join(dataDir, devTokenDir),
 				apiURL, filepath.Join(dataDir, devTokenDir, "dev.token"), apiURL)
