@@ -142,6 +142,12 @@ func (c *DevCmd) Run(env *runEnv) error {
 		return fmt.Errorf("admin API listen %s: %w", c.AdminAddr, err)
 	}
 
+	// The banner's commands find this data directory themselves only when
+	// it is the default one.
+	dirPrefix := ""
+	if filepath.Clean(c.DataDir) != ".converge" {
+		dirPrefix = "CONVERGE_DATA_DIR=" + dataDir + " "
+	}
 	cfg := pipeline.Config{
 		DatabaseURL: dbURL, Brokers: brokers, RedisURL: redisURL, ArtifactDir: artifactDir,
 		Topic: c.Topic, Partitions: c.TopicPartitions, SlotName: c.SlotName, PublicationName: c.PublicationName,
@@ -151,19 +157,19 @@ func (c *DevCmd) Run(env *runEnv) error {
 			fmt.Printf(`
 converge is running (Ctrl-C stops it cleanly)
   API          %s   (POST /v1/tasks, GET /v1/tasks/{id}, /metrics, /healthz, /readyz)
-  admin API    http://%s   (/v1/admin/dead-letters; admin token)
+  admin API    http://%s   (/v1/admin/dead-letters, /v1/admin/tenants; admin token)
   PostgreSQL   %s
   Kafka        %v   (topic %s; any Kafka client can connect)
   Redis        %s
   artifacts    %s
   tenants      dev    %s
                admin  %s   (admin endpoints; tokens in %s)
-Submit documents:  ./bin/converge submit --api-url %s PATH...   (sends the dev token from the data directory)
+Submit documents:  %s./bin/converge submit --api-url %s PATH...   (sends the dev token from the data directory)
 Read a task:       curl -H "Authorization: Bearer $(cat %s)" %s/v1/tasks/<task_id>
-Manage tenants:    ./bin/converge tenants add|list|rotate|disable|enable|quota  (next to this data directory)
+Manage tenants:    %s./bin/converge tenants add|list|rotate|disable|enable|quota
 
 `, apiURL, adminLn.Addr().String(), redact(dbURL), brokers, c.Topic, redactRedis(redisURL), artifactDir, tokens["dev"], tokens["admin"], filepath.Join(dataDir, devTokenDir),
-				apiURL, filepath.Join(dataDir, devTokenDir, "dev.token"), apiURL)
+				dirPrefix, apiURL, filepath.Join(dataDir, devTokenDir, "dev.token"), apiURL, dirPrefix)
 		},
 	}
 	errc := make(chan error, 1)

@@ -1,7 +1,6 @@
 package api
 
 import (
-	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
@@ -9,6 +8,8 @@ import (
 	"net/http"
 	"strconv"
 	"strings"
+
+	jsonv2 "github.com/go-json-experiment/json"
 
 	"github.com/converge-run/converge/consumers/deadletter"
 )
@@ -191,18 +192,17 @@ func decodeReplayRequest(body []byte) (deadletter.Request, error) {
 	var in struct {
 		Reason string `json:"reason"`
 	}
-	dec := json.NewDecoder(bytes.NewReader(body))
-	dec.DisallowUnknownFields()
-	if err := dec.Decode(&in); err != nil {
+	if err := strictDecode(body, &in); err != nil {
 		return deadletter.Request{}, err
 	}
-	if dec.More() {
-		return deadletter.Request{}, errors.New("data after the JSON object")
-	}
-	if _, err := dec.Token(); err != io.EOF {
-		return deadletter.Request{}, errors.New("data after the JSON object")
-	}
 	return deadletter.Request{Reason: in.Reason}, nil
+}
+
+// strictDecode decodes one JSON object into v: member names exact (case
+// sensitive), no unknown and no repeated member (RFC 8259 leaves repeats
+// undefined; the last would win), nothing after it.
+func strictDecode(body []byte, v any) error {
+	return jsonv2.Unmarshal(body, v, jsonv2.RejectUnknownMembers(true))
 }
 
 func (s *Server) writeAdminJSON(w http.ResponseWriter, r *http.Request, status int, v any) {

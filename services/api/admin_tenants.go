@@ -1,8 +1,6 @@
 package api
 
 import (
-	"bytes"
-	"encoding/json"
 	"errors"
 	"io"
 	"net/http"
@@ -15,11 +13,13 @@ import (
 const (
 	CodeTenantNotFound = "TENANT_NOT_FOUND"
 	CodeTenantExists   = "TENANT_EXISTS"
+	CodeTenantDisabled = "TENANT_DISABLED"
 )
 
 func init() {
 	kinds[CodeTenantNotFound] = problemKind{http.StatusNotFound, "Tenant not found"}
 	kinds[CodeTenantExists] = problemKind{http.StatusConflict, "Tenant exists"}
+	kinds[CodeTenantDisabled] = problemKind{http.StatusConflict, "Tenant disabled"}
 }
 
 func (s *Server) registerAdminTenants() {
@@ -49,7 +49,7 @@ func tenantErr(err error) error {
 	case errors.Is(err, tenant.ErrNotFound):
 		return &Error{Code: CodeTenantNotFound, Detail: "no tenant of this name", Err: err}
 	case errors.Is(err, tenant.ErrDisabled):
-		return &Error{Code: CodeTenantExists, Detail: "the tenant is disabled: its tokens cannot be rotated", Err: err}
+		return &Error{Code: CodeTenantDisabled, Detail: "the tenant is disabled: its tokens cannot be rotated (enable it first)", Err: err}
 	case errors.Is(err, tenant.ErrNameTaken):
 		return &Error{Code: CodeTenantExists, Detail: "a tenant of this name exists", Err: err}
 	case errors.Is(err, tenant.ErrInvalidName):
@@ -90,9 +90,7 @@ func (s *Server) handleAddTenant(w http.ResponseWriter, r *http.Request) {
 		s.writeError(w, r, err)
 		return
 	}
-	dec := json.NewDecoder(bytes.NewReader(body))
-	dec.DisallowUnknownFields()
-	if err := dec.Decode(&in); err != nil || dec.More() || (in.Quota != nil && *in.Quota < 0) {
+	if err := strictDecode(body, &in); err != nil || (in.Quota != nil && *in.Quota < 0) {
 		s.writeError(w, r, newError(CodeInvalidAdminRequest, `body must be one JSON object {"name": "...", "quota": N (optional, >= 0), "admin": false (optional)}`))
 		return
 	}

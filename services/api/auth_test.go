@@ -1,10 +1,12 @@
 package api
 
 import (
+	"bufio"
 	"bytes"
 	"context"
 	"io"
 	"log/slog"
+	"net"
 	"net/http"
 	"net/http/httptest"
 	"strings"
@@ -420,4 +422,48 @@ func TestAdminTenants(t *testing.T) {
 	}
 	h := http.Header{"Authorization": {"Bearer " + b.token}}
 	wantProblem(t, b.do(t, http.MethodGet, "/v1/admin/tenants", h, nil), http.StatusForbidden, CodeForbidden)
+}
+
+// A create refused before its body is read (here: its tenant's share of
+// body bytes is taken) is answered at once, even while the client is still
+// in the middle of a chunked body, and the connection is closed.
+func TestRejectionDoesNotWaitForTheBody(t *testing.T) {
+	t.Parallel()
+	b := setup(t, func(c *Config) { c.MaxBodyBytes = 1 << 20; c.MaxBodyBytesInFlight = 4 << 20 })
+	f := b.stalledPost(t, b.token, "reject-stall-1", 1)
+	defer f()
+	conn, err := net.Dial("tcp", strings.TrimPrefix(b.ts.URL, "http://"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	req := "POST /v1/tasks HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + b.token +
+		"\r\nContent-Type: application/json\r\nIdempotency-Key: reject-stall-2\r\nTransfer-Encoding: chunked\r\n\r\n5\r\n{\"doc\r\n"
+	if _, err := conn.Write([]byte(req)); err != nil {
+		t.Fatal(err)
+	}
+	_ = conn.SetReadDeadline(time.Now().Add(5 * time.Second))
+	resp, err := http.ReadResponse(bufio.NewReader(conn), nil)
+	if err != nil {
+		t.Fatalf("no answer while the body stalls: %v", err)
+	}
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusServiceUnavailable || !resp.Close {
+		t.Errorf("status %d, close %v; want 503 and Connection: close", resp.StatusCode, resp.Close)
+	}
+}
+
+// Admin bodies are strict: a repeated member is refused, not "last wins".
+func TestAdminBodiesRefuseRepeatedMembers(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	jh := http.Header{"Content-Type": {"application/json"}}
+	wantProblem(t, b.do(t, http.MethodPost, "/v1/admin/tenants", jh, []byte(`{"name":"team-d","name":"team-e"}`)), http.StatusBadRequest, CodeInvalidAdminRequest)
+	if _, err := tenant.Get(context.Background(), b.db.Pool, "team-e"); err == nil {
+		t.Error("a tenant was created from a body with a repeated member")
+	}
+	if err := tenant.Disable(context.Background(), b.db.Pool, "team-a"); err != nil {
+		t.Fatal(err)
+	}
+	wantProblem(t, b.do(t, http.MethodPost, "/v1/admin/tenants/team-a/rotate", nil, nil), http.StatusConflict, CodeTenantDisabled)
 }

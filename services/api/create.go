@@ -65,16 +65,16 @@ func taskPath(id string) string { return idempotency.TaskPath(id) }
 // TaskCreated outbox row; or replay the first response of the key.
 func (s *Server) handleCreate(w http.ResponseWriter, r *http.Request) {
 	if err := checkContentType(r.Header); err != nil {
-		s.writeError(w, r, err)
+		s.rejectUnread(w, r, err)
 		return
 	}
 	key, err := parseIdempotencyKey(r.Header)
 	if err != nil {
-		s.writeError(w, r, err)
+		s.rejectUnread(w, r, err)
 		return
 	}
 	if r.ContentLength > s.cfg.MaxBodyBytes {
-		s.writeError(w, r, &http.MaxBytesError{Limit: s.cfg.MaxBodyBytes})
+		s.rejectUnread(w, r, &http.MaxBytesError{Limit: s.cfg.MaxBodyBytes})
 		return
 	}
 	reserve := r.ContentLength
@@ -83,7 +83,7 @@ func (s *Server) handleCreate(w http.ResponseWriter, r *http.Request) {
 	}
 	release, ok := s.limits.reserveBody(principal(r).TenantID, reserve)
 	if !ok {
-		s.writeError(w, r, newError(CodeOverloaded, "the server (or this tenant's share of it) is reading as many request bodies as it holds at once; retry"))
+		s.rejectUnread(w, r, newError(CodeOverloaded, "the server (or this tenant's share of it) is reading as many request bodies as it holds at once; retry"))
 		return
 	}
 	defer release()

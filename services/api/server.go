@@ -339,12 +339,12 @@ func (s *Server) serveHTTP(w http.ResponseWriter, r *http.Request, admin bool) {
 		if strings.HasPrefix(route, "/v1/") {
 			p, err := s.authenticate(r, strings.HasPrefix(route, "/v1/admin/"))
 			if err != nil {
-				s.writeError(sw, r, err)
+				s.rejectUnread(sw, r, err)
 				return
 			}
 			release, ok := s.limits.enter(p.TenantID)
 			if !ok {
-				s.writeError(sw, r, newError(CodeRateLimited, "tenant %s has %d requests in process, the most allowed; retry after the ones in process end", p.Name, s.cfg.MaxInFlightPerTenant))
+				s.rejectUnread(sw, r, newError(CodeRateLimited, "tenant %s has %d requests in process, the most allowed; retry after the ones in process end", p.Name, s.cfg.MaxInFlightPerTenant))
 				return
 			}
 			defer release()
@@ -413,6 +413,18 @@ func (s *Server) handleReadyz(w http.ResponseWriter, r *http.Request) {
 		}
 	}
 	writeJSON(w, http.StatusOK, []byte(`{"status":"ready"}`))
+}
+
+// rejectUnread answers err to a request whose body was not read, closing
+// the connection after the answer ("Connection: close"): otherwise net/http
+// reads the rest of the body before it sends the answer (to keep the
+// connection), so a client that stalls mid-body would wait for the read
+// timeout instead of getting the rejection at once.
+func (s *Server) rejectUnread(w http.ResponseWriter, r *http.Request, err error) {
+	if r.Body != nil && r.Body != http.NoBody && r.ContentLength != 0 {
+		w.Header().Set("Connection", "close")
+	}
+	s.writeError(w, r, err)
 }
 
 // writeJSON writes a JSON body with its Content-Length.
