@@ -30,14 +30,7 @@ func TestRunsOfFreshRecords(t *testing.T) {
 		b.produce(t, c.record())
 	}
 	rw := b.start(t, nil)
-	testenv.Eventually(t, waitFor, "every task completed", func() bool {
-		for _, c := range tasks {
-			if b.status(c.taskID) != taskevent.StatusCompleted {
-				return false
-			}
-		}
-		return true
-	})
+	b.waitCompleted(t, tasks)
 	testenv.Eventually(t, waitFor, "offsets committed", func() bool { return b.allCommitted(t) })
 	if got := counterValue(rw.w.m.batched); got < n/2 {
 		t.Errorf("%v records through runs, want most of %d", got, n)
@@ -71,14 +64,7 @@ func TestRunWithARecordNotFreshFallsBack(t *testing.T) {
 		b.produce(t, c.record())
 	}
 	rw := b.start(t, nil)
-	testenv.Eventually(t, waitFor, "every task completed", func() bool {
-		for _, c := range tasks {
-			if b.status(c.taskID) != taskevent.StatusCompleted {
-				return false
-			}
-		}
-		return true
-	})
+	b.waitCompleted(t, tasks)
 	if rw.count(OutcomeProcessed) != n {
 		t.Errorf("processed=%v, want %d", rw.count(OutcomeProcessed), n)
 	}
@@ -105,6 +91,19 @@ func TestRunsSpanIgnoredEvents(t *testing.T) {
 		b.produce(t, ignored)
 	}
 	rw := b.start(t, nil)
+	b.waitCompleted(t, tasks)
+	testenv.Eventually(t, waitFor, "offsets committed", func() bool { return b.allCommitted(t) })
+	if got := counterValue(rw.w.m.batched); got < n/2 {
+		t.Errorf("%v records through runs, want most of %d", got, n)
+	}
+	if rw.count(OutcomeProcessed) != n || rw.count(OutcomeIgnored) != n {
+		t.Errorf("processed=%v ignored=%v, want %d each", rw.count(OutcomeProcessed), rw.count(OutcomeIgnored), n)
+	}
+}
+
+// waitCompleted waits until every task of tasks is completed.
+func (b *testBundle) waitCompleted(t *testing.T, tasks []created) {
+	t.Helper()
 	testenv.Eventually(t, waitFor, "every task completed", func() bool {
 		for _, c := range tasks {
 			if b.status(c.taskID) != taskevent.StatusCompleted {
@@ -113,11 +112,4 @@ func TestRunsSpanIgnoredEvents(t *testing.T) {
 		}
 		return true
 	})
-	testenv.Eventually(t, waitFor, "offsets committed", func() bool { return b.allCommitted(t) })
-	if got := counterValue(rw.w.m.batched); got < n/2 {
-		t.Errorf("%v records through runs, want most of %d", got, n)
-	}
-	if rw.count(OutcomeProcessed) != n || rw.count(OutcomeIgnored) != n {
-		t.Errorf("processed=%v ignored=%v, want %d each", rw.count(OutcomeProcessed), rw.count(OutcomeIgnored), n)
-	}
 }

@@ -118,7 +118,6 @@ func Add(ctx context.Context, db *pgxpool.Pool, name string, admin bool, quota *
 	if err != nil {
 		return Tenant{}, "", err
 	}
-	h := Hash(token)
 	var t Tenant
 	err = pgx.BeginFunc(ctx, db, func(tx pgx.Tx) error {
 		err := tx.QueryRow(ctx, `INSERT INTO tenant (tenant_id, name, is_admin) VALUES ($1, $2, $3) RETURNING created_at`,
@@ -130,8 +129,8 @@ func Add(ctx context.Context, db *pgxpool.Pool, name string, admin bool, quota *
 		if err != nil {
 			return fmt.Errorf("insert tenant %s: %w", name, err)
 		}
-		if _, err := tx.Exec(ctx, `INSERT INTO api_credential (token_sha256, tenant_id) VALUES ($1, $2)`, h[:], id.String()); err != nil {
-			return fmt.Errorf("insert credential of tenant %s: %w", name, err)
+		if err := insertCredential(ctx, tx, name, id.String(), token); err != nil {
+			return err
 		}
 		if quota != nil {
 			if _, err := tx.Exec(ctx, `INSERT INTO quota (tenant_id, remaining) VALUES ($1, $2)`, id.String(), *quota); err != nil {
@@ -182,6 +181,15 @@ func Get(ctx context.Context, db dbpool.Querier, name string) (Tenant, error) {
 	return t, err
 }
 
+// insertCredential stores token's hash as a credential of tenantID.
+func insertCredential(ctx context.Context, tx pgx.Tx, name, tenantID, token string) error {
+	h := Hash(token)
+	if _, err := tx.Exec(ctx, `INSERT INTO api_credential (token_sha256, tenant_id) VALUES ($1, $2)`, h[:], tenantID); err != nil {
+		return fmt.Errorf("insert credential of tenant %s: %w", name, err)
+	}
+	return nil
+}
+
 // Rotate revokes every token of tenant name and returns a new one, in one
 // transaction: the old tokens stop working at its commit (an
 // Authenticator's cache keeps accepting them for at most its TTL).
@@ -190,7 +198,6 @@ func Rotate(ctx context.Context, db *pgxpool.Pool, name string) (string, error) 
 	if err != nil {
 		return "", err
 	}
-	h := Hash(token)
 	err = pgx.BeginFunc(ctx, db, func(tx pgx.Tx) error {
 		var id string
 		var disabled bool
@@ -207,8 +214,8 @@ func Rotate(ctx context.Context, db *pgxpool.Pool, name string) (string, error) 
 		if _, err := tx.Exec(ctx, `UPDATE api_credential SET revoked_at = now() WHERE tenant_id = $1 AND revoked_at IS NULL`, id); err != nil {
 			return fmt.Errorf("revoke credentials of tenant %s: %w", name, err)
 		}
-		if _, err := tx.Exec(ctx, `INSERT INTO api_credential (token_sha256, tenant_id) VALUES ($1, $2)`, h[:], id); err != nil {
-			return fmt.Errorf("insert credential of tenant %s: %w", name, err)
+		if err := insertCredential(ctx, tx, name, id, token); err != nil {
+			return err
 		}
 		return nil
 	})

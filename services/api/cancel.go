@@ -181,23 +181,15 @@ func (s *Server) cancelInTx(ctx context.Context, tx pgx.Tx, k idempotency.Key, p
 	return body, nil
 }
 
-// replayCancel answers a cancel whose key is recorded (as answerExisting
-// does for creates).
+// replayCancel answers a cancel whose key is recorded (storedAnswer).
 func (s *Server) replayCancel(w http.ResponseWriter, r *http.Request, fingerprint string, rec *idempotency.Record) {
-	if rec.Fingerprint != fingerprint {
-		s.writeError(w, r, newError(CodeIdempotencyKeyReused, "this Idempotency-Key was first used for another cancel (another task or version); use a new key"))
-		return
-	}
-	if rec.State != idempotency.Succeeded || rec.ResponseStatus == nil || rec.ResponseBody == nil {
-		s.writeError(w, r, newError(CodeIdempotencyInProgress, "the first request with this Idempotency-Key is still in progress; retry later with the same key"))
-		return
-	}
-	body, err := canon.Transform(rec.ResponseBody)
+	status, body, _, err := storedAnswer(rec, fingerprint,
+		"this Idempotency-Key was first used for another cancel (another task or version); use a new key")
 	if err != nil {
-		s.writeError(w, r, fmt.Errorf("stored cancel response: %w", err))
+		s.writeError(w, r, err)
 		return
 	}
 	w.Header().Set("Idempotent-Replayed", "true")
 	w.Header().Set("Cache-Control", "no-store")
-	writeJSON(w, *rec.ResponseStatus, body)
+	writeJSON(w, status, body)
 }

@@ -188,24 +188,35 @@ func buildTask(now time.Time, tenantID string, req *createRequest, inputSHA stri
 // the same fingerprint replays the stored response, or is 409 in progress
 // while no response is stored.
 func (s *Server) answerExisting(w http.ResponseWriter, r *http.Request, fingerprint string, rec *idempotency.Record) {
-	if rec.Fingerprint != fingerprint {
-		s.metrics.idempotency.WithLabelValues(idemKeyReused).Inc()
-		s.writeError(w, r, newError(CodeIdempotencyKeyReused, "this Idempotency-Key was first used with a different request; use a new key for a new task"))
+	status, body, outcome, err := storedAnswer(rec, fingerprint,
+		"this Idempotency-Key was first used with a different request; use a new key for a new task")
+	s.metrics.idempotency.WithLabelValues(outcome).Inc()
+	if err != nil {
+		s.writeError(w, r, err)
 		return
+	}
+	writeCreated(w, *rec.TaskID, status, body, true)
+}
+
+// storedAnswer is the answer to a request whose idempotency key is
+// recorded (seed 3.1), for creates and cancels alike: another fingerprint
+// is 422 IDEMPOTENCY_KEY_REUSED_WITH_DIFFERENT_REQUEST (with reusedDetail);
+// no stored response yet is 409 IDEMPOTENCY_REQUEST_IN_PROGRESS; else the
+// stored status and body in canonical form (jsonb does not keep the bytes;
+// RFC 8785 restores the ones first sent). outcome is the
+// converge_api_idempotency_total label of the answer.
+func storedAnswer(rec *idempotency.Record, fingerprint, reusedDetail string) (status int, body []byte, outcome string, err error) {
+	if rec.Fingerprint != fingerprint {
+		return 0, nil, idemKeyReused, newError(CodeIdempotencyKeyReused, "%s", reusedDetail)
 	}
 	if rec.State != idempotency.Succeeded || rec.ResponseStatus == nil || rec.ResponseBody == nil || rec.TaskID == nil {
-		s.metrics.idempotency.WithLabelValues(idemInProg).Inc()
-		s.writeError(w, r, newError(CodeIdempotencyInProgress, "the first request with this Idempotency-Key is still in progress; retry later with the same key"))
-		return
+		return 0, nil, idemInProg, newError(CodeIdempotencyInProgress, "the first request with this Idempotency-Key is still in progress; retry later with the same key")
 	}
-	// jsonb does not keep the bytes; the canonical form restores them.
-	body, err := canon.Transform(rec.ResponseBody)
+	body, err = canon.Transform(rec.ResponseBody)
 	if err != nil {
-		s.writeError(w, r, fmt.Errorf("stored response of task %s: %w", *rec.TaskID, err))
-		return
+		return 0, nil, idemReplayed, fmt.Errorf("stored response of task %s: %w", *rec.TaskID, err)
 	}
-	s.metrics.idempotency.WithLabelValues(idemReplayed).Inc()
-	writeCreated(w, *rec.TaskID, *rec.ResponseStatus, body, true)
+	return *rec.ResponseStatus, body, idemReplayed, nil
 }
 
 func writeCreated(w http.ResponseWriter, taskID string, status int, body []byte, replayed bool) {
