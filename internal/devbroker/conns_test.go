@@ -71,11 +71,17 @@ func TestConnsFollowClientLifetime(t *testing.T) {
 	if !b.conns.alive("", "converge-test-client") {
 		t.Fatal("no open connection carries the client's id after a request")
 	}
-	if !b.conns.alive("", ClientID) {
-		t.Error("the reaper's own connection is not tracked")
+	// The reaper connects at its first scan, which runs concurrently with
+	// the Ping above: wait for it rather than assume it came first.
+	deadline := time.Now().Add(5 * time.Second)
+	for !b.conns.alive("", ClientID) {
+		if time.Now().After(deadline) {
+			t.Fatal("the reaper's own connection is not tracked 5s after Start")
+		}
+		time.Sleep(10 * time.Millisecond)
 	}
 	cl.Close()
-	deadline := time.Now().Add(5 * time.Second)
+	deadline = time.Now().Add(5 * time.Second)
 	for b.conns.alive("", "converge-test-client") {
 		if time.Now().After(deadline) {
 			t.Fatal("the closed client's connections are still tracked as open after 5s")
