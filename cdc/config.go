@@ -28,6 +28,8 @@ const (
 	DefaultMaxBufferedRecords = 10000
 	DefaultDeliveryTimeout    = time.Minute
 	DefaultShutdownTimeout    = 10 * time.Second
+	DefaultRestartBackoffMin  = 500 * time.Millisecond
+	DefaultRestartBackoffMax  = 30 * time.Second
 	DefaultHeartbeatInterval  = 10 * time.Second
 	DefaultSlotSampleInterval = 10 * time.Second
 )
@@ -95,9 +97,15 @@ type Config struct {
 	// speed of the published_at UPDATE. Defaults to 10000.
 	MaxBufferedRecords int
 	// DeliveryTimeout is how long a record may stay unacknowledged
-	// (retries included) before its produce fails and Run returns an error
-	// (kgo.RecordDeliveryTimeout). Defaults to 1m.
+	// (retries included) before its produce fails (kgo.RecordDeliveryTimeout):
+	// the failure is recorded on the row and the session restarts from the
+	// slot after RestartBackoffMin..Max. Defaults to 1m.
 	DeliveryTimeout time.Duration
+	// RestartBackoffMin and RestartBackoffMax bound the wait before Run
+	// opens a new session after one failed (exponential with jitter,
+	// package backoff; back to the minimum after a session that streamed
+	// for a minute). Default to 500ms and 30s.
+	RestartBackoffMin, RestartBackoffMax time.Duration
 	// ShutdownTimeout bounds the wait for in-flight records, the last
 	// published_at update and the final status update after ctx is
 	// cancelled. Defaults to 10s.
@@ -167,6 +175,12 @@ func (c *Config) setDefaults() {
 	if c.ShutdownTimeout == 0 {
 		c.ShutdownTimeout = DefaultShutdownTimeout
 	}
+	if c.RestartBackoffMin == 0 {
+		c.RestartBackoffMin = DefaultRestartBackoffMin
+	}
+	if c.RestartBackoffMax == 0 {
+		c.RestartBackoffMax = DefaultRestartBackoffMax
+	}
 	if c.HeartbeatInterval == 0 {
 		c.HeartbeatInterval = DefaultHeartbeatInterval
 	}
@@ -215,10 +229,15 @@ func (c *Config) Validate() error {
 		{"DeliveryTimeout", c.DeliveryTimeout},
 		{"ShutdownTimeout", c.ShutdownTimeout},
 		{"SlotSampleInterval", c.SlotSampleInterval},
+		{"RestartBackoffMin", c.RestartBackoffMin},
+		{"RestartBackoffMax", c.RestartBackoffMax},
 	} {
 		if d.v <= 0 {
 			errs = append(errs, fmt.Errorf("%s %s: must be positive", d.name, d.v))
 		}
+	}
+	if c.RestartBackoffMax < c.RestartBackoffMin {
+		errs = append(errs, fmt.Errorf("RestartBackoffMax %s: below RestartBackoffMin %s", c.RestartBackoffMax, c.RestartBackoffMin))
 	}
 	if c.FlushMaxRecords <= 0 {
 		errs = append(errs, fmt.Errorf("FlushMaxRecords %d: must be positive", c.FlushMaxRecords))

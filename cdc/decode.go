@@ -1,8 +1,10 @@
 package cdc
 
 import (
+	"context"
 	"crypto/sha256"
 	"encoding/hex"
+	"errors"
 	"fmt"
 	"strconv"
 	"strings"
@@ -10,6 +12,8 @@ import (
 	"github.com/jackc/pglogrepl"
 	"github.com/twmb/franz-go/pkg/kgo"
 
+	"github.com/converge-run/converge/internal/dbpool"
+	"github.com/converge-run/converge/internal/outbox"
 	"github.com/converge-run/converge/internal/taskevent"
 )
 
@@ -168,4 +172,44 @@ func sha256HexEqual(b []byte, sum string) bool {
 	var x [2 * sha256.Size]byte
 	hex.Encode(x[:], h[:])
 	return string(x[:]) == sum
+}
+
+// RecordOf builds the Kafka record of a stored outbox row exactly as the
+// relay does (record): the same key, value and headers, so that a
+// republication carries the original message id (seed 4.1) and consumers'
+// inboxes treat it as the same message.
+func RecordOf(s outbox.Stored, topic string) *kgo.Record {
+	rec, _ := outboxRow{outboxID: s.ID, aggregateID: s.TaskID, aggregateVersion: s.Version, eventType: s.Type,
+		payload: s.Payload, payloadSHA256: s.PayloadSHA256, tenantID: s.TenantID}.record(topic)
+	return rec
+}
+
+// Republish produces the parked outbox row id again (RecordOf) with
+// producer and waits for the broker's acknowledgement, then records the
+// decision (outbox.Decide: published_at set, by and reason kept). A produce
+// that fails again is recorded on the row (outbox.RecordFailure is not
+// used: the row stays parked) and returned; the row stays undecided.
+// outbox.ErrNotFound, ErrNotParked, ErrDecided as outbox.Decide.
+func Republish(ctx context.Context, producer *kgo.Client, q dbpool.Querier, topic, id, by, reason string) error {
+	if strings.TrimSpace(reason) == "" || strings.TrimSpace(by) == "" {
+		return outbox.ErrReasonRequired
+	}
+	s, err := outbox.Get(ctx, q, id)
+	if err != nil {
+		return err
+	}
+	switch {
+	case s.ParkedAt == nil:
+		return fmt.Errorf("%w: %s", outbox.ErrNotParked, id)
+	case s.Decision != "":
+		return fmt.Errorf("%w: %s was %s", outbox.ErrDecided, id, s.Decision)
+	}
+	if err := producer.ProduceSync(ctx, RecordOf(s, topic)).FirstErr(); err != nil {
+		if _, uerr := q.Exec(ctx, `UPDATE outbox_event SET last_attempt_at = now(), publish_attempts = publish_attempts + 1,
+  last_error_code = $2, last_error = left($3, 2000) WHERE outbox_id = $1`, id, produceErrorCode(err), err.Error()); uerr != nil {
+			return errors.Join(fmt.Errorf("republish outbox row %s: %w", id, err), uerr)
+		}
+		return fmt.Errorf("republish outbox row %s: %w", id, err)
+	}
+	return outbox.Decide(ctx, q, id, outbox.DecisionRepublished, by, reason)
 }

@@ -14,8 +14,9 @@
 //   - Slot (Config.SlotName): a permanent logical slot with pgoutput, created
 //     when missing. A slot invalidated by max_slot_wal_keep_size (wal_status
 //     lost) fails Run with ErrSlotLost; a slot of another kind or database
-//     with ErrSlotMismatch; a slot streamed by another process with
-//     ErrSlotActive (one relay per slot; PostgreSQL enforces it). A new slot
+//     with ErrSlotMismatch; a slot streamed by another process makes the
+//     session fail with ErrSlotActive and Run try again after a backoff (one
+//     relay per slot, PostgreSQL enforces it: a second relay is a standby). A new slot
 //     only holds commits after its consistent point: outbox rows committed
 //     before the first start are not relayed by CDC (the reconciler's scan of
 //     unpublished rows covers them).
@@ -96,11 +97,26 @@
 //     wal_status is also exported when Run fails with ErrSlotLost).
 //   - Every receive from the replication connection has its own deadline, so
 //     flushes and status updates happen while the stream is idle.
-//   - A record whose produce fails for good (non-retryable error,
-//     DeliveryTimeout) stops Run with an error; the restarted relay resumes
-//     from the slot. A row that cannot be decoded (a column that is not
-//     text, an aggregate_version that is not an integer) stops Run with
-//     ErrInvalidRow rather than being skipped.
+//   - Parking (seed 4.1, issue 13): a record the producer or the broker
+//     refuses for good (MESSAGE_TOO_LARGE, RECORD_LIST_TOO_LARGE,
+//     INVALID_RECORD, CORRUPT_MESSAGE, INVALID_TIMESTAMP,
+//     UNSUPPORTED_FOR_MESSAGE_FORMAT) and a row that cannot be decoded but
+//     has an outbox id (INVALID_ROW) are parked by the marker
+//     (outbox.Park: parked_at, publish_attempts, last_error_code,
+//     last_error, last_attempt_at), in the flush, with the same visibility
+//     check as a mark; a parked row is settled, so the slot moves past it
+//     and the stream goes on. Operators decide with `converge outbox`
+//     (Republish produces RecordOf the row: same key, value, headers).
+//   - Any other failure of a session — a record whose produce fails for a
+//     reason retrying may fix (broker unreachable past DeliveryTimeout, an
+//     authorization error), the database or the replication connection,
+//     another process on the slot — closes it; its failed record's attempt
+//     is recorded on the row (outbox.RecordFailure) and Run opens a new
+//     session from the slot after RestartBackoffMin..Max. Only the fatal
+//     errors (see Run) end Run.
+//   - The backlog check (outbox.Backlog, the reconciler) needs no index on
+//     published_at, so MarkPublished's UPDATE is a HOT update (migration
+//     00008).
 //   - Shutdown (ctx cancelled): stop reading, wait up to ShutdownTimeout for
 //     in-flight records, mark the acknowledged rows published, send a final
 //     status update with the confirmable LSN, close, return nil.
@@ -141,6 +157,9 @@
 //	converge_relay_outbox_rows_not_yet_visible_total          counter    -           times a flush found an acknowledged row not yet visible (retried at the next flush)
 //	converge_relay_outbox_rows_gone_total                     counter    -           acknowledged rows deleted after their commit before they were marked
 //	converge_relay_status_updates_total                       counter    -           standby status updates sent
+//	converge_relay_outbox_rows_parked_total                   counter    code        rows parked because they cannot be published
+//	converge_relay_restarts_total                             counter    reason      sessions failed and restarted (produce, slot_active, database, other)
+//	converge_relay_streaming                                  gauge      -           1 while streaming from the slot, 0 while connecting or backing off
 //
 // The relay's franz-go client exports converge_kafka_client_*{component=
 // "relay"} when the caller passes kafkametrics.ClientMetrics in KafkaOpts

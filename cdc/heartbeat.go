@@ -3,6 +3,7 @@ package cdc
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"log/slog"
 	"slices"
 	"sync"
@@ -61,6 +62,7 @@ func (s *session) monitor(ctx context.Context) {
 			s.heartbeat(ctx)
 		case <-sample.C:
 			s.sampleSlot(ctx)
+			s.verifyPublication(ctx)
 		}
 	}
 }
@@ -83,6 +85,24 @@ func (s *session) heartbeat(ctx context.Context) {
 		return
 	}
 	s.m.heartbeatsEmitted.Inc()
+}
+
+// verifyPublication checks the publication while streaming. A mismatch
+// stops the session with ErrPublicationMismatch through the marker's
+// failure (no further status update: the slot stays where it was), which
+// ends Run. A failed check is only logged.
+func (s *session) verifyPublication(ctx context.Context) {
+	ctx, cancel := context.WithTimeout(ctx, monitorTimeout)
+	defer cancel()
+	err := s.store.checkPublication(ctx, s.cfg.PublicationName)
+	switch {
+	case err == nil, context.Cause(ctx) == context.Canceled:
+	case errors.Is(err, ErrPublicationMismatch):
+		s.log.ErrorContext(ctx, "the publication no longer covers the outbox; the relay stops", slog.String("error", err.Error()))
+		s.setMarkErr(err)
+	default:
+		s.log.WarnContext(ctx, "verify publication failed", slog.String("error", err.Error()))
+	}
 }
 
 // sampleSlot reads the slot's lag, retained WAL and wal_status into the

@@ -2,11 +2,13 @@ package cdc
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"log/slog"
 	"sync"
 	"time"
 
+	"github.com/twmb/franz-go/pkg/kerr"
 	"github.com/twmb/franz-go/pkg/kgo"
 	"golang.org/x/sync/errgroup"
 
@@ -33,15 +35,24 @@ func (s *session) produceRecord(seq uint64, outboxID, eventType string, rec *kgo
 			err = s.cfg.Faults.Err(fault.RelayPublishConfirmLost)
 		}
 		if err != nil {
-			defer func() { <-s.sem }()
 			if s.closing.Load() {
+				<-s.sem
 				s.tr.fail(seq, nil) // abandoned: produced again after a restart
 				return
 			}
 			s.m.produceErrors.Inc()
-			s.log.Error("produce outbox event failed; the relay stops and resumes from the slot",
+			if code, ok := refusedRecord(err); ok {
+				// Retrying cannot help: park the row (the flush records it
+				// and releases the token) and let the stream go on.
+				s.log.Error("the broker refuses an outbox record; parking the row (converge outbox list)",
+					slog.String("outbox_id", outboxID), slog.String("code", code), slog.String("error", err.Error()))
+				s.tr.ackPark(seq, outboxID, parkReason{code: code, message: err.Error()})
+				return
+			}
+			<-s.sem
+			s.log.Error("produce outbox event failed; the relay restarts from the slot",
 				slog.String("outbox_id", outboxID), slog.String("error", err.Error()))
-			s.tr.fail(seq, fmt.Errorf("produce outbox row %s: %w", outboxID, err))
+			s.tr.fail(seq, &produceError{outboxID: outboxID, code: produceErrorCode(err), err: err})
 			return
 		}
 		s.m.published.WithLabelValues(eventType).Inc()
@@ -56,6 +67,47 @@ func (s *session) produceRecord(seq uint64, outboxID, eventType string, rec *kgo
 			}
 		}
 	})
+}
+
+// produceError is a record's produce failure that retrying may fix (the
+// broker unreachable, a timeout): Run records it on the row
+// (outbox.RecordFailure) and restarts the session from the slot.
+type produceError struct {
+	outboxID, code string
+	err            error
+}
+
+func (e *produceError) Error() string {
+	return fmt.Sprintf("produce outbox row %s: %s", e.outboxID, e.err)
+}
+
+func (e *produceError) Unwrap() error { return e.err }
+
+// refusedRecord reports whether err is the broker's (or franz-go's own)
+// refusal of this record itself, which no retry changes, and its code.
+func refusedRecord(err error) (string, bool) {
+	for _, ke := range []*kerr.Error{kerr.MessageTooLarge, kerr.RecordListTooLarge, kerr.InvalidRecord,
+		kerr.CorruptMessage, kerr.InvalidTimestamp, kerr.UnsupportedForMessageFormat} {
+		if errors.Is(err, ke) {
+			return ke.Message, true
+		}
+	}
+	return "", false
+}
+
+// produceErrorCode is the stable code recorded for a produce failure:
+// Kafka's error name, or DELIVERY_TIMEOUT, RETRIES_EXHAUSTED, PRODUCE_FAILED.
+func produceErrorCode(err error) string {
+	var ke *kerr.Error
+	switch {
+	case errors.As(err, &ke):
+		return ke.Message
+	case errors.Is(err, kgo.ErrRecordTimeout):
+		return "DELIVERY_TIMEOUT"
+	case errors.Is(err, kgo.ErrRecordRetries):
+		return "RETRIES_EXHAUSTED"
+	}
+	return "PRODUCE_FAILED"
 }
 
 // startMarker starts the marker goroutine. ctx cancelled ends it at once
@@ -190,6 +242,31 @@ const invisibleWarnAfter = 5 * time.Second
 // counted done, so the slot does not move past them and a restarted relay
 // produces them again (the UPDATE skips rows already marked).
 func (s *session) markChunks(ctx context.Context, rows []ackedRow) (done, retry []ackedRow, err error) {
+	if parks := countParks(rows); parks > 0 {
+		var marks []ackedRow
+		if parks < len(rows) {
+			marks = make([]ackedRow, 0, len(rows)-parks)
+		}
+		var parked []ackedRow
+		for _, r := range rows {
+			if r.park != nil {
+				parked = append(parked, r)
+			} else {
+				marks = append(marks, r)
+			}
+		}
+		if done, retry, err = s.parkRows(ctx, parked); err != nil {
+			return nil, nil, err
+		}
+		if len(marks) == 0 {
+			return done, retry, nil
+		}
+		d, r, err := s.markChunks(ctx, marks)
+		if err != nil {
+			return nil, nil, err
+		}
+		return append(done, d...), append(retry, r...), nil
+	}
 	size := min(s.cfg.FlushMaxRecords, max(minMarkChunk, (len(rows)+s.cfg.MarkConcurrency-1)/s.cfg.MarkConcurrency))
 	var chunks [][]ackedRow
 	for start := 0; start < len(rows); start += size {
@@ -258,6 +335,46 @@ func (s *session) markChunks(ctx context.Context, rows []ackedRow) (done, retry 
 	}
 	if err := g.Wait(); err != nil {
 		return nil, nil, err
+	}
+	return done, retry, nil
+}
+
+func countParks(rows []ackedRow) int {
+	n := 0
+	for _, r := range rows {
+		if r.park != nil {
+			n++
+		}
+	}
+	return n
+}
+
+// parkRows parks rows (outbox.Park), one statement each (parking is rare).
+// A row Park did not change is classified as in markChunks: found settled
+// (published or parked, by an earlier run) or gone it is done, not yet
+// visible it is retried.
+func (s *session) parkRows(ctx context.Context, rows []ackedRow) (done, retry []ackedRow, err error) {
+	for _, row := range rows {
+		changed, err := outbox.Park(ctx, s.pool, row.outboxID, row.park.code, row.park.message)
+		if err != nil {
+			return nil, nil, err
+		}
+		if changed {
+			s.m.rowsParked.WithLabelValues(row.park.code).Inc()
+			done = append(done, row)
+			continue
+		}
+		st, err := outbox.Classify(ctx, s.pool, []outbox.Pending{{ID: row.outboxID, XID: row.xid}})
+		if err != nil {
+			return nil, nil, err
+		}
+		switch st[0] {
+		case outbox.Marked, outbox.Gone:
+			done = append(done, row)
+		default:
+			s.m.outboxRowsInvisible.Inc()
+			retry = append(retry, row)
+		}
 	}
 	return done, retry, nil
 }

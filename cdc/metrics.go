@@ -30,7 +30,22 @@ type metrics struct {
 	heartbeatErrors   prometheus.Counter
 	heartbeatRTT      prometheus.Gauge
 	heartbeatLastSeen prometheus.Gauge
+
+	rowsParked *prometheus.CounterVec
+	restarts   *prometheus.CounterVec
+	streaming  prometheus.Gauge
 }
+
+// restartReasons are the values of converge_relay_restarts_total's reason
+// label, all exported from the start.
+var restartReasons = []string{reasonProduce, reasonSlotActive, reasonDatabase, reasonOther}
+
+const (
+	reasonProduce    = "produce"     // a record failed for a retryable reason (broker down, timeout)
+	reasonSlotActive = "slot_active" // another process streams from the slot
+	reasonDatabase   = "database"    // PostgreSQL: connection, replication stream, an UPDATE
+	reasonOther      = "other"
+)
 
 // walStatuses are the values of pg_replication_slots.wal_status
 // (PostgreSQL 13+), each a series of converge_relay_slot_wal_status.
@@ -44,7 +59,7 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 		}, []string{"event_type"}),
 		produceErrors: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "converge_relay_produce_errors_total",
-			Help: "Records whose produce failed for good (non-retryable error or delivery timeout); each stops the relay.",
+			Help: "Records whose produce failed for good (non-retryable error or delivery timeout): a record the broker refuses is parked; any other failure restarts the relay's session from the slot.",
 		}),
 		hashMismatches: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "converge_relay_payload_hash_mismatches_total",
@@ -119,8 +134,20 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 			Name: "converge_relay_status_updates_total",
 			Help: "Standby status updates sent to PostgreSQL.",
 		}),
+		rowsParked: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "converge_relay_outbox_rows_parked_total",
+			Help: "Outbox rows the relay parked (outbox_event.parked_at) because they cannot be published (the broker refuses the record, the row cannot be decoded), by error code; the stream goes on past them.",
+		}, []string{"code"}),
+		restarts: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "converge_relay_restarts_total",
+			Help: "Times the relay's session failed and was restarted from the slot after a backoff, by reason (produce, slot_active, database, other).",
+		}, []string{"reason"}),
+		streaming: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "converge_relay_streaming",
+			Help: "1 while the relay streams from its slot, 0 while it connects or waits to restart.",
+		}),
 	}
-	for _, c := range []prometheus.Collector{m.published, m.produceErrors, m.hashMismatches, m.commitToAck,
+	for _, c := range []prometheus.Collector{m.rowsParked, m.restarts, m.streaming, m.published, m.produceErrors, m.hashMismatches, m.commitToAck,
 		m.confirmedLSN, m.slotLag, m.txnsInFlight, m.recordsInFlight, m.publishedMarked, m.outboxRowsInvisible, m.outboxRowsGone, m.statusUpdatesOut,
 		m.lastAckedLSN, m.slotRetained, m.slotWALStatus, m.slotSampleErrors, m.heartbeatsEmitted, m.heartbeatErrors,
 		m.heartbeatRTT, m.heartbeatLastSeen} {
@@ -130,6 +157,9 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 	}
 	for _, st := range walStatuses {
 		m.slotWALStatus.WithLabelValues(st) // export all statuses, 0 until sampled
+	}
+	for _, r := range restartReasons {
+		m.restarts.WithLabelValues(r)
 	}
 	return m, nil
 }

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"log/slog"
 	"sync/atomic"
 	"time"
@@ -14,10 +15,13 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/twmb/franz-go/pkg/kgo"
 
+	"github.com/converge-run/converge/internal/backoff"
 	"github.com/converge-run/converge/internal/canon"
 	"github.com/converge-run/converge/internal/dbpool"
+	"github.com/converge-run/converge/internal/fault"
 	"github.com/converge-run/converge/internal/kafkalog"
 	"github.com/converge-run/converge/internal/kafkatopic"
+	"github.com/converge-run/converge/internal/outbox"
 )
 
 // Sentinel errors of Run. Each is wrapped with the details of the case.
@@ -80,22 +84,99 @@ func (r *Relay) ConfirmedLSN() pglogrepl.LSN {
 }
 
 // Run sets up the publication, the replication slot and the topic, then
-// streams outbox inserts to Kafka until ctx is cancelled or an error occurs.
+// streams outbox inserts to Kafka until ctx is cancelled or a fatal error
+// occurs (issue 13: nothing else ends the relay).
 //
 // On cancellation it stops reading, waits up to ShutdownTimeout for in-flight
 // records, marks the acknowledged rows published, sends a final standby
-// status update with the confirmable LSN and returns nil. Any other end is an
-// error: a produce failure, a lost connection, an injected fault (wrapping
-// fault.ErrInjected; no further status update is sent), ErrSlotActive,
-// ErrSlotLost, ErrSlotMismatch, ErrPublicationMismatch or ErrInvalidRow. The
-// process may then restart Run: the slot resumes after the last confirmed
-// transaction and the records after it are produced again (at-least-once).
+// status update with the confirmable LSN and returns nil (or the error of
+// that last step).
+//
+// A session that fails for any other reason (PostgreSQL or the broker
+// unreachable, a record's retryable produce failure — recorded on its row
+// with outbox.RecordFailure —, another process holding the slot) is closed
+// and a new one opened after RestartBackoffMin..Max, counted in
+// converge_relay_restarts_total{reason}: the slot resumes after the last
+// confirmed transaction and the records after it are produced again
+// (at-least-once). A record the broker refuses for good (too large,
+// invalid) and a row that cannot be decoded are parked (outbox.Park), not
+// retried, and the stream goes on past them.
+//
+// Run returns only the fatal errors, which need a person: ErrSlotLost,
+// ErrSlotMismatch, ErrPublicationMismatch, ErrInvalidRow for a tuple
+// without a readable outbox id, and an injected fault (wrapping
+// fault.ErrInjected: a simulated crash; no further status update is sent).
 func (r *Relay) Run(ctx context.Context) error {
 	if !r.running.CompareAndSwap(false, true) {
 		return ErrAlreadyRunning
 	}
 	defer r.running.Store(false)
+	for attempt := 0; ; attempt++ {
+		started := time.Now()
+		err := r.runSession(ctx)
+		if ctx.Err() != nil || err == nil {
+			return err
+		}
+		if fatal(err) {
+			return err
+		}
+		if time.Since(started) >= healthySession {
+			attempt = 0
+		}
+		reason := restartReason(err)
+		r.m.restarts.WithLabelValues(reason).Inc()
+		delay := backoff.Delay(r.cfg.RestartBackoffMin, r.cfg.RestartBackoffMax, attempt)
+		r.log.WarnContext(ctx, "relay session failed; restarting from the slot", slog.String("reason", reason),
+			slog.Duration("backoff", delay), slog.String("error", err.Error()))
+		t := time.NewTimer(delay)
+		select {
+		case <-ctx.Done():
+			t.Stop()
+			return nil
+		case <-t.C:
+		}
+	}
+}
 
+// healthySession is how long a session must have run for the next restart
+// to wait only RestartBackoffMin again.
+const healthySession = time.Minute
+
+// fatal reports the errors that end Run: restarting cannot fix them.
+func fatal(err error) bool {
+	for _, e := range []error{ErrSlotLost, ErrSlotMismatch, ErrPublicationMismatch, ErrInvalidRow, fault.ErrInjected} {
+		if errors.Is(err, e) {
+			return true
+		}
+	}
+	return false
+}
+
+// restartReason is the reason label of a session failure.
+func restartReason(err error) string {
+	var pe *produceError
+	var pgErr *pgconn.PgError
+	switch {
+	case errors.As(err, &pe):
+		return reasonProduce
+	case errors.Is(err, ErrSlotActive):
+		return reasonSlotActive
+	case errors.As(err, &pgErr), pgconn.SafeToRetry(err), isDatabaseErr(err):
+		return reasonDatabase
+	}
+	return reasonOther
+}
+
+// isDatabaseErr reports a failure to reach or talk to PostgreSQL (connect,
+// a lost connection).
+func isDatabaseErr(err error) bool {
+	var ce *pgconn.ConnectError
+	return errors.As(err, &ce) || pgconn.Timeout(err) || errors.Is(err, io.ErrUnexpectedEOF)
+}
+
+// runSession runs one session: open, stream, close. A retryable produce
+// failure is recorded on its row before the session's pool closes.
+func (r *Relay) runSession(ctx context.Context) error {
 	s, err := r.open(ctx)
 	if err != nil {
 		if ctx.Err() != nil {
@@ -104,9 +185,21 @@ func (r *Relay) Run(ctx context.Context) error {
 		return err
 	}
 	defer s.close()
+	r.m.streaming.Set(1)
+	defer r.m.streaming.Set(0)
 	stopMonitor := s.startMonitor(ctx)
 	defer stopMonitor()
-	return s.stream(ctx)
+	err = s.stream(ctx)
+	var pe *produceError
+	if errors.As(err, &pe) {
+		rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
+		if _, ferr := outbox.RecordFailure(rctx, s.pool, []string{pe.outboxID}, pe.code, pe.err.Error()); ferr != nil {
+			s.log.WarnContext(ctx, "could not record the failed publish attempt on its outbox row", slog.String("outbox_id", pe.outboxID),
+				slog.String("error", ferr.Error()))
+		}
+		cancel()
+	}
+	return err
 }
 
 // session is the state of one Run: its connections and the stream position.
@@ -464,7 +557,18 @@ func (s *session) produce(ctx context.Context, m *pglogrepl.InsertMessage) error
 	}
 	row, err := rel.decode(m.Tuple)
 	if err != nil {
-		return err
+		if row.outboxID == "" {
+			return err // not even its id: nothing to park
+		}
+		// The row has an id but cannot be relayed: park it, and go on.
+		if err := s.acquire(ctx); err != nil {
+			return err
+		}
+		s.log.ErrorContext(ctx, "outbox row cannot be decoded; parking it (converge outbox list)",
+			slog.String("outbox_id", row.outboxID), slog.String("error", err.Error()))
+		s.tr.add(s.txnSeq)
+		s.tr.ackPark(s.txnSeq, row.outboxID, parkReason{code: "INVALID_ROW", message: err.Error()})
+		return nil
 	}
 	rec, hashMatches := row.record(s.cfg.Topic)
 	if !hashMatches {

@@ -9,6 +9,7 @@ import (
 	"fmt"
 	"log/slog"
 	"os"
+	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -22,6 +23,7 @@ import (
 	"github.com/twmb/franz-go/pkg/kmsg"
 
 	"github.com/converge-run/converge/internal/fault"
+	"github.com/converge-run/converge/internal/outbox"
 	"github.com/converge-run/converge/internal/taskevent"
 	"github.com/converge-run/converge/internal/testenv"
 )
@@ -621,14 +623,32 @@ func counterSum(t *testing.T, reg *prometheus.Registry, name string) float64 {
 	return testenv.MetricSum(t, reg, name, nil)
 }
 
+// TestRelaySlotActive: a second relay on a slot another process streams
+// from waits (restarts with backoff, reason slot_active) instead of ending,
+// and takes over once the first stops: a warm standby.
 func TestRelaySlotActive(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
 	rr1 := b.start(t, b.config())
 	b.waitStreaming(t, rr1)
-	rr2 := b.start(t, b.config())
-	if err := rr2.wait(t, 10*time.Second); !errors.Is(err, ErrSlotActive) {
-		t.Fatalf("second relay on the slot: Run = %v, want ErrSlotActive", err)
+	cfg := b.config()
+	reg := prometheus.NewRegistry()
+	cfg.Registerer = reg
+	cfg.RestartBackoffMin, cfg.RestartBackoffMax = 50*time.Millisecond, 200*time.Millisecond
+	rr2 := b.start(t, cfg)
+	testenv.Eventually(t, 10*time.Second, "second relay restarting on slot_active", func() bool {
+		return testenv.MetricSum(t, reg, "converge_relay_restarts_total", map[string]string{"reason": "slot_active"}) >= 1
+	})
+	if err := rr1.stop(t); err != nil {
+		t.Fatal(err)
+	}
+	ev := b.event(t, "task-standby", 1)
+	b.insertTx(t, ev)
+	testenv.Eventually(t, 20*time.Second, "standby relay publishes", func() bool { return b.unpublished(t) == 0 })
+	select {
+	case err := <-rr2.done:
+		t.Fatalf("standby relay returned %v", err)
+	default:
 	}
 }
 
@@ -646,6 +666,31 @@ func TestRelayPublicationMismatch(t *testing.T) {
 	}
 	if _, _, exists := b.slotState(t); exists {
 		t.Fatal("slot created although the publication is wrong")
+	}
+}
+
+// A publication that stops covering the outbox while the relay streams
+// (ALTER PUBLICATION ... DROP TABLE) is found by the periodic check: Run
+// ends with ErrPublicationMismatch naming the fix, and the slot does not
+// advance past the rows written meanwhile (issue 13).
+func TestRelayPublicationDroppedWhileStreaming(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	cfg := b.config()
+	cfg.SlotSampleInterval = 100 * time.Millisecond
+	rr := b.start(t, cfg)
+	b.waitStreaming(t, rr)
+	before, _, _ := b.slotState(t)
+	if _, err := b.db.Pool.Exec(context.Background(), "ALTER PUBLICATION "+b.pub+" DROP TABLE outbox_event"); err != nil {
+		t.Fatal(err)
+	}
+	err := rr.wait(t, 10*time.Second)
+	if !errors.Is(err, ErrPublicationMismatch) || !strings.Contains(err.Error(), "ADD TABLE") {
+		t.Fatalf("Run = %v, want ErrPublicationMismatch naming the fix", err)
+	}
+	b.waitReleased(t)
+	if after, _, _ := b.slotState(t); after < before {
+		t.Fatalf("slot moved back: %s < %s", after, before)
 	}
 }
 
@@ -713,20 +758,31 @@ func TestConfigValidate(t *testing.T) {
 	}
 }
 
-// TestRelayProduceFailure: a record Kafka refuses for good stops Run with an
-// error and the slot does not move past its transaction.
+// TestRelayProduceFailure: a record whose produce fails for a reason that
+// retrying may fix (here the broker answers TOPIC_AUTHORIZATION_FAILED, as
+// after a wrong ACL) does not end Run: the attempt is recorded on the row,
+// the session restarts from the slot with backoff, the slot does not move
+// past the row meanwhile, and once the broker accepts again the row is
+// published and marked (issue 13).
 func TestRelayProduceFailure(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
 	cfg := b.config()
 	reg := prometheus.NewRegistry()
 	cfg.Registerer = reg
+	cfg.DeliveryTimeout = 2 * time.Second
+	cfg.RestartBackoffMin, cfg.RestartBackoffMax = 50*time.Millisecond, 200*time.Millisecond
 	rr := b.start(t, cfg)
 	b.waitStreaming(t, rr)
 	before, _, _ := b.slotState(t)
 
+	var refusing atomic.Bool
+	refusing.Store(true)
 	b.kafka.Cluster.ControlKey(int16(kmsg.Produce), func(kreq kmsg.Request) (kmsg.Response, error, bool) {
 		b.kafka.Cluster.KeepControl()
+		if !refusing.Load() {
+			return nil, nil, false
+		}
 		req := kreq.(*kmsg.ProduceRequest)
 		resp := req.ResponseKind().(*kmsg.ProduceResponse)
 		for _, rt := range req.Topics {
@@ -742,24 +798,90 @@ func TestRelayProduceFailure(t *testing.T) {
 		}
 		return resp, nil, true
 	})
-	first := b.insertTx(t, b.event(t, "task-f", 1))
+	ev := b.event(t, "task-f", 1)
+	first := b.insertTx(t, ev)
 
-	err := rr.wait(t, 10*time.Second)
-	if err == nil || errors.Is(err, fault.ErrInjected) {
-		t.Fatalf("Run = %v, want the produce error", err)
+	ctx := context.Background()
+	testenv.Eventually(t, 20*time.Second, "two restarts after produce failures", func() bool {
+		return testenv.MetricSum(t, reg, "converge_relay_restarts_total", map[string]string{"reason": "produce"}) >= 2
+	})
+	select {
+	case err := <-rr.done:
+		t.Fatalf("Run returned %v on a retryable produce failure", err)
+	default:
 	}
-	if !errors.Is(err, kerr.TopicAuthorizationFailed) {
-		t.Fatalf("Run = %v, want it to wrap TOPIC_AUTHORIZATION_FAILED", err)
+	var attempts int
+	var code string
+	if err := b.db.Pool.QueryRow(ctx, `SELECT publish_attempts, COALESCE(last_error_code, '') FROM outbox_event WHERE outbox_id = $1`, ev.id).Scan(&attempts, &code); err != nil {
+		t.Fatal(err)
+	}
+	if attempts < 1 || code != kerr.TopicAuthorizationFailed.Message {
+		t.Fatalf("row after failed attempts: publish_attempts %d, last_error_code %q; want >= 1, %s", attempts, code, kerr.TopicAuthorizationFailed.Message)
+	}
+	if c, _, _ := b.slotState(t); c > first || c < before {
+		t.Fatalf("slot confirmed_flush_lsn %s moved past the failing row (was %s, commit after %s)", c, before, first)
+	}
+
+	refusing.Store(false)
+	testenv.Eventually(t, 20*time.Second, "row published after the broker accepts again", func() bool { return b.unpublished(t) == 0 })
+	if err := b.db.Pool.QueryRow(ctx, `SELECT publish_attempts FROM outbox_event WHERE outbox_id = $1`, ev.id).Scan(&attempts); err != nil || attempts < 2 {
+		t.Fatalf("publish_attempts %d, %v; want the failures and the success counted", attempts, err)
+	}
+	if len(byEventID(b.readAll(t))[ev.id]) == 0 {
+		t.Fatal("the row's event is not in the topic")
 	}
 	if got := counterSum(t, reg, "converge_relay_produce_errors_total"); got < 1 {
 		t.Fatalf("converge_relay_produce_errors_total = %v, want >= 1", got)
 	}
-	b.waitReleased(t)
-	if c, _, _ := b.slotState(t); c > first || c < before {
-		t.Fatalf("slot confirmed_flush_lsn %s moved (was %s, commit after %s)", c, before, first)
+}
+
+// TestRelayParksRefusedRecord: a row whose record the producer refuses for
+// good (larger than the broker accepts) is parked with its error — not
+// retried, not fatal — and the events committed after it flow; the slot
+// moves past it (issue 13, seed 4.1).
+func TestRelayParksRefusedRecord(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	cfg := b.config()
+	reg := prometheus.NewRegistry()
+	cfg.Registerer = reg
+	cfg.KafkaOpts = []kgo.Opt{kgo.ProducerBatchMaxBytes(16 << 10)}
+	rr := b.start(t, cfg)
+	b.waitStreaming(t, rr)
+
+	big := b.event(t, "task-big", 1)
+	big.payload = []byte(`{"pad":"` + strings.Repeat("x", 32<<10) + `"}`)
+	big.sha = canonSHA(big.payload)
+	small := b.event(t, "task-big", 2)
+	b.insertTx(t, big, b.event(t, "task-same-txn", 1))
+	after := b.insertTx(t, small)
+
+	testenv.Eventually(t, 20*time.Second, "slot past the parked row", func() bool {
+		c, _, _ := b.slotState(t)
+		return c >= after
+	})
+	st, err := outbox.Get(context.Background(), b.db.Pool, big.id)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if st.ParkedAt == nil || st.PublishedAt != nil || st.LastErrorCode != kerr.MessageTooLarge.Message || st.Attempts != 1 || st.LastError == "" {
+		t.Fatalf("refused row = %+v; want parked, unpublished, MESSAGE_TOO_LARGE, 1 attempt", st)
 	}
 	if n := b.unpublished(t); n != 1 {
-		t.Fatalf("%d unpublished rows, want 1", n)
+		t.Fatalf("%d unpublished rows, want only the parked one", n)
+	}
+	recs := byEventID(b.readAll(t))
+	if len(recs[big.id]) != 0 || len(recs[small.id]) != 1 {
+		t.Fatalf("records: parked row %d, next row %d; want 0 and 1", len(recs[big.id]), len(recs[small.id]))
+	}
+	if got := testenv.MetricSum(t, reg, "converge_relay_outbox_rows_parked_total", map[string]string{"code": "MESSAGE_TOO_LARGE"}); got != 1 {
+		t.Fatalf("converge_relay_outbox_rows_parked_total = %v, want 1", got)
+	}
+	if got := counterSum(t, reg, "converge_relay_restarts_total"); got != 0 {
+		t.Fatalf("converge_relay_restarts_total = %v, want 0 (parking is not a failure)", got)
+	}
+	if rows, err := outbox.ListParked(context.Background(), b.db.Pool, true, 10); err != nil || len(rows) != 1 || rows[0].ID != big.id {
+		t.Fatalf("ListParked = %+v, %v", rows, err)
 	}
 }
 

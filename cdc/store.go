@@ -56,23 +56,35 @@ func (s *store) ensurePublication(ctx context.Context, name string) (created boo
 			return false, fmt.Errorf("create publication %s: %w", name, err)
 		}
 	}
+	return false, s.checkPublication(ctx, name)
+}
+
+// checkPublication verifies that publication name covers
+// public.outbox_event and publishes inserts (ErrPublicationMismatch
+// otherwise, with the fix). The relay checks it at start and every
+// SlotSampleInterval while it streams: a publication that stops covering
+// the outbox sends nothing more, and nothing else would show it.
+func (s *store) checkPublication(ctx context.Context, name string) error {
 	var pubInsert, covers bool
-	err = s.pool.QueryRow(ctx, `
+	err := s.pool.QueryRow(ctx, `
 SELECT p.pubinsert,
        EXISTS (SELECT 1 FROM pg_publication_tables t
                WHERE t.pubname = p.pubname AND t.schemaname = $2 AND t.tablename = $3)
 FROM pg_publication p WHERE p.pubname = $1`, name, outboxSchema, outboxTable).Scan(&pubInsert, &covers)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return fmt.Errorf("%w: publication %s no longer exists (the relay creates it at start: restart it)", ErrPublicationMismatch, name)
+	}
 	if err != nil {
-		return false, fmt.Errorf("verify publication %s: %w", name, err)
+		return fmt.Errorf("verify publication %s: %w", name, err)
 	}
 	if !covers {
-		return false, fmt.Errorf("%w: publication %s does not cover %s.%s (was the table dropped and recreated? run ALTER PUBLICATION %s ADD TABLE %s.%s)",
+		return fmt.Errorf("%w: publication %s does not cover %s.%s (was the table dropped and recreated? run ALTER PUBLICATION %s ADD TABLE %s.%s; the reconciler republishes the rows written meanwhile)",
 			ErrPublicationMismatch, name, outboxSchema, outboxTable, name, outboxSchema, outboxTable)
 	}
 	if !pubInsert {
-		return false, fmt.Errorf("%w: publication %s does not publish inserts", ErrPublicationMismatch, name)
+		return fmt.Errorf("%w: publication %s does not publish inserts (run ALTER PUBLICATION %s SET (publish = 'insert'))", ErrPublicationMismatch, name, name)
 	}
-	return false, nil
+	return nil
 }
 
 func (s *store) publicationExists(ctx context.Context, name string) (bool, error) {

@@ -54,7 +54,13 @@ type ackedRow struct {
 	xid            uint32
 	outboxID       string
 	invisibleSince time.Time
+	// park, when set, is why the row cannot be published: the flush parks
+	// it (outbox.Park) instead of marking it published.
+	park *parkReason
 }
+
+// parkReason is a stable error code and the error's text.
+type parkReason struct{ code, message string }
 
 // txnAcked reports a transaction whose rows are all acknowledged by Kafka and
 // whose Commit was seen (for the commit→ack latency); ok is false otherwise.
@@ -109,6 +115,18 @@ func (t *tracker) ack(seq uint64, outboxID string) txnAcked {
 	a := x.ackedResult()
 	a.pending = len(t.acked)
 	return a
+}
+
+// ackPark records that row outboxID of transaction seq will never be
+// acknowledged for a reason retrying cannot fix (the broker refuses the
+// record, the row cannot be decoded): like an acknowledgement, it settles
+// the row once the flush parked it.
+func (t *tracker) ackPark(seq uint64, outboxID string, why parkReason) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	x := t.txn(seq)
+	x.acked++
+	t.acked = append(t.acked, ackedRow{seq: seq, xid: x.xid, outboxID: outboxID, park: &why})
 }
 
 // fail records that a row of transaction seq will never be acknowledged, so

@@ -282,6 +282,15 @@ func (c *ReconcilerCmd) Run(env *runEnv) error {
 		defer rdb.Close()
 		rcfg.Redis = rdb
 	}
+	if len(c.KafkaBrokers) > 0 {
+		// Republishes the outbox rows the slot did not deliver.
+		producer, err := kgo.NewClient(kgo.SeedBrokers(c.KafkaBrokers...), kgo.RequiredAcks(kgo.AllISRAcks()))
+		if err != nil {
+			return err
+		}
+		defer producer.Close()
+		rcfg.Producer = producer
+	}
 	r, err := reconciler.New(rcfg)
 	if err != nil {
 		return err

@@ -16,6 +16,7 @@ import (
 	"github.com/converge-run/converge/internal/artifact"
 	"github.com/converge-run/converge/internal/dbpool"
 	"github.com/converge-run/converge/internal/ledger"
+	"github.com/converge-run/converge/internal/outbox"
 	"github.com/converge-run/converge/internal/taskevent"
 	"github.com/converge-run/converge/projections/taskview"
 )
@@ -68,6 +69,10 @@ const (
 	// has completed since (by another route) was resolved: nothing is left
 	// to replay, and it no longer counts in converge_deadletter_unresolved.
 	ActionDeadLetterResolved = "dead_letter_resolved"
+	// ActionOutboxRepublished: an outbox row unpublished past
+	// RepublishAfter was produced again by the reconciler (Config.Producer)
+	// and marked published.
+	ActionOutboxRepublished = "outbox_republished"
 	// ActionSuperseded: an effect started/unknown past the deadline was
 	// found matching in the store while another artifact.put effect of its
 	// task is already verified (at most one may be: the unique index of
@@ -137,6 +142,18 @@ type Config struct {
 	// OutboxThreshold is the age above which an unpublished outbox row is
 	// reported (gauge and log). Defaults to 1m.
 	OutboxThreshold time.Duration
+	// Producer, when set, republishes outbox rows unpublished (and not
+	// parked) for longer than RepublishAfter: at most BatchSize per pass,
+	// oldest first, each with its original key, value and headers
+	// (cdc.RecordOf), then marked published (issue 13: rows the slot can no
+	// longer deliver — a lost and recreated slot, rows committed before the
+	// slot existed). Use acks=all. The caller closes it. Optional.
+	Producer *kgo.Client
+	// RepublishAfter is the age of an unpublished outbox row past which
+	// Producer republishes it. Far above the relay's normal delay, so that
+	// a republication is the exception; a row published twice is a
+	// duplicate the inboxes absorb. Defaults to 5m.
+	RepublishAfter time.Duration
 }
 
 func (c *Config) setDefaults() {
@@ -176,6 +193,9 @@ func (c *Config) setDefaults() {
 	if c.OutboxThreshold <= 0 {
 		c.OutboxThreshold = time.Minute
 	}
+	if c.RepublishAfter <= 0 {
+		c.RepublishAfter = 5 * time.Minute
+	}
 }
 
 // DefaultDeadLetterGroup is the consumer group of the dead-letter intake.
@@ -203,6 +223,8 @@ type Reconciler struct {
 	m       *metrics
 	// cacheCursor is the task id after which the next cache scan starts.
 	cacheCursor string
+	// backlog is the outbox backlog scan's watermark (outbox.Backlog).
+	backlog outbox.Backlog
 
 	// beforeRepair, when set (tests), runs after an effect was read and
 	// observed and before its compare-and-set.
@@ -299,6 +321,11 @@ type Result struct {
 	// OutboxUnpublished is the number of outbox rows unpublished for longer
 	// than OutboxThreshold.
 	OutboxUnpublished int
+	// OutboxRepublished counts outbox rows the pass republished.
+	OutboxRepublished int
+	// OutboxParked is the number of parked outbox rows not yet republished
+	// or discarded (converge outbox list).
+	OutboxParked int
 }
 
 // Repairs is the number of repairs written by the pass.
@@ -474,12 +501,13 @@ func (r *Reconciler) compensate(ctx context.Context, e ledger.Effect) string {
 
 // metrics are the converge_reconciler_* collectors (listed in doc.go).
 type metrics struct {
-	actions     *prometheus.CounterVec
-	passes      *prometheus.CounterVec
-	passSeconds prometheus.Histogram
-	unresolved  prometheus.Gauge
-	outboxRows  prometheus.Gauge
-	outboxAge   prometheus.Gauge
+	actions      *prometheus.CounterVec
+	passes       *prometheus.CounterVec
+	passSeconds  prometheus.Histogram
+	unresolved   prometheus.Gauge
+	outboxRows   prometheus.Gauge
+	outboxAge    prometheus.Gauge
+	outboxParked prometheus.Gauge
 }
 
 func newMetrics(reg prometheus.Registerer) (*metrics, error) {
@@ -507,17 +535,21 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 		}),
 		outboxAge: prometheus.NewGauge(prometheus.GaugeOpts{
 			Name: "converge_outbox_oldest_unpublished_age_seconds",
-			Help: "Age of the oldest unpublished outbox row at the last pass (0 when none).",
+			Help: "Age of the oldest unpublished outbox row at the last pass (0 when none; parked rows are not counted).",
+		}),
+		outboxParked: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "converge_outbox_parked_rows",
+			Help: "Outbox rows the relay parked (it cannot publish them) that no one has republished or discarded yet (converge outbox list), at the last pass.",
 		}),
 	}
 	for _, k := range []string{ActionVerified, ActionPlanned, ActionCompensationRequired, ActionCompensated, ActionSkipped, ActionError,
-		ActionCompensationObserved, ActionInboxReleased, ActionTaskRedriven, ActionIdempotencyResolved, ActionCacheRepaired, ActionDeadLetterRecorded, ActionDeadLetterResolved, ActionSuperseded} {
+		ActionCompensationObserved, ActionInboxReleased, ActionTaskRedriven, ActionIdempotencyResolved, ActionCacheRepaired, ActionDeadLetterRecorded, ActionDeadLetterResolved, ActionSuperseded, ActionOutboxRepublished} {
 		m.actions.WithLabelValues(k)
 	}
 	for _, r := range []string{"ok", "error"} {
 		m.passes.WithLabelValues(r) // exported at 0 before the first pass
 	}
-	for _, c := range []prometheus.Collector{m.actions, m.passes, m.passSeconds, m.unresolved, m.outboxRows, m.outboxAge} {
+	for _, c := range []prometheus.Collector{m.actions, m.passes, m.passSeconds, m.unresolved, m.outboxRows, m.outboxAge, m.outboxParked} {
 		if err := reg.Register(c); err != nil {
 			return nil, fmt.Errorf("reconciler: register metrics: %w", err)
 		}

@@ -6,7 +6,9 @@ import (
 	"log/slog"
 
 	"github.com/redis/go-redis/v9"
+	"github.com/twmb/franz-go/pkg/kgo"
 
+	"github.com/converge-run/converge/cdc"
 	"github.com/converge-run/converge/consumers/deadletter"
 	"github.com/converge-run/converge/internal/inbox"
 	"github.com/converge-run/converge/internal/outbox"
@@ -136,10 +138,11 @@ func (r *Reconciler) scanIdempotency(ctx context.Context, res *Result) error {
 }
 
 // scanOutbox reports outbox rows unpublished for longer than
-// OutboxThreshold (gauges and a warning); the relay publishes them, the
-// reconciler never does.
+// OutboxThreshold (gauges and a warning; outbox.Backlog) and the parked
+// rows no one decided on (converge_outbox_parked_rows). With a Producer it
+// republishes the rows unpublished past RepublishAfter (republish).
 func (r *Reconciler) scanOutbox(ctx context.Context, res *Result) error {
-	n, age, err := outbox.Unpublished(ctx, r.pool, r.cfg.OutboxThreshold)
+	n, age, err := r.backlog.Unpublished(ctx, r.pool, r.cfg.OutboxThreshold)
 	if err != nil {
 		return err
 	}
@@ -149,6 +152,55 @@ func (r *Reconciler) scanOutbox(ctx context.Context, res *Result) error {
 	if n > 0 {
 		r.log.WarnContext(ctx, "outbox rows unpublished past the threshold; is the relay running?",
 			slog.Int("rows", n), slog.Duration("oldest_age", age), slog.Duration("threshold", r.cfg.OutboxThreshold))
+	}
+	parked, err := outbox.ParkedUndecided(ctx, r.pool)
+	if err != nil {
+		return err
+	}
+	r.m.outboxParked.Set(float64(parked))
+	res.OutboxParked = parked
+	if r.cfg.Producer != nil {
+		return r.republish(ctx, res)
+	}
+	return nil
+}
+
+// republish produces the rows the slot did not deliver (outbox.Backlog.Stale)
+// with their original records, in order, and marks the acknowledged ones
+// published; a failed one keeps its error on the row (outbox.RecordFailure)
+// and is tried again at the next pass.
+func (r *Reconciler) republish(ctx context.Context, res *Result) error {
+	stale, err := r.backlog.Stale(ctx, r.pool, r.cfg.RepublishAfter, r.cfg.BatchSize)
+	if err != nil || len(stale) == 0 {
+		return err
+	}
+	recs := make([]*kgo.Record, len(stale))
+	for i, s := range stale {
+		recs[i] = cdc.RecordOf(s, r.cfg.Topic)
+	}
+	results := r.cfg.Producer.ProduceSync(ctx, recs...)
+	var acked []string
+	for i, pr := range results {
+		if pr.Err != nil {
+			r.log.WarnContext(ctx, "republish of an outbox row failed; tried again next pass", slog.String("outbox_id", stale[i].ID), slog.Any("err", pr.Err))
+			if _, err := outbox.RecordFailure(ctx, r.pool, []string{stale[i].ID}, "REPUBLISH_FAILED", pr.Err.Error()); err != nil {
+				return err
+			}
+			r.act(res, ActionError, nil)
+			continue
+		}
+		acked = append(acked, stale[i].ID)
+	}
+	if len(acked) == 0 {
+		return nil
+	}
+	if _, err := outbox.MarkPublished(ctx, r.pool, acked); err != nil {
+		return err
+	}
+	r.log.WarnContext(ctx, "outbox rows the relay did not deliver were republished by the reconciler",
+		slog.Int("rows", len(acked)), slog.Duration("older_than", r.cfg.RepublishAfter), slog.String("first", acked[0]))
+	for range acked {
+		r.act(res, ActionOutboxRepublished, &res.OutboxRepublished)
 	}
 	return nil
 }

@@ -20,6 +20,12 @@
 //     transaction may be committed and streamed but not visible yet
 //     (Classify, visibility.go). Only a row absent although its
 //     transaction is visible to the same statement's snapshot is gone.
-//   - Unpublished reports the backlog (rows unpublished past a threshold);
-//     the reconciler logs and exports it.
+//   - Backlog.Unpublished reports the backlog (rows unpublished past a
+//     threshold) from a created_xid watermark, with no index on
+//     published_at (so MarkPublished is a HOT update, migration 00008); the
+//     reconciler logs and exports it.
+//   - A row the relay cannot publish is parked (Park: parked_at, attempts,
+//     last error code and text) and settled for the relay; a retryable
+//     failure is counted on the row (RecordFailure). An operator decides on
+//     a parked row once (Decide: republished or discarded, by, reason).
 package outbox

@@ -1,10 +1,11 @@
-package outbox
+package outbox_test
 
 import (
 	"testing"
 
-	"go.uber.org/goleak"
+	"github.com/converge-run/converge/internal/testenv"
 )
 
-// TestMain fails the package's tests when they leak goroutines.
-func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
+// TestMain starts PostgreSQL on demand and fails the package's tests when
+// they leak goroutines.
+func TestMain(m *testing.M) { testenv.Main(m) }

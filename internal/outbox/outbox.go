@@ -3,6 +3,8 @@ package outbox
 import (
 	"context"
 	"fmt"
+	"strconv"
+	"sync/atomic"
 	"time"
 
 	"github.com/google/uuid"
@@ -125,17 +127,83 @@ WHERE outbox_id = ANY($1) AND published_at IS NULL`, ids)
 	return tag.RowsAffected(), nil
 }
 
+// Backlog finds the unpublished outbox rows without an index on
+// published_at (migration 00008: such an index would make every
+// MarkPublished a non-HOT update). It keeps a watermark on created_xid, the
+// inserting transaction's 64-bit id: every row below it was seen published.
+// A row a snapshot cannot see yet belongs to a transaction in progress for
+// it, so its created_xid is at least the snapshot's xmin
+// (pg_snapshot_xmin); after a scan the watermark moves to the smaller of
+// that xmin and the oldest unpublished row the scan found. Each scan so
+// reads the rows inserted since the oldest of those two, through
+// outbox_event_created_xid_idx. The zero Backlog starts from the first row.
+//
+// A Backlog is one scanner's state (the reconciler keeps one); concurrent
+// scans are safe (a watermark once valid stays valid: a published row stays
+// published, so the larger of two is kept). Rows set back to unpublished (published_at reset
+// by hand) below the watermark are seen again only by a new Backlog.
+type Backlog struct {
+	low atomic.Uint64 // created_xid watermark; 0 before the first scan
+}
+
+// Stale returns at most limit rows neither published nor parked whose
+// created_at is older than age, at or above the watermark, in
+// created_xid order (a task's events are written by transactions that
+// follow each other, so this is each task's event order): the rows the
+// slot did not deliver (a slot lost and recreated, rows committed before
+// the slot existed, a relay down). The reconciler republishes them.
+func (b *Backlog) Stale(ctx context.Context, q dbpool.Querier, age time.Duration, limit int) ([]Stored, error) {
+	rows, err := q.Query(ctx, `SELECT `+storedColumns+` FROM outbox_event
+WHERE created_xid >= $1::text::xid8 AND published_at IS NULL AND parked_at IS NULL AND created_at < now() - make_interval(secs => $2)
+ORDER BY created_xid, created_at, outbox_id LIMIT $3`, strconv.FormatUint(b.low.Load(), 10), age.Seconds(), limit)
+	if err != nil {
+		return nil, fmt.Errorf("read stale outbox rows: %w", err)
+	}
+	defer rows.Close()
+	var out []Stored
+	for rows.Next() {
+		s, err := scanStored(rows)
+		if err != nil {
+			return nil, fmt.Errorf("read stale outbox rows: %w", err)
+		}
+		out = append(out, s)
+	}
+	if err := rows.Err(); err != nil {
+		return nil, fmt.Errorf("read stale outbox rows: %w", err)
+	}
+	return out, nil
+}
+
+// Watermark returns the created_xid below which every row was seen
+// published (0 before the first scan).
+func (b *Backlog) Watermark() uint64 { return b.low.Load() }
+
 // Unpublished counts the rows unpublished for longer than threshold and
-// returns the age of the oldest unpublished row (the reconciler's backlog
-// report).
-func Unpublished(ctx context.Context, q dbpool.Querier, threshold time.Duration) (rows int, oldest time.Duration, err error) {
-	var age float64
+// returns the age of the oldest unpublished row (seconds resolution of
+// created_at, which writers may set from their own clock), then advances
+// the watermark. An error leaves the watermark where it was.
+func (b *Backlog) Unpublished(ctx context.Context, q dbpool.Querier, threshold time.Duration) (rows int, oldest time.Duration, err error) {
+	var (
+		age float64
+		low string
+	)
+	// One statement: the rows counted and the snapshot whose xmin bounds
+	// the rows it could not see are the same (pg_current_snapshot returns
+	// the statement's snapshot under READ COMMITTED).
 	err = q.QueryRow(ctx, `
-SELECT count(*) FILTER (WHERE created_at < now() - make_interval(secs => $1)),
-  COALESCE(EXTRACT(EPOCH FROM now() - min(created_at)), 0)::float8
-FROM outbox_event WHERE published_at IS NULL`, threshold.Seconds()).Scan(&rows, &age)
+SELECT count(*) FILTER (WHERE created_at < now() - make_interval(secs => $2)),
+  COALESCE(EXTRACT(EPOCH FROM now() - min(created_at)), 0)::float8,
+  LEAST(min(created_xid), pg_snapshot_xmin(pg_current_snapshot()))::text
+FROM outbox_event WHERE created_xid >= $1::text::xid8 AND published_at IS NULL AND parked_at IS NULL`,
+		strconv.FormatUint(b.low.Load(), 10), threshold.Seconds()).Scan(&rows, &age, &low)
 	if err != nil {
 		return 0, 0, fmt.Errorf("count unpublished outbox rows: %w", err)
+	}
+	next, err := strconv.ParseUint(low, 10, 64)
+	if err != nil {
+		return 0, 0, fmt.Errorf("count unpublished outbox rows: watermark %q: %w", low, err)
+	}
+	for cur := b.low.Load(); next > cur && !b.low.CompareAndSwap(cur, next); cur = b.low.Load() {
 	}
 	return rows, time.Duration(age * float64(time.Second)), nil
 }

@@ -23,11 +23,11 @@ import (
 type Status int
 
 const (
-	// Marked: the row is visible and published_at is set (marked by this
-	// or an earlier relay run): done.
+	// Marked: the row is visible and settled: published_at is set (marked
+	// by this or an earlier relay run) or it is parked (parked_at): done.
 	Marked Status = iota
-	// Unmarked: the row is visible but published_at is NULL (it became
-	// visible after MarkPublished's snapshot): mark it again.
+	// Unmarked: the row is visible but neither published nor parked (it
+	// became visible after MarkPublished's or Park's snapshot): try again.
 	Unmarked
 	// Invisible: the row is not visible and its transaction is still in
 	// progress for this session's snapshot: mark it later.
@@ -61,8 +61,8 @@ func Classify(ctx context.Context, q dbpool.Querier, rows []Pending) ([]Status, 
 	)
 	err := q.QueryRow(ctx, `
 SELECT pg_current_snapshot()::text,
-       COALESCE((SELECT array_agg(outbox_id) FROM outbox_event WHERE outbox_id = ANY($1) AND published_at IS NOT NULL), '{}'),
-       COALESCE((SELECT array_agg(outbox_id) FROM outbox_event WHERE outbox_id = ANY($1) AND published_at IS NULL), '{}')`,
+       COALESCE((SELECT array_agg(outbox_id) FROM outbox_event WHERE outbox_id = ANY($1) AND (published_at IS NOT NULL OR parked_at IS NOT NULL)), '{}'),
+       COALESCE((SELECT array_agg(outbox_id) FROM outbox_event WHERE outbox_id = ANY($1) AND published_at IS NULL AND parked_at IS NULL), '{}')`,
 		ids).Scan(&snapText, &published, &unmarked)
 	if err != nil {
 		return nil, fmt.Errorf("read %d unmarked outbox rows: %w", len(rows), err)

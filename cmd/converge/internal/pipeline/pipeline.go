@@ -205,18 +205,21 @@ func Run(ctx context.Context, cfg Config) error {
 	if err != nil {
 		return err
 	}
-	rcfg := cfg.Reconciler
-	rcfg.Pool, rcfg.ArtifactStore, rcfg.Brokers, rcfg.Topic, rcfg.Redis = pool, store, cfg.Brokers, cfg.Topic, rdb
-	rcfg.Logger, rcfg.Registerer, rcfg.Cache.Faults = log.With("component", "reconciler"), reg, cfg.Faults
-	rec, err := reconciler.New(rcfg)
-	if err != nil {
-		return err
-	}
+	// One producer (acks=all, idempotent: franz-go's defaults) for the
+	// dead-letter replays and the reconciler's republications.
 	producer, err := kgo.NewClient(kgo.SeedBrokers(cfg.Brokers...))
 	if err != nil {
 		return fmt.Errorf("dead-letter replay producer: %w", err)
 	}
 	defer producer.Close()
+	rcfg := cfg.Reconciler
+	rcfg.Pool, rcfg.ArtifactStore, rcfg.Brokers, rcfg.Topic, rcfg.Redis = pool, store, cfg.Brokers, cfg.Topic, rdb
+	rcfg.Logger, rcfg.Registerer, rcfg.Cache.Faults = log.With("component", "reconciler"), reg, cfg.Faults
+	rcfg.Producer = producer
+	rec, err := reconciler.New(rcfg)
+	if err != nil {
+		return err
+	}
 	dls, err := deadletter.New(deadletter.Config{Pool: pool, Producer: producer, MaxReplays: cfg.MaxReplays,
 		Logger: log.With("component", "deadletter"), Registerer: reg})
 	if err != nil {

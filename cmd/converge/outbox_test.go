@@ -1,0 +1,122 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"io"
+	"log/slog"
+	"testing"
+	"time"
+
+	"github.com/twmb/franz-go/pkg/kgo"
+
+	"github.com/converge-run/converge/internal/outbox"
+	"github.com/converge-run/converge/internal/taskevent"
+	"github.com/converge-run/converge/internal/testenv"
+)
+
+// parkedRow writes a TaskCreated outbox row of taskID and parks it as the
+// relay does for a record the broker refuses.
+func parkedRow(t *testing.T, db *testenv.DB, taskID string) string {
+	t.Helper()
+	ctx := context.Background()
+	ev := mustEvent(t, taskID)
+	if ok, err := outbox.InsertOnce(ctx, db.Pool, ev); err != nil || !ok {
+		t.Fatalf("InsertOnce = %v, %v", ok, err)
+	}
+	if ok, err := outbox.Park(ctx, db.Pool, ev.EventID, "MESSAGE_TOO_LARGE", "too large"); err != nil || !ok {
+		t.Fatalf("Park = %v, %v", ok, err)
+	}
+	return ev.EventID
+}
+
+// `converge outbox list|show|discard|republish`: a parked row is listed,
+// discarded once with who and why (a second decision is refused); another
+// is republished with its original event id and marked published; bad
+// requests (no reason, unknown id, a row that is not parked) change nothing.
+func TestOutboxCommands(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	db := testenv.NewDB(t)
+	kafka := testenv.NewKafka(t)
+	env := &runEnv{ctx: ctx, log: slog.New(slog.NewTextHandler(io.Discard, nil))}
+	discard := parkedRow(t, db, "task-discard")
+	again := parkedRow(t, db, "task-republish")
+
+	if err := (&OutboxListCmd{DatabaseURL: db.URL, Limit: 10}).Run(env); err != nil {
+		t.Fatal(err)
+	}
+	if err := (&OutboxShowCmd{DatabaseURL: db.URL, ID: discard}).Run(env); err != nil {
+		t.Fatal(err)
+	}
+	if err := (&OutboxShowCmd{DatabaseURL: db.URL, ID: "no-such-row"}).Run(env); !errors.Is(err, outbox.ErrNotFound) {
+		t.Errorf("show of an unknown id = %v, want ErrNotFound", err)
+	}
+	if err := (&OutboxDiscardCmd{DatabaseURL: db.URL, ID: discard, Reason: "  ", By: "ops"}).Run(env); !errors.Is(err, outbox.ErrReasonRequired) {
+		t.Errorf("discard with a blank reason = %v, want ErrReasonRequired", err)
+	}
+	if err := (&OutboxDiscardCmd{DatabaseURL: db.URL, ID: discard, Reason: "test event, never needed", By: "ops"}).Run(env); err != nil {
+		t.Fatal(err)
+	}
+	if err := (&OutboxDiscardCmd{DatabaseURL: db.URL, ID: discard, Reason: "again", By: "ops"}).Run(env); !errors.Is(err, outbox.ErrDecided) {
+		t.Errorf("second discard = %v, want ErrDecided", err)
+	}
+	s, err := outbox.Get(ctx, db.Pool, discard)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if s.Decision != outbox.DecisionDiscarded || s.DecidedBy != "ops" || s.Reason != "test event, never needed" || s.PublishedAt != nil {
+		t.Fatalf("discarded row = %+v", s)
+	}
+
+	rep := &OutboxRepublishCmd{DatabaseURL: db.URL, KafkaBrokers: kafka.Brokers, Topic: kafka.Topic, MaxBytes: 1 << 20, Reason: "broker limit raised", By: "ops"}
+	rep.ID = discard
+	if err := rep.Run(env); !errors.Is(err, outbox.ErrDecided) {
+		t.Errorf("republish of a discarded row = %v, want ErrDecided", err)
+	}
+	rep.ID = again
+	if err := rep.Run(env); err != nil {
+		t.Fatal(err)
+	}
+	s, err = outbox.Get(ctx, db.Pool, again)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if s.Decision != outbox.DecisionRepublished || s.PublishedAt == nil || s.Attempts != 2 || s.DecidedBy != "ops" {
+		t.Fatalf("republished row = %+v; want republished, published, 2 attempts", s)
+	}
+	if err := rep.Run(env); !errors.Is(err, outbox.ErrDecided) {
+		t.Errorf("second republish = %v, want ErrDecided", err)
+	}
+
+	cl, err := kgo.NewClient(kgo.SeedBrokers(kafka.Brokers...), kgo.ConsumeTopics(kafka.Topic), kgo.ConsumeResetOffset(kgo.NewOffset().AtStart()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer cl.Close()
+	pctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	var got *kgo.Record
+	for got == nil && pctx.Err() == nil {
+		cl.PollFetches(pctx).EachRecord(func(r *kgo.Record) { got = r })
+	}
+	if got == nil {
+		t.Fatal("no republished record in the topic")
+	}
+	want := taskevent.Headers(again, taskevent.TypeTaskCreated, 1, s.PayloadSHA256, "")
+	if string(got.Key) != "task-republish" || string(got.Value) != string(s.Payload) || string(got.Headers[0].Value) != want[0][1] {
+		t.Fatalf("republished record key %q headers %v; want the row's task id and event id %s", got.Key, got.Headers, again)
+	}
+}
+
+func mustEvent(t *testing.T, taskID string) *taskevent.Event {
+	t.Helper()
+	now := time.Now().UTC()
+	ev, err := outbox.NewEvent(taskevent.TypeTaskCreated, taskevent.Task{TaskID: taskID, Status: taskevent.StatusQueued, Version: 1,
+		OutputFormat: "jcs", InputSHA256: "0000000000000000000000000000000000000000000000000000000000000000", InputSize: 2,
+		CreatedAt: now, UpdatedAt: now}, now)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return &ev
+}

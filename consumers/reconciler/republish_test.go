@@ -1,0 +1,192 @@
+package reconciler
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	"github.com/twmb/franz-go/pkg/kgo"
+
+	"github.com/converge-run/converge/cdc"
+	"github.com/converge-run/converge/internal/outbox"
+	"github.com/converge-run/converge/internal/taskevent"
+	"github.com/converge-run/converge/internal/testenv"
+)
+
+// Rows the slot did not deliver (here: written while no relay ran, as after
+// a lost slot was recreated) are republished by a pass once older than
+// RepublishAfter — with their original key, value and event id, oldest
+// first — and marked published; younger rows, published rows and parked
+// rows are left alone; a second pass republishes nothing (issue 13).
+func TestPassRepublishesUndeliveredRows(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	kafka := testenv.NewKafka(t)
+	producer, err := kgo.NewClient(kgo.SeedBrokers(kafka.Brokers...), kgo.RequiredAcks(kgo.AllISRAcks()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer producer.Close()
+	b := setup(t, Config{Producer: producer, RepublishAfter: 10 * time.Minute, Topic: kafka.Topic})
+	insert := func(id, task string, version int, ago string, published bool) {
+		t.Helper()
+		payload := `{"n":` + id[len(id)-1:] + `}`
+		if _, err := b.db.Pool.Exec(ctx, `
+INSERT INTO outbox_event (outbox_id, aggregate_id, aggregate_version, event_type, payload, payload_sha256, created_at, published_at)
+VALUES ($1, $2, $3, 'TaskCreated', $4, $5, now() - $6::interval, CASE WHEN $7 THEN now() END)`,
+			id, task, version, payload, sum([]byte(payload)), ago, published); err != nil {
+			t.Fatal(err)
+		}
+	}
+	insert("lost-1", "task-a", 1, "1 hour", false)
+	insert("lost-2", "task-a", 2, "50 minutes", false)
+	insert("young-3", "task-b", 1, "1 minute", false)
+	insert("done-4", "task-c", 1, "1 hour", true)
+	insert("parked-5", "task-d", 1, "1 hour", false)
+	if ok, err := outbox.Park(ctx, b.db.Pool, "parked-5", "MESSAGE_TOO_LARGE", "x"); err != nil || !ok {
+		t.Fatalf("Park = %v, %v", ok, err)
+	}
+
+	res, err := b.r.Pass(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if res.OutboxRepublished != 2 || res.OutboxParked != 1 {
+		t.Fatalf("pass = %+v; want 2 republished, 1 parked", res)
+	}
+	var unpublished []string
+	rows, err := b.db.Pool.Query(ctx, `SELECT outbox_id FROM outbox_event WHERE published_at IS NULL ORDER BY outbox_id`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for rows.Next() {
+		var id string
+		if err := rows.Scan(&id); err != nil {
+			t.Fatal(err)
+		}
+		unpublished = append(unpublished, id)
+	}
+	if rows.Err() != nil || len(unpublished) != 2 || unpublished[0] != "parked-5" || unpublished[1] != "young-3" {
+		t.Fatalf("unpublished after the pass: %v, %v; want parked-5, young-3", unpublished, rows.Err())
+	}
+
+	cl, err := kgo.NewClient(kgo.SeedBrokers(kafka.Brokers...), kgo.ConsumeTopics(kafka.Topic), kgo.ConsumeResetOffset(kgo.NewOffset().AtStart()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer cl.Close()
+	pctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	var got []*kgo.Record
+	for len(got) < 2 && pctx.Err() == nil {
+		cl.PollFetches(pctx).EachRecord(func(r *kgo.Record) { got = append(got, r) })
+	}
+	if len(got) != 2 {
+		t.Fatalf("%d records in the topic, want 2", len(got))
+	}
+	for i, want := range []string{"lost-1", "lost-2"} {
+		var eventID string
+		for _, h := range got[i].Headers {
+			if h.Key == taskevent.HeaderEventID {
+				eventID = string(h.Value)
+			}
+		}
+		if eventID != want || string(got[i].Key) != "task-a" || got[i].Partition != got[0].Partition {
+			t.Fatalf("record %d: event id %q key %q partition %d; want %s, task-a, one partition in order", i, eventID, got[i].Key, got[i].Partition, want)
+		}
+	}
+	res, err = b.r.Pass(ctx)
+	if err != nil || res.OutboxRepublished != 0 {
+		t.Fatalf("second pass = %+v, %v; want nothing republished", res, err)
+	}
+}
+
+// The issue-13 case end to end: the slot is dropped and recreated (as after
+// ErrSlotLost) with rows written in between, which the new slot never
+// streams; a reconciler pass publishes them, so every row reaches the topic.
+func TestSlotRecreatedRowsReachTheTopic(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	kafka := testenv.NewKafka(t)
+	producer, err := kgo.NewClient(kgo.SeedBrokers(kafka.Brokers...), kgo.RequiredAcks(kgo.AllISRAcks()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer producer.Close()
+	b := setup(t, Config{Producer: producer, RepublishAfter: 2 * time.Second, Topic: kafka.Topic})
+	slot := "s_" + b.db.Name
+	startRelay := func() (stop func()) {
+		t.Helper()
+		r, err := cdc.New(cdc.Config{DatabaseURL: b.db.URL, Brokers: kafka.Brokers, Topic: kafka.Topic, SlotName: slot, PublicationName: "p_" + b.db.Name,
+			FlushInterval: 20 * time.Millisecond, StatusInterval: 100 * time.Millisecond, Logger: b.r.log})
+		if err != nil {
+			t.Fatal(err)
+		}
+		rctx, cancel := context.WithCancel(ctx)
+		done := make(chan error, 1)
+		go func() { done <- r.Run(rctx) }()
+		testenv.Eventually(t, 10*time.Second, "relay streaming", func() bool { return r.ConfirmedLSN() != 0 })
+		return func() {
+			cancel()
+			if err := <-done; err != nil {
+				t.Errorf("relay: %v", err)
+			}
+		}
+	}
+	insert := func(id string) {
+		t.Helper()
+		payload := `{"id":"` + id + `"}`
+		if _, err := b.db.Pool.Exec(ctx, `INSERT INTO outbox_event (outbox_id, aggregate_id, aggregate_version, event_type, payload, payload_sha256)
+VALUES ($1, $1, 1, 'TaskCreated', $2, $3)`, id, payload, sum([]byte(payload))); err != nil {
+			t.Fatal(err)
+		}
+	}
+	unpublished := func() int {
+		var n int
+		if err := b.db.Pool.QueryRow(ctx, `SELECT count(*) FROM outbox_event WHERE published_at IS NULL`).Scan(&n); err != nil {
+			t.Fatal(err)
+		}
+		return n
+	}
+
+	stop := startRelay()
+	insert("before-loss")
+	testenv.Eventually(t, 10*time.Second, "first row published by the relay", func() bool { return unpublished() == 0 })
+	stop()
+	if _, err := b.db.Pool.Exec(ctx, `SELECT pg_drop_replication_slot($1)`, slot); err != nil {
+		t.Fatal(err)
+	}
+	insert("between-1")
+	insert("between-2")
+	stop = startRelay() // a new slot: it starts after the rows above
+	defer stop()
+	insert("after-recreate")
+	testenv.Eventually(t, 10*time.Second, "row after the new slot published by the relay", func() bool {
+		var pub bool
+		return b.db.Pool.QueryRow(ctx, `SELECT published_at IS NOT NULL FROM outbox_event WHERE outbox_id = 'after-recreate'`).Scan(&pub) == nil && pub
+	})
+	if n := unpublished(); n != 2 {
+		t.Fatalf("%d rows unpublished after the slot was recreated, want the 2 written in between", n)
+	}
+	time.Sleep(2 * time.Second) // older than RepublishAfter
+	res, err := b.r.Pass(ctx)
+	if err != nil || res.OutboxRepublished != 2 {
+		t.Fatalf("pass = %+v, %v; want 2 republished", res, err)
+	}
+	cl, err := kgo.NewClient(kgo.SeedBrokers(kafka.Brokers...), kgo.ConsumeTopics(kafka.Topic), kgo.ConsumeResetOffset(kgo.NewOffset().AtStart()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer cl.Close()
+	seen := map[string]bool{}
+	pctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	for len(seen) < 4 && pctx.Err() == nil {
+		cl.PollFetches(pctx).EachRecord(func(r *kgo.Record) { seen[string(r.Key)] = true })
+	}
+	for _, id := range []string{"before-loss", "between-1", "between-2", "after-recreate"} {
+		if !seen[id] {
+			t.Errorf("row %s never reached the topic", id)
+		}
+	}
+}
