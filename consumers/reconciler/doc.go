@@ -93,10 +93,11 @@
 //
 // # Metrics
 //
-//	converge_reconciler_actions_total{kind}          counter   actions, by kind: verified, planned, compensation_required, superseded, compensated, compensation_observed, skipped (lost compare-and-set), error, inbox_released, task_redriven, idempotency_resolved, cache_repaired, dead_letter_recorded, dead_letter_resolved
+//	converge_reconciler_actions_total{kind}          counter   actions, by kind: verified, planned, compensation_required, superseded, compensated, compensation_observed, skipped (lost compare-and-set), error, inbox_released, task_redriven, idempotency_resolved, cache_repaired, dead_letter_recorded, dead_letter_resolved, outbox_republished
 //	converge_reconciler_passes_total{result}         counter   passes, by result: ok, error (a scan failed)
 //	converge_reconciler_pass_seconds                 histogram duration of one pass
 //	converge_deadletter_unresolved                   gauge     dead letters in state parked or refused (they need a person)
 //	converge_outbox_unpublished_rows                 gauge     outbox rows unpublished for longer than OutboxThreshold
-//	converge_outbox_oldest_unpublished_age_seconds   gauge     age of the oldest unpublished outbox row (0 when none)
+//	converge_outbox_oldest_unpublished_age_seconds   gauge     age of the oldest unpublished outbox row (0 when none; parked rows excluded)
+//	converge_outbox_parked_rows                      gauge     parked outbox rows not yet republished or discarded
 package reconciler

@@ -62,6 +62,11 @@ var documentedMetrics = []documentedMetric{
 	{doc: "cdc", name: "converge_relay_outbox_rows_not_yet_visible_total"},
 	{doc: "cdc", name: "converge_relay_outbox_rows_gone_total"},
 	{doc: "cdc", name: "converge_relay_status_updates_total"},
+	{doc: "cdc", name: "converge_relay_outbox_rows_parked_total", labels: []string{"code"}, onEvent: true},
+	{doc: "cdc", name: "converge_relay_restarts_total", labels: []string{"reason"}},
+	{doc: "cdc", name: "converge_relay_streaming"},
+	// cmd/converge/internal/pipeline
+	{doc: "cmd/converge/internal/pipeline", name: "converge_component_restarts_total", labels: []string{"component"}},
 	// consumers/worker
 	{doc: "consumers/worker", name: "converge_worker_messages_total", labels: []string{"outcome"}},
 	{doc: "consumers/worker", name: "converge_worker_effect_transitions_total", labels: []string{"kind", "state"}},
@@ -73,6 +78,9 @@ var documentedMetrics = []documentedMetric{
 	{doc: "consumers/reconciler", name: "converge_reconciler_passes_total", labels: []string{"result"}},
 	{doc: "consumers/reconciler", name: "converge_reconciler_pass_seconds"},
 	{doc: "consumers/reconciler", name: "converge_deadletter_unresolved"},
+	{doc: "consumers/reconciler", name: "converge_outbox_unpublished_rows"},
+	{doc: "consumers/reconciler", name: "converge_outbox_oldest_unpublished_age_seconds"},
+	{doc: "consumers/reconciler", name: "converge_outbox_parked_rows"},
 	// consumers/deadletter
 	{doc: "consumers/deadletter", name: "converge_deadletter_replays_total", labels: []string{"outcome"}, onEvent: true},
 	// projections/taskview

@@ -1,8 +1,3 @@
-// Package pipeline assembles converge's components — API, CDC relay,
-// worker, projector and reconciler — into one process against given
-// PostgreSQL, Kafka and Redis endpoints. `converge dev` (make run) and the
-// end-to-end tests use it; production runs each component as its own
-// `converge <component>` process instead.
 package pipeline
 
 import (
@@ -140,8 +135,11 @@ func (c *Config) Validate() error {
 
 // Run migrates the database, starts every component and serves until ctx is
 // cancelled; then it shuts the components down (the relay sends its final
-// status update, consumers commit) and returns nil. The first component
-// failure stops all of them and is returned.
+// status update, consumers commit) and returns nil. A component that fails
+// is restarted with backoff (converge_component_restarts_total) while the
+// others keep running; a fatal error (the relay's: lost slot, publication
+// mismatch; an injected crash; the API's listener) stops all of them and is
+// returned.
 func Run(ctx context.Context, cfg Config) error {
 	cfg.setDefaults()
 	if err := cfg.Validate(); err != nil {
@@ -242,20 +240,28 @@ func Run(ctx context.Context, cfg Config) error {
 		}
 	}
 
+	sup, err := newSupervisor(log, reg, "relay", "worker", "projector", "reconciler", "lag_sampler")
+	if err != nil {
+		return err
+	}
 	g, gctx := errgroup.WithContext(ctx)
-	run := func(name string, fn func(context.Context) error) {
+	// A component that fails is restarted while the others keep running
+	// (issue 13); a fatal error stops the process with its message.
+	run := func(name string, fatal func(error) bool, fn func(context.Context) error) {
 		g.Go(func() error {
-			if err := fn(gctx); err != nil && !errors.Is(err, context.Canceled) {
+			if err := sup.run(gctx, name, fatal, fn); err != nil && !errors.Is(err, context.Canceled) {
 				return fmt.Errorf("%s: %w", name, err)
 			}
 			return nil
 		})
 	}
-	run("relay", relay.Run)
-	run("worker", wrk.Run)
-	run("projector", proj.Run)
-	run("reconciler", rec.Run)
-	run("lag sampler", lag.Run)
+	// The relay restarts its own sessions; what its Run returns needs a
+	// person (lost slot, publication mismatch).
+	run("relay", func(error) bool { return true }, relay.Run)
+	run("worker", nil, wrk.Run)
+	run("projector", nil, proj.Run)
+	run("reconciler", nil, rec.Run)
+	run("lag_sampler", nil, lag.Run)
 	g.Go(func() error {
 		// Serve only once the relay streams from its slot: a row committed
 		// before the slot exists would never be relayed.
@@ -270,7 +276,12 @@ func Run(ctx context.Context, cfg Config) error {
 		return srv.Serve(gctx, ln)
 	})
 	if cfg.AdminListener != nil {
-		run("admin api", func(ctx context.Context) error { return srv.ServeAdmin(ctx, cfg.AdminListener) })
+		g.Go(func() error {
+			if err := srv.ServeAdmin(gctx, cfg.AdminListener); err != nil && !errors.Is(err, context.Canceled) {
+				return fmt.Errorf("admin api: %w", err)
+			}
+			return nil
+		})
 	}
 	err = g.Wait()
 	if err != nil {
