@@ -9,6 +9,7 @@ import (
 	"os"
 	"time"
 
+	"github.com/converge-run/converge/internal/taskevent"
 	"github.com/converge-run/converge/internal/tenant"
 
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -304,6 +305,7 @@ func (c *ReconcilerCmd) Run(env *runEnv) error {
 		Groups: []kafkametrics.Group{
 			{Name: worker.DefaultGroup, Topics: []string{c.Topic}},
 			{Name: taskview.DefaultGroup, Topics: []string{c.Topic}},
+			{Name: reconciler.DefaultDeadLetterGroup, Topics: []string{taskevent.DeadLetterTopic(c.Topic)}},
 		},
 		Interval: c.LagInterval, Logger: env.log.With("component", "lag"), Registerer: reg})
 	if err != nil {

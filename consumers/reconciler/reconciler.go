@@ -225,6 +225,8 @@ type Reconciler struct {
 	cacheCursor string
 	// backlog is the outbox backlog scan's watermark (outbox.Backlog).
 	backlog outbox.Backlog
+	// lastSweep is when the artifact store's leftovers were last removed.
+	lastSweep time.Time
 
 	// beforeRepair, when set (tests), runs after an effect was read and
 	// observed and before its compare-and-set.
@@ -321,6 +323,9 @@ type Result struct {
 	// OutboxUnpublished is the number of outbox rows unpublished for longer
 	// than OutboxThreshold.
 	OutboxUnpublished int
+	// LeftoversRemoved counts temporary files of crashed artifact writes
+	// the pass removed (artifact.Store.RemoveLeftovers).
+	LeftoversRemoved int
 	// OutboxRepublished counts outbox rows the pass republished.
 	OutboxRepublished int
 	// OutboxParked is the number of parked outbox rows not yet republished

@@ -4,12 +4,14 @@ import (
 	"context"
 	"errors"
 	"log/slog"
+	"time"
 
 	"github.com/redis/go-redis/v9"
 	"github.com/twmb/franz-go/pkg/kgo"
 
 	"github.com/converge-run/converge/cdc"
 	"github.com/converge-run/converge/consumers/deadletter"
+	"github.com/converge-run/converge/internal/artifact"
 	"github.com/converge-run/converge/internal/inbox"
 	"github.com/converge-run/converge/internal/outbox"
 	"github.com/converge-run/converge/internal/task"
@@ -32,6 +34,7 @@ func (r *Reconciler) scans(ctx context.Context, res *Result) error {
 		{"outbox", r.scanOutbox},
 		{"dead letters", r.scanDeadLetters},
 		{"task views", r.scanCache},
+		{"artifact leftovers", r.sweepLeftovers},
 	} {
 		if err := scan.fn(ctx, res); err != nil {
 			r.log.WarnContext(ctx, "reconciler scan failed", slog.String("scan", scan.name), slog.Any("err", err))
@@ -39,6 +42,26 @@ func (r *Reconciler) scans(ctx context.Context, res *Result) error {
 		}
 	}
 	return errors.Join(errs...)
+}
+
+// leftoverSweepInterval is how often a pass removes the artifact store's
+// crashed temporary files.
+const leftoverSweepInterval = 10 * time.Minute
+
+// sweepLeftovers removes the artifact store's temporary files older than
+// artifact.LeftoverAge (Puts that crashed), at most every
+// leftoverSweepInterval; the first pass of a reconciler sweeps at once.
+func (r *Reconciler) sweepLeftovers(ctx context.Context, res *Result) error {
+	if !r.lastSweep.IsZero() && time.Since(r.lastSweep) < leftoverSweepInterval {
+		return nil
+	}
+	r.lastSweep = time.Now()
+	n, err := r.store.RemoveLeftovers(artifact.LeftoverAge)
+	res.LeftoversRemoved += n
+	if n > 0 {
+		r.log.InfoContext(ctx, "removed temporary files of crashed artifact writes", slog.Int("files", n), slog.Duration("older_than", artifact.LeftoverAge))
+	}
+	return err
 }
 
 // cacheKey is the Redis key of a task view.
@@ -258,11 +281,31 @@ func (r *Reconciler) scanCache(ctx context.Context, res *Result) error {
 	}
 	for i, t := range tasks {
 		v, err := cmds[i].Int64()
-		if errors.Is(err, redis.Nil) || (err == nil && v >= t.Version) {
+		if errors.Is(err, redis.Nil) || (err == nil && v == t.Version) {
 			continue
 		}
 		if err != nil {
 			r.act(res, ActionError, nil)
+			continue
+		}
+		if v > t.Version {
+			// A view ahead of the database (issue 13: a forged or
+			// misrouted event). It may also be a real event whose commit
+			// this pass cannot see yet, so the view is removed, never
+			// rewritten older: readers fall back to PostgreSQL, and a view
+			// older than a later database version is repaired as usual.
+			gone, err := r.cache.InvalidateVersion(ctx, t.TaskID, v)
+			switch {
+			case err != nil:
+				r.log.WarnContext(ctx, "remove task view ahead of the database", slog.String("task_id", t.TaskID), slog.Any("err", err))
+				r.act(res, ActionError, nil)
+			case !gone:
+				r.act(res, ActionSkipped, nil)
+			default:
+				r.log.WarnContext(ctx, "task view ahead of the database removed", slog.String("task_id", t.TaskID),
+					slog.Int64("view_version", v), slog.Int64("version", t.Version))
+				r.act(res, ActionCacheRepaired, &res.CacheRepaired)
+			}
 			continue
 		}
 		stored, err := r.cache.Put(ctx, t)

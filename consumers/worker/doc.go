@@ -142,7 +142,7 @@
 //
 //	converge_worker_batched_records_total            counter   records whose intake went through a run's shared transaction (batch.go)
 //	converge_worker_messages_total{outcome}          counter   records by outcome: processed, duplicate, conflict, ignored, failed, retried (one per failed attempt), dead_lettered, cancelled (a task cancelled while queued: not started); every outcome is exported at 0 from the start (the dead-letter alert takes increase() of dead_lettered)
-//	converge_deadletter_published_total{error_code}  counter   records parked on the dead-letter topic (acknowledged and recorded), by error code; a code's series appears with its first dead letter (at 1)
+//	converge_deadletter_published_total{error_code}  counter   records parked on the dead-letter topic (acknowledged and recorded), by error code; RETRIES_EXHAUSTED and TASK_NOT_FOUND are exported at 0 from the start, other codes appear with their first dead letter (at 1)
 //	converge_worker_effect_transitions_total{kind,state} counter effect ledger transitions made by the worker (kind artifact.put|artifact.hide; state started, unknown, verified, compensation_required, compensated, failed)
 //	converge_worker_processing_seconds               histogram first attempt on a record to its durable outcome, retries included
 //	converge_worker_task_end_to_end_seconds          histogram task created_at to completed_at of the tasks this worker completed

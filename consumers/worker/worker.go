@@ -403,6 +403,12 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 	for _, o := range []string{OutcomeProcessed, OutcomeDuplicate, OutcomeConflict, OutcomeIgnored, OutcomeFailed, OutcomeRetried, OutcomeDeadLettered, OutcomeCancelled} {
 		m.messages.WithLabelValues(o)
 	}
+	// Exported at 0 from the start so that a dashboard's sum shows 0, not
+	// "no data", on a healthy system (issue 13); other codes appear with
+	// their first dead letter.
+	for _, code := range []string{CodeRetriesExhausted, CodeTaskNotFound} {
+		m.deadLettered.WithLabelValues(code)
+	}
 	for _, c := range []prometheus.Collector{m.batched, m.messages, m.deadLettered, m.effects, m.processing, m.endToEnd} {
 		if err := reg.Register(c); err != nil {
 			return nil, fmt.Errorf("worker: register metrics: %w", err)

@@ -35,10 +35,12 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"io/fs"
 	"os"
 	"path/filepath"
 	"regexp"
 	"slices"
+	"strings"
 	"time"
 
 	"github.com/converge-run/converge/internal/fault"
@@ -102,6 +104,46 @@ func Open(root string, faults *fault.Set) (*Store, error) {
 		}
 	}
 	return &Store{root: root, faults: faults}, nil
+}
+
+// LeftoverAge is how old a temporary file of tmp/ must be before
+// RemoveLeftovers removes it: far longer than any Put takes, so a Put in
+// progress in another process is never touched.
+const LeftoverAge = time.Hour
+
+// RemoveLeftovers removes the temporary files (tmp/put-*) last modified
+// more than olderThan ago: those of Puts that crashed between creating and
+// removing them (kill -9, power loss; issue 13). It returns how many it
+// removed; a file that vanished meanwhile is not an error. The reconciler
+// calls it with LeftoverAge.
+func (s *Store) RemoveLeftovers(olderThan time.Duration) (int, error) {
+	dir := filepath.Join(s.root, "tmp")
+	entries, err := os.ReadDir(dir)
+	if err != nil {
+		return 0, fmt.Errorf("artifact store: read %s: %w", dir, err)
+	}
+	cutoff := time.Now().Add(-olderThan)
+	n := 0
+	for _, e := range entries {
+		if !strings.HasPrefix(e.Name(), "put-") {
+			continue
+		}
+		info, err := e.Info()
+		if errors.Is(err, fs.ErrNotExist) {
+			continue
+		}
+		if err != nil {
+			return n, fmt.Errorf("artifact store: %w", err)
+		}
+		if info.ModTime().After(cutoff) {
+			continue
+		}
+		if err := os.Remove(filepath.Join(dir, e.Name())); err != nil && !errors.Is(err, fs.ErrNotExist) {
+			return n, fmt.Errorf("artifact store: remove leftover: %w", err)
+		}
+		n++
+	}
+	return n, nil
 }
 
 // Root returns the store's directory.

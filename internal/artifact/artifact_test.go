@@ -929,3 +929,41 @@ func TestPutUnsyncedThenSyncObjects(t *testing.T) {
 		t.Errorf("tmp not empty: %v", got)
 	}
 }
+
+// Temporary files of crashed Puts older than the bound are removed; a
+// recent one (a Put in progress, maybe in another process) and other
+// files are left (issue 13).
+func TestRemoveLeftovers(t *testing.T) {
+	t.Parallel()
+	s, err := artifact.Open(t.TempDir(), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	tmp := filepath.Join(s.Root(), "tmp")
+	old := time.Now().Add(-2 * time.Hour)
+	for _, name := range []string{"put-crashed-1", "put-crashed-2", "put-in-progress", "other-file"} {
+		if err := os.WriteFile(filepath.Join(tmp, name), []byte("x"), 0o600); err != nil {
+			t.Fatal(err)
+		}
+		if name != "put-in-progress" {
+			if err := os.Chtimes(filepath.Join(tmp, name), old, old); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	n, err := s.RemoveLeftovers(artifact.LeftoverAge)
+	if err != nil || n != 2 {
+		t.Fatalf("RemoveLeftovers = %d, %v; want 2", n, err)
+	}
+	left, err := os.ReadDir(tmp)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var names []string
+	for _, e := range left {
+		names = append(names, e.Name())
+	}
+	if len(names) != 2 || names[0] != "other-file" || names[1] != "put-in-progress" {
+		t.Fatalf("left in tmp: %v", names)
+	}
+}

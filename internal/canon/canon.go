@@ -133,6 +133,11 @@ func Validate(doc []byte) error {
 		case '{', '[':
 			depth++
 			if depth > MaxDepth {
+				if !Balanced(doc) {
+					// Not JSON at all: an unclosed array or object is
+					// malformed, however deep (issue 13).
+					return &Error{Code: CodeMalformedJSON, Detail: "unexpected end of input: unclosed arrays or objects", Offset: int64(len(doc))}
+				}
 				return &Error{Code: CodeNestingTooDeep, Detail: fmt.Sprintf("nesting deeper than %d", MaxDepth), Offset: dec.InputOffset()}
 			}
 		case '}', ']':
@@ -169,9 +174,51 @@ func CheckNumber(raw string) *Error {
 	in, ok1 := new(big.Rat).SetString(raw)
 	out, ok2 := new(big.Rat).SetString(strconv.FormatFloat(f, 'g', -1, 64))
 	if !ok1 || !ok2 || in.Cmp(out) != 0 {
-		return &Error{Code: CodeNumberPrecisionLoss, Detail: fmt.Sprintf("number %s would change to %s", clip(raw), strconv.FormatFloat(f, 'g', -1, 64)), Offset: -1}
+		return &Error{Code: CodeNumberPrecisionLoss, Detail: fmt.Sprintf("number %s would change to %s", clip(raw), canonicalNumber(f)), Offset: -1}
 	}
 	return nil
+}
+
+// canonicalNumber is f as RFC 8785 writes it (ECMAScript
+// Number.prototype.toString: 12345678901234567000, not Go's
+// 1.2345678901234567e+19), for error details.
+func canonicalNumber(f float64) string {
+	v := jsontext.Value(strconv.FormatFloat(f, 'g', -1, 64))
+	_ = v.Canonicalize() // a finite double's 'g' form is a valid JSON number
+	return string(v)
+}
+
+// Balanced reports whether every array and object opened in b (outside
+// strings) is closed, in order: false for a body that ends inside a string
+// or with unclosed brackets. It tells a document nested too deeply
+// (NESTING_TOO_DEEP) from one that is not JSON at all (MALFORMED_JSON)
+// without a parser's depth limit; it does not validate anything else.
+func Balanced(b []byte) bool {
+	var stack []byte
+	inString, escaped := false, false
+	for _, c := range b {
+		switch {
+		case inString:
+			switch {
+			case escaped:
+				escaped = false
+			case c == '\\':
+				escaped = true
+			case c == '"':
+				inString = false
+			}
+		case c == '"':
+			inString = true
+		case c == '[' || c == '{':
+			stack = append(stack, c)
+		case c == ']' || c == '}':
+			if len(stack) == 0 || (c == ']') != (stack[len(stack)-1] == '[') {
+				return false
+			}
+			stack = stack[:len(stack)-1]
+		}
+	}
+	return !inString && len(stack) == 0
 }
 
 // significand returns the significant digits of a JSON number literal
@@ -207,7 +254,7 @@ func classify(err error, off int64) *Error {
 	case strings.Contains(msg, "invalid UTF-8"):
 		return &Error{Code: CodeInvalidUTF8, Detail: trimPrefix(msg), Offset: off}
 	case strings.Contains(msg, "exceeded max depth"):
-		return &Error{Code: CodeNestingTooDeep, Detail: trimPrefix(msg), Offset: off}
+		return &Error{Code: CodeNestingTooDeep, Detail: trimPrefix(msg), Offset: off} // callers check Balanced first
 	default:
 		return &Error{Code: CodeMalformedJSON, Detail: trimPrefix(msg), Offset: off}
 	}

@@ -129,7 +129,11 @@ func TestRejections(t *testing.T) {
 		{`"\ud800"`, canon.CodeLoneSurrogate},
 		{`{"a":1,"a":1}`, canon.CodeDuplicateMemberName},
 		{strings.Repeat("[", canon.MaxDepth+1) + strings.Repeat("]", canon.MaxDepth+1), canon.CodeNestingTooDeep},
-		{strings.Repeat("[", 100000), canon.CodeNestingTooDeep},
+		// Unclosed is not JSON at all, however deep (issue 13): 400, not 422.
+		{strings.Repeat("[", 100000), canon.CodeMalformedJSON},
+		{strings.Repeat("[", 5000), canon.CodeMalformedJSON},
+		{strings.Repeat(`{"a":[`, canon.MaxDepth) + `"]}"`, canon.CodeMalformedJSON}, // brackets inside a string do not close
+		{strings.Repeat(`{"a":`, canon.MaxDepth+1) + `"x\"}"` + strings.Repeat("}", canon.MaxDepth+1), canon.CodeNestingTooDeep},
 	}
 	for _, tt := range tests {
 		_, err := canon.Transform([]byte(tt.in))
@@ -186,4 +190,27 @@ func mustRead(t *testing.T, path string) []byte {
 		t.Fatal(err)
 	}
 	return b
+}
+
+// NUMBER_PRECISION_LOSS details give the value the number would become in
+// its canonical (RFC 8785, ECMAScript) form, not Go's float format.
+func TestPrecisionLossDetail(t *testing.T) {
+	t.Parallel()
+	_, err := canon.Transform([]byte(`12345678901234567890`))
+	var cerr *canon.Error
+	if !errors.As(err, &cerr) || !strings.Contains(cerr.Detail, "would change to 12345678901234567000") {
+		t.Fatalf("error %v, want the canonical 12345678901234567000 in its detail", err)
+	}
+}
+
+func TestBalanced(t *testing.T) {
+	t.Parallel()
+	for in, want := range map[string]bool{
+		``: true, `[]`: true, `{"a":[1,{}]}`: true, `"[" `: true, `"\"["`: true,
+		`[`: false, `[}`: false, `{]`: false, `]`: false, `"abc`: false, `["\"]`: false,
+	} {
+		if got := canon.Balanced([]byte(in)); got != want {
+			t.Errorf("Balanced(%q) = %v, want %v", in, got, want)
+		}
+	}
 }

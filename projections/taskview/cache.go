@@ -271,6 +271,32 @@ func (c *Cache) Invalidate(ctx context.Context, taskID string) error {
 	return nil
 }
 
+// invalidateVersionScript deletes KEYS[1] only while its stored version
+// is ARGV[1]; 1 when it deleted.
+var invalidateVersionScript = redis.NewScript(`
+local cur = redis.call('HGET', KEYS[1], 'v')
+if cur and tonumber(cur) == tonumber(ARGV[1]) then
+  redis.call('DEL', KEYS[1])
+  return 1
+end
+return 0
+`)
+
+// InvalidateVersion deletes the view of taskID only while its stored
+// version is version (a compare-and-delete, one Lua script), and reports
+// whether it did: the reconciler removes a view ahead of PostgreSQL this
+// way without removing a newer write that raced it.
+func (c *Cache) InvalidateVersion(ctx context.Context, taskID string, version int64) (bool, error) {
+	if err := c.opts.Faults.ErrKey(fault.CacheWriteError, taskID); err != nil {
+		return false, fmt.Errorf("invalidate task view %s: %w", taskID, err)
+	}
+	n, err := invalidateVersionScript.Run(ctx, c.client, []string{Key(taskID)}, version).Int()
+	if err != nil {
+		return false, fmt.Errorf("invalidate task view %s at version %d: %w", taskID, version, err)
+	}
+	return n == 1, nil
+}
+
 // registerOrReuse registers c on reg; when an equal collector is already
 // registered it returns that one, so components sharing a registry share
 // the metric.

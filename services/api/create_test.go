@@ -234,6 +234,8 @@ func TestCreateRejectsBadInput(t *testing.T) {
 		{"precision loss", "application/json", []string{key}, wrap(`12345678901234567890`), false, 422, canon.CodeNumberPrecisionLoss},
 		{"nesting too deep", "application/json", []string{key}, wrap(deep), false, 422, canon.CodeNestingTooDeep},
 		{"nesting beyond parser limit", "application/json", []string{key}, wrap(deeper), false, 422, canon.CodeNestingTooDeep},
+		{"unclosed nesting, 5000 deep", "application/json", []string{key}, []byte(`{"document":` + strings.Repeat("[", 5000)), false, 400, canon.CodeMalformedJSON},
+		{"unclosed nesting beyond parser limit", "application/json", []string{key}, []byte(`{"document":` + strings.Repeat("[", 20000)), false, 400, canon.CodeMalformedJSON},
 		{"unknown member", "application/json", []string{key}, []byte(`{"document":1,"priority":"high"}`), false, 422, CodeUnknownMember},
 		{"unsupported output format", "application/json", []string{key}, []byte(`{"document":1,"output_format":"yaml"}`), false, 422, CodeUnsupportedOutputFormat},
 		{"output format not a string", "application/json", []string{key}, []byte(`{"document":1,"output_format":null}`), false, 422, CodeUnsupportedOutputFormat},

@@ -95,7 +95,7 @@ func parseCreateRequest(body []byte) (*createRequest, error) {
 	dec := jsontext.NewDecoder(bytes.NewReader(body), jsontext.AllowDuplicateNames(true), jsontext.AllowInvalidUTF8(true))
 	tok, err := dec.ReadToken()
 	if err != nil {
-		return nil, syntaxError(err, dec)
+		return nil, syntaxError(err, dec, body)
 	}
 	if tok.Kind() != '{' {
 		return nil, canonError(canon.CodeMalformedJSON, "request body must be a JSON object {\"document\": ...}", 0)
@@ -108,12 +108,12 @@ func parseCreateRequest(body []byte) (*createRequest, error) {
 	for dec.PeekKind() != '}' {
 		tok, err := dec.ReadToken()
 		if err != nil {
-			return nil, syntaxError(err, dec)
+			return nil, syntaxError(err, dec, body)
 		}
 		name := tok.String()
 		val, err := dec.ReadValue()
 		if err != nil {
-			return nil, syntaxError(err, dec)
+			return nil, syntaxError(err, dec, body)
 		}
 		switch name {
 		case "document":
@@ -145,7 +145,7 @@ func parseCreateRequest(body []byte) (*createRequest, error) {
 		}
 	}
 	if _, err := dec.ReadToken(); err != nil { // the closing '}'
-		return nil, syntaxError(err, dec)
+		return nil, syntaxError(err, dec, body)
 	}
 	if _, err := dec.ReadToken(); err != io.EOF {
 		return nil, canonError(canon.CodeMalformedJSON, "trailing data after the request object", dec.InputOffset())
@@ -164,14 +164,20 @@ func parseCreateRequest(body []byte) (*createRequest, error) {
 }
 
 // syntaxError converts an envelope parse error: the parser's depth limit
-// becomes NESTING_TOO_DEEP (422), everything else MALFORMED_JSON (400).
-func syntaxError(err error, dec *jsontext.Decoder) error {
+// becomes NESTING_TOO_DEEP (422) when body's brackets are balanced (an
+// unclosed body is not JSON: MALFORMED_JSON), everything else
+// MALFORMED_JSON (400).
+func syntaxError(err error, dec *jsontext.Decoder, body []byte) error {
 	off := dec.InputOffset()
 	var se *jsontext.SyntacticError
 	if errors.As(err, &se) {
 		off = se.ByteOffset
 	}
 	if strings.Contains(err.Error(), "exceeded max depth") {
+		if !canon.Balanced(body) {
+			// Unclosed, so not JSON at all, however deep (issue 13).
+			return canonError(canon.CodeMalformedJSON, "unexpected end of request body: unclosed arrays or objects", int64(len(body)))
+		}
 		return canonError(canon.CodeNestingTooDeep, "request nests deeper than the parser allows", off)
 	}
 	if errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) {

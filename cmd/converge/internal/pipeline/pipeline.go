@@ -197,6 +197,9 @@ func Run(ctx context.Context, cfg Config) error {
 		Groups: []kafkametrics.Group{
 			{Name: worker.DefaultGroup, Topics: []string{cfg.Topic}},
 			{Name: taskview.DefaultGroup, Topics: []string{cfg.Topic}},
+			// The dead-letter intake: its lag shows from the start, not
+			// only after the first dead letter.
+			{Name: reconciler.DefaultDeadLetterGroup, Topics: []string{taskevent.DeadLetterTopic(cfg.Topic)}},
 		},
 		Logger: log.With("component", "lag"), Registerer: reg,
 	})
