@@ -103,7 +103,7 @@ func openRedis(url string) (*redis.Client, error) {
 	if err := need("CONVERGE_REDIS_URL", url); err != nil {
 		return nil, err
 	}
-	opt, err := redis.ParseURL(url)
+	opt, err := taskview.ClientOptions(url)
 	if err != nil {
 		return nil, fmt.Errorf("redis url: %w", err)
 	}

@@ -30,6 +30,24 @@ const maxVersion = int64(1) << 53
 // not help.
 var ErrInvalidTask = errors.New("invalid task snapshot")
 
+// ClientOptions parses a redis:// URL into go-redis options with the
+// timeouts converge's readers need (issue 13): context deadlines honoured
+// (ContextTimeoutEnabled; go-redis ignores them by default and waits its
+// own 3 s read timeout), a 1 s dial timeout and 1 s read and write
+// timeouts as the bound for calls without a deadline. An unparsable URL is
+// an error.
+func ClientOptions(url string) (*redis.Options, error) {
+	opt, err := redis.ParseURL(url)
+	if err != nil {
+		return nil, fmt.Errorf("redis url: %w", err)
+	}
+	opt.ContextTimeoutEnabled = true
+	opt.DialTimeout = time.Second
+	opt.ReadTimeout = time.Second
+	opt.WriteTimeout = time.Second
+	return opt, nil
+}
+
 // Key returns the Redis key of a task's view: KeyPrefix + taskID.
 func Key(taskID string) string { return KeyPrefix + taskID }
 

@@ -8,7 +8,7 @@
 //	GET  /v1/tasks/{id}            task state, cache-aside over the Redis task view
 //	GET  /v1/tasks/{id}/artifact   the verified artifact of a completed task
 //	GET  /healthz                  process alive (200)
-//	GET  /readyz                   PostgreSQL (and Redis, when configured) answer within 1s
+//	GET  /readyz                   200 when PostgreSQL answers within 1s (body lists "redis" under "degraded" when Redis does not); 503 otherwise
 //	GET  /metrics                  Prometheus metrics of Config.Gatherer
 //
 // # Idempotency (seed section 3)

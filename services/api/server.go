@@ -49,6 +49,12 @@ type Config struct {
 	IdempotencyLease time.Duration
 	// ReadyTimeout bounds the dependency pings of GET /readyz. Defaults to 1s.
 	ReadyTimeout time.Duration
+	// CacheTimeout bounds each Redis call of a request (the task view's
+	// read and back-fill): past it the request reads PostgreSQL, so a Redis
+	// that hangs costs a read at most this much (issue 13). Defaults to
+	// 250ms. The Redis client must honour context deadlines
+	// (taskview.ClientOptions sets ContextTimeoutEnabled).
+	CacheTimeout time.Duration
 	// MaxInFlightPerTenant bounds the /v1/ requests one tenant has in
 	// process at once, so that one tenant cannot take every handler (and
 	// database connection) from the others; one more is 429 RATE_LIMITED
@@ -106,6 +112,9 @@ func (c *Config) setDefaults() {
 	if c.IdempotencyLease == 0 {
 		c.IdempotencyLease = 30 * time.Second
 	}
+	if c.CacheTimeout == 0 {
+		c.CacheTimeout = 250 * time.Millisecond
+	}
 	if c.ReadyTimeout == 0 {
 		c.ReadyTimeout = time.Second
 	}
@@ -158,8 +167,8 @@ func (c *Config) Validate() error {
 		return fmt.Errorf("api: MaxBodyBytesInFlight %d must be at least MaxBodyBytes %d", c.MaxBodyBytesInFlight, c.MaxBodyBytes)
 	case c.IdempotencyTTL < time.Minute:
 		return fmt.Errorf("api: IdempotencyTTL %s must be at least 1m", c.IdempotencyTTL)
-	case c.IdempotencyLease <= 0 || c.ReadyTimeout <= 0 || c.ShutdownTimeout <= 0:
-		return errors.New("api: IdempotencyLease, ReadyTimeout and ShutdownTimeout must be positive")
+	case c.IdempotencyLease <= 0 || c.ReadyTimeout <= 0 || c.ShutdownTimeout <= 0 || c.CacheTimeout <= 0:
+		return errors.New("api: IdempotencyLease, ReadyTimeout, ShutdownTimeout and CacheTimeout must be positive")
 	case c.Gatherer == nil:
 		return errors.New("api: Gatherer required when Registerer is not a prometheus.Gatherer")
 	}
@@ -397,8 +406,11 @@ func (s *Server) handleHealthz(w http.ResponseWriter, _ *http.Request) {
 	writeJSON(w, http.StatusOK, []byte(`{"status":"ok"}`))
 }
 
-// handleReadyz answers 200 when PostgreSQL (and Redis, when configured)
-// answer a ping within ReadyTimeout, else 503 with a problem document.
+// handleReadyz answers 200 when PostgreSQL answers a ping within
+// ReadyTimeout, else 503 DATABASE_UNAVAILABLE (the API cannot serve without
+// it). A Redis that does not answer within the same bound leaves it ready:
+// 200 {"status":"ready","degraded":["redis"]} (issue 13: every endpoint
+// works from PostgreSQL; a load balancer must not drop a healthy API).
 func (s *Server) handleReadyz(w http.ResponseWriter, r *http.Request) {
 	ctx, cancel := context.WithTimeout(r.Context(), s.cfg.ReadyTimeout)
 	defer cancel()
@@ -407,8 +419,11 @@ func (s *Server) handleReadyz(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	if s.cfg.Redis != nil {
+		// Redis is a derived view: every endpoint works from PostgreSQL
+		// without it, so it degrades readiness, it does not remove it.
 		if err := s.cfg.Redis.Ping(ctx).Err(); err != nil {
-			s.writeError(w, r, &Error{Code: CodeCacheUnavailable, Detail: "Redis did not answer a ping", Err: err})
+			s.log.WarnContext(ctx, "readyz: Redis did not answer; serving from PostgreSQL", slog.Any("error", err))
+			writeJSON(w, http.StatusOK, []byte(`{"status":"ready","degraded":["redis"]}`))
 			return
 		}
 	}

@@ -1,6 +1,7 @@
 package api
 
 import (
+	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -65,7 +66,9 @@ func (s *Server) handleGetTask(w http.ResponseWriter, r *http.Request) {
 		cacheFailed bool
 	)
 	if s.cache != nil {
-		view, ok, err := s.cache.Get(ctx, id)
+		cctx, cancel := context.WithTimeout(ctx, s.cfg.CacheTimeout)
+		view, ok, err := s.cache.Get(cctx, id)
+		cancel()
 		switch {
 		case err != nil:
 			cacheFailed = true
@@ -92,7 +95,7 @@ func (s *Server) handleGetTask(w http.ResponseWriter, r *http.Request) {
 			cacheStatus = cacheStatusName + "; fwd=miss"
 			if cacheFailed {
 				cacheStatus += "; detail=error"
-			} else if stored, err := s.cache.Put(ctx, *t); err != nil {
+			} else if stored, err := s.putView(ctx, *t); err != nil {
 				cacheStatus += "; detail=error"
 				s.log.WarnContext(ctx, "task view back-fill failed", slog.String("task_id", id), slog.Any("error", err))
 			} else if stored {
@@ -136,4 +139,11 @@ func etagMatches(header, etag string) bool {
 		}
 	}
 	return false
+}
+
+// putView back-fills the task view within CacheTimeout.
+func (s *Server) putView(ctx context.Context, t taskevent.Task) (bool, error) {
+	ctx, cancel := context.WithTimeout(ctx, s.cfg.CacheTimeout)
+	defer cancel()
+	return s.cache.Put(ctx, t)
 }

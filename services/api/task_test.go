@@ -4,9 +4,11 @@ import (
 	"bufio"
 	"context"
 	"errors"
+	"fmt"
 	"net"
 	"net/http"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -125,13 +127,70 @@ func TestGetTaskRedisDownFallsBackToDatabase(t *testing.T) {
 	if r.status != http.StatusOK || r.header.Get("Cache-Status") != "converge; fwd=miss; detail=error" || r.json(t)["task_id"] != id {
 		t.Fatalf("read with Redis down: %d %q %s", r.status, r.header.Get("Cache-Status"), r.body)
 	}
-	wantProblem(t, b.do(t, http.MethodGet, "/readyz", nil, nil), http.StatusServiceUnavailable, CodeCacheUnavailable)
+	// Redis is a derived view: down, it degrades readiness, it does not
+	// remove it (issue 13).
+	if r := b.do(t, http.MethodGet, "/readyz", nil, nil); r.status != http.StatusOK || r.json(t)["status"] != "ready" ||
+		fmt.Sprint(r.json(t)["degraded"]) != "[redis]" {
+		t.Fatalf("readyz with Redis down: %d %s; want 200 ready, degraded [redis]", r.status, r.body)
+	}
 	if n := counterValue(t, b.reg, "converge_cache_requests_total", map[string]string{"result": "error"}); n != 1 {
 		t.Fatalf("cache errors %v", n)
 	}
 	lim.on.Store(false)
 	if r := b.do(t, http.MethodGet, "/readyz", nil, nil); r.status != http.StatusOK {
 		t.Fatalf("readyz after recovery: %d %s", r.status, r.body)
+	}
+}
+
+// A Redis that accepts connections and never answers (hung) costs a read
+// at most CacheTimeout before PostgreSQL answers, and /readyz answers
+// within its own bound, ready and degraded (issue 13: go-redis's default
+// 3 s read timeout and ignored deadlines made these take 5-10 s).
+func TestHungRedisBoundedByDeadlines(t *testing.T) {
+	t.Parallel()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { ln.Close() })
+	var held []net.Conn
+	var mu sync.Mutex
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			mu.Lock()
+			held = append(held, c) // read nothing, answer nothing
+			mu.Unlock()
+		}
+	}()
+	t.Cleanup(func() {
+		mu.Lock()
+		defer mu.Unlock()
+		for _, c := range held {
+			c.Close()
+		}
+	})
+	opt, err := taskview.ClientOptions("redis://" + ln.Addr().String() + "/0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	rdb := redis.NewClient(opt)
+	t.Cleanup(func() { rdb.Close() })
+	b := setup(t, func(c *Config) { c.Redis = rdb; c.CacheTimeout = 200 * time.Millisecond })
+	id := b.post(t, "redis-hung-0001", wrap(`{"x":1}`)).json(t)["task_id"].(string)
+
+	start := time.Now()
+	r := b.do(t, http.MethodGet, "/v1/tasks/"+id, nil, nil)
+	if took := time.Since(start); r.status != http.StatusOK || took > 2*time.Second {
+		t.Fatalf("read with Redis hung: %d after %s; want 200 well within 2s (two 200ms cache budgets)", r.status, took)
+	}
+	start = time.Now()
+	r = b.do(t, http.MethodGet, "/readyz", nil, nil)
+	if took := time.Since(start); r.status != http.StatusOK || fmt.Sprint(r.json(t)["degraded"]) != "[redis]" || took > 2*time.Second {
+		t.Fatalf("readyz with Redis hung: %d %s after %s; want 200 degraded within its 1s bound", r.status, r.body, took)
 	}
 }
 

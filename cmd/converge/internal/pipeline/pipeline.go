@@ -154,9 +154,9 @@ func Run(ctx context.Context, cfg Config) error {
 	if err := schemas.Migrate(ctx, pool); err != nil {
 		return err
 	}
-	ropt, err := redis.ParseURL(cfg.RedisURL)
+	ropt, err := taskview.ClientOptions(cfg.RedisURL)
 	if err != nil {
-		return fmt.Errorf("redis url: %w", err)
+		return err
 	}
 	rdb := redis.NewClient(ropt)
 	defer rdb.Close()
