@@ -72,6 +72,7 @@ type CLI struct {
 	Bench      BenchCmd      `cmd:"" help:"Measure each stage against its physical limit on a fresh local PostgreSQL (make bench)."`
 	DLQ        DLQCmd        `cmd:"" name:"dlq" help:"List, show and replay dead letters."`
 	Outbox     OutboxCmd     `cmd:"" help:"List, show, republish and discard parked outbox rows."`
+	Inbox      InboxCmd      `cmd:"" help:"List inbox conflicts."`
 	Tenants    TenantsCmd    `cmd:"" help:"Add, list, rotate and disable tenants and their API tokens."`
 	Experiment ExperimentCmd `cmd:"" help:"Run the seed's fault-injection experiments against the real pipeline."`
 	FaultList  FaultsCmd     `cmd:"" name:"faults" help:"List the fault points."`

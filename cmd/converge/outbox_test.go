@@ -5,11 +5,13 @@ import (
 	"errors"
 	"io"
 	"log/slog"
+	"strings"
 	"testing"
 	"time"
 
 	"github.com/twmb/franz-go/pkg/kgo"
 
+	"github.com/converge-run/converge/internal/inbox"
 	"github.com/converge-run/converge/internal/outbox"
 	"github.com/converge-run/converge/internal/taskevent"
 	"github.com/converge-run/converge/internal/testenv"
@@ -119,4 +121,30 @@ func mustEvent(t *testing.T, taskID string) *taskevent.Event {
 		t.Fatal(err)
 	}
 	return &ev
+}
+
+// `converge inbox conflicts` lists what the worker recorded for a reused
+// message id; --limit 0 is refused.
+func TestInboxConflictsCommand(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	db := testenv.NewDB(t)
+	env := &runEnv{ctx: ctx, log: slog.New(slog.NewTextHandler(io.Discard, nil))}
+	if err := (&InboxConflictsCmd{DatabaseURL: db.URL, Limit: 10}).Run(env); err != nil {
+		t.Fatal(err)
+	}
+	d := inbox.Delivery{Consumer: "converge-worker", MessageID: "evt-1", PayloadSHA256: strings.Repeat("b", 64), Topic: "t", Partition: 2, Offset: 7}
+	if err := inbox.InsertConflict(ctx, db.Pool, d, strings.Repeat("a", 64)); err != nil {
+		t.Fatal(err)
+	}
+	cs, err := inbox.ListConflicts(ctx, db.Pool, 10)
+	if err != nil || len(cs) != 1 || cs[0].MessageID != "evt-1" || cs[0].Offset != 7 || cs[0].StoredSHA256 != strings.Repeat("a", 64) {
+		t.Fatalf("ListConflicts = %+v, %v", cs, err)
+	}
+	if err := (&InboxConflictsCmd{DatabaseURL: db.URL, Limit: 10}).Run(env); err != nil {
+		t.Fatal(err)
+	}
+	if err := (&InboxConflictsCmd{DatabaseURL: db.URL, Limit: 0}).Run(env); err == nil {
+		t.Fatal("--limit 0 accepted")
+	}
 }

@@ -244,3 +244,36 @@ WHERE consumer_name = $1 AND message_id = $2 AND state = 'processing' AND last_s
 	}
 	return tag.RowsAffected() == 1, nil
 }
+
+// Conflict is one inbox_conflict row: a message id that arrived with a
+// payload hash other than the one its inbox row registered (seed 13.4).
+type Conflict struct {
+	Consumer      string    `json:"consumer_name"`
+	MessageID     string    `json:"message_id"`
+	PayloadSHA256 string    `json:"payload_sha256"`
+	StoredSHA256  string    `json:"stored_sha256"`
+	Topic         string    `json:"topic"`
+	Partition     int32     `json:"partition"`
+	Offset        int64     `json:"offset"`
+	SeenAt        time.Time `json:"seen_at"`
+}
+
+// ListConflicts returns at most limit conflicts, newest first (`converge
+// inbox conflicts`; the alert ConvergeInboxConflicts points here).
+func ListConflicts(ctx context.Context, q dbpool.Querier, limit int) ([]Conflict, error) {
+	rows, err := q.Query(ctx, `
+SELECT consumer_name, message_id, payload_sha256, stored_sha256, topic, kafka_partition, kafka_offset, seen_at
+FROM inbox_conflict ORDER BY seen_at DESC, consumer_name, message_id LIMIT $1`, limit)
+	if err != nil {
+		return nil, fmt.Errorf("list inbox conflicts: %w", err)
+	}
+	cs, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (Conflict, error) {
+		var c Conflict
+		err := r.Scan(&c.Consumer, &c.MessageID, &c.PayloadSHA256, &c.StoredSHA256, &c.Topic, &c.Partition, &c.Offset, &c.SeenAt)
+		return c, err
+	})
+	if err != nil {
+		return nil, fmt.Errorf("list inbox conflicts: %w", err)
+	}
+	return cs, nil
+}
