@@ -259,6 +259,7 @@ type ReconcilerCmd struct {
 	Pipeline
 	MetricsAddr
 	LagInterval time.Duration `env:"CONVERGE_LAG_SAMPLE_INTERVAL" default:"10s" help:"Interval of the consumer-group lag sample the reconciler exports (every group of the cluster; needs --kafka-brokers)."`
+	OutboxRetention time.Duration `name:"outbox-retention" env:"CONVERGE_OUTBOX_RETENTION" default:"168h" help:"How long a published outbox row is kept before the retention scan removes it."`
 }
 
 // Run reconciles until interrupted.
@@ -273,7 +274,10 @@ func (c *ReconcilerCmd) Run(env *runEnv) error {
 		return err
 	}
 	reg := newRegistry()
-	rcfg := reconciler.Config{Pool: pool, ArtifactStore: store, Logger: env.log, Registerer: reg,
+	if c.OutboxRetention < time.Hour {
+		return fmt.Errorf("CONVERGE_OUTBOX_RETENTION %s: want at least 1h", c.OutboxRetention)
+	}
+	rcfg := reconciler.Config{Pool: pool, ArtifactStore: store, Logger: env.log, Registerer: reg, OutboxRetention: c.OutboxRetention,
 		Brokers: c.KafkaBrokers, Topic: c.Topic, Cache: taskview.CacheOptions{Faults: env.faults}}
 	if c.RedisURL != "" {
 		rdb, err := openRedis(c.RedisURL)

@@ -93,7 +93,7 @@
 //
 // # Metrics
 //
-//	converge_reconciler_actions_total{kind}          counter   actions, by kind: verified, planned, compensation_required, superseded, compensated, compensation_observed, skipped (lost compare-and-set), error, inbox_released, task_redriven, idempotency_resolved, cache_repaired, dead_letter_recorded, dead_letter_resolved, outbox_republished
+//	converge_reconciler_actions_total{kind}          counter   actions, by kind: verified, planned, compensation_required, superseded, compensated, compensation_observed, skipped (lost compare-and-set), error, inbox_released, task_redriven, idempotency_resolved, cache_repaired, dead_letter_recorded, dead_letter_resolved, outbox_republished, idempotency_expired, outbox_purged
 //	converge_reconciler_passes_total{result}         counter   passes, by result: ok, error (a scan failed)
 //	converge_reconciler_pass_seconds                 histogram duration of one pass
 //	converge_deadletter_unresolved                   gauge     dead letters in state parked or refused (they need a person)

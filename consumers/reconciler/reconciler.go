@@ -69,6 +69,12 @@ const (
 	// has completed since (by another route) was resolved: nothing is left
 	// to replay, and it no longer counts in converge_deadletter_unresolved.
 	ActionDeadLetterResolved = "dead_letter_resolved"
+	// ActionIdempotencyExpired: an idempotency record past expires_at whose
+	// task is settled was removed (idempotency.Purge, seed 3.3).
+	ActionIdempotencyExpired = "idempotency_expired"
+	// ActionOutboxPurged: a published outbox row older than
+	// OutboxRetention was removed.
+	ActionOutboxPurged = "outbox_purged"
 	// ActionOutboxRepublished: an outbox row unpublished past
 	// RepublishAfter was produced again by the reconciler (Config.Producer)
 	// and marked published.
@@ -149,6 +155,11 @@ type Config struct {
 	// longer deliver — a lost and recreated slot, rows committed before the
 	// slot existed). Use acks=all. The caller closes it. Optional.
 	Producer *kgo.Client
+	// OutboxRetention is how long a published (or parked and decided)
+	// outbox row is kept before a pass removes it (issue 13; at most
+	// BatchSize per pass). Defaults to 7 days (168h), the default retention
+	// of a Kafka topic: after it the event is gone from the broker too.
+	OutboxRetention time.Duration
 	// RepublishAfter is the age of an unpublished outbox row past which
 	// Producer republishes it. Far above the relay's normal delay, so that
 	// a republication is the exception; a row published twice is a
@@ -192,6 +203,9 @@ func (c *Config) setDefaults() {
 	}
 	if c.OutboxThreshold <= 0 {
 		c.OutboxThreshold = time.Minute
+	}
+	if c.OutboxRetention <= 0 {
+		c.OutboxRetention = 7 * 24 * time.Hour
 	}
 	if c.RepublishAfter <= 0 {
 		c.RepublishAfter = 5 * time.Minute
@@ -323,6 +337,9 @@ type Result struct {
 	// OutboxUnpublished is the number of outbox rows unpublished for longer
 	// than OutboxThreshold.
 	OutboxUnpublished int
+	// IdempotencyExpired and OutboxPurged count the rows the retention
+	// scan removed.
+	IdempotencyExpired, OutboxPurged int
 	// LeftoversRemoved counts temporary files of crashed artifact writes
 	// the pass removed (artifact.Store.RemoveLeftovers).
 	LeftoversRemoved int
@@ -548,7 +565,7 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 		}),
 	}
 	for _, k := range []string{ActionVerified, ActionPlanned, ActionCompensationRequired, ActionCompensated, ActionSkipped, ActionError,
-		ActionCompensationObserved, ActionInboxReleased, ActionTaskRedriven, ActionIdempotencyResolved, ActionCacheRepaired, ActionDeadLetterRecorded, ActionDeadLetterResolved, ActionSuperseded, ActionOutboxRepublished} {
+		ActionCompensationObserved, ActionInboxReleased, ActionTaskRedriven, ActionIdempotencyResolved, ActionCacheRepaired, ActionDeadLetterRecorded, ActionDeadLetterResolved, ActionSuperseded, ActionOutboxRepublished, ActionIdempotencyExpired, ActionOutboxPurged} {
 		m.actions.WithLabelValues(k)
 	}
 	for _, r := range []string{"ok", "error"} {

@@ -35,6 +35,7 @@ func (r *Reconciler) scans(ctx context.Context, res *Result) error {
 		{"dead letters", r.scanDeadLetters},
 		{"task views", r.scanCache},
 		{"artifact leftovers", r.sweepLeftovers},
+		{"retention", r.scanRetention},
 	} {
 		if err := scan.fn(ctx, res); err != nil {
 			r.log.WarnContext(ctx, "reconciler scan failed", slog.String("scan", scan.name), slog.Any("err", err))
@@ -42,6 +43,30 @@ func (r *Reconciler) scans(ctx context.Context, res *Result) error {
 		}
 	}
 	return errors.Join(errs...)
+}
+
+// scanRetention removes what is kept no longer (issue 13, seed 3.3): at
+// most BatchSize idempotency records past expires_at whose task is settled
+// (idempotency.Purge), and at most BatchSize published outbox rows older
+// than OutboxRetention (outbox.Backlog.PurgePublished). Tasks, their
+// inputs, effects and artifacts are kept (not yet covered).
+func (r *Reconciler) scanRetention(ctx context.Context, res *Result) error {
+	n, err := idempotency.Purge(ctx, r.pool, r.cfg.BatchSize)
+	if err != nil {
+		return err
+	}
+	r.m.actions.WithLabelValues(ActionIdempotencyExpired).Add(float64(n))
+	res.IdempotencyExpired += int(n)
+	m, err := r.backlog.PurgePublished(ctx, r.pool, r.cfg.OutboxRetention, r.cfg.BatchSize)
+	if err != nil {
+		return err
+	}
+	r.m.actions.WithLabelValues(ActionOutboxPurged).Add(float64(m))
+	res.OutboxPurged += int(m)
+	if n > 0 || m > 0 {
+		r.log.InfoContext(ctx, "retention", slog.Int64("idempotency_records", n), slog.Int64("outbox_rows", m))
+	}
+	return nil
 }
 
 // leftoverSweepInterval is how often a pass removes the artifact store's

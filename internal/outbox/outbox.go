@@ -174,6 +174,25 @@ ORDER BY created_xid, created_at, outbox_id LIMIT $3`, strconv.FormatUint(b.low.
 	return out, nil
 }
 
+// PurgePublished removes at most limit outbox rows created more than
+// olderThan ago that are published, or parked and decided, and below the
+// watermark (issue 13 retention: the oldest first, through
+// outbox_event_created_xid_idx; xids grow with time, so the scan starts
+// at the oldest rows). Unpublished rows, and parked rows no one decided on,
+// are never removed. It returns how many it removed.
+func (b *Backlog) PurgePublished(ctx context.Context, q dbpool.Querier, olderThan time.Duration, limit int) (int64, error) {
+	tag, err := q.Exec(ctx, `
+DELETE FROM outbox_event WHERE outbox_id IN (
+  SELECT outbox_id FROM outbox_event
+  WHERE created_xid < $1::text::xid8 AND created_at < now() - make_interval(secs => $2)
+    AND (published_at IS NOT NULL OR decision IS NOT NULL)
+  ORDER BY created_xid LIMIT $3)`, strconv.FormatUint(b.low.Load(), 10), olderThan.Seconds(), limit)
+	if err != nil {
+		return 0, fmt.Errorf("purge published outbox rows: %w", err)
+	}
+	return tag.RowsAffected(), nil
+}
+
 // Watermark returns the created_xid below which every row was seen
 // published (0 before the first scan).
 func (b *Backlog) Watermark() uint64 { return b.low.Load() }

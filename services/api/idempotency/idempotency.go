@@ -204,3 +204,39 @@ func AppendCreateResponse(dst []byte, taskID, status string, version int64, inpu
 	dst = strconv.AppendInt(dst, version, 10)
 	return append(dst, '}')
 }
+
+// Purge removes at most limit records past expires_at whose removal cannot
+// make an old request look new while it still matters (seed 3.3): records
+// of failed requests (no task), and succeeded records whose task is
+// terminal (completed, failed, compensated, cancelled), whose outbox events
+// are all published or decided (parked rows count only once republished
+// or discarded), and none of whose effects is started, unknown or
+// compensation_required. Records in_progress are never removed (the
+// reconciler resolves them first). Rows locked by a concurrent request are
+// skipped. It returns how many it removed. After removal the key may create
+// a new task: the retention window (the API's IdempotencyTTL, 24 h by
+// default) is public (README, OpenAPI).
+func Purge(ctx context.Context, q dbpool.Querier, limit int) (int64, error) {
+	tag, err := q.Exec(ctx, `
+WITH victims AS (
+  SELECT ir.scope, ir.idempotency_key FROM idempotency_record ir
+  WHERE ir.expires_at < now()
+    AND (ir.state IN ('failed_retryable', 'failed_final')
+      OR (ir.state = 'succeeded' AND EXISTS (
+        SELECT 1 FROM task t
+        WHERE t.task_id = ir.task_id
+          AND t.status IN ('completed', 'failed', 'compensated', 'cancelled')
+          AND NOT EXISTS (SELECT 1 FROM outbox_event o
+                          WHERE o.aggregate_id = t.task_id AND o.published_at IS NULL AND o.decision IS NULL)
+          AND NOT EXISTS (SELECT 1 FROM effect_ledger e
+                          WHERE e.task_id = t.task_id AND e.state IN ('started', 'unknown', 'compensation_required')))))
+  ORDER BY ir.expires_at
+  LIMIT $1
+  FOR UPDATE OF ir SKIP LOCKED)
+DELETE FROM idempotency_record d USING victims v
+WHERE d.scope = v.scope AND d.idempotency_key = v.idempotency_key`, limit)
+	if err != nil {
+		return 0, fmt.Errorf("purge expired idempotency records: %w", err)
+	}
+	return tag.RowsAffected(), nil
+}
