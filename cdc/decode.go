@@ -187,8 +187,8 @@ func RecordOf(s outbox.Stored, topic string) *kgo.Record {
 // Republish produces the parked outbox row id again (RecordOf) with
 // producer and waits for the broker's acknowledgement, then records the
 // decision (outbox.Decide: published_at set, by and reason kept). A produce
-// that fails again is recorded on the row (outbox.RecordFailure is not
-// used: the row stays parked) and returned; the row stays undecided.
+// that fails again is recorded on the row (outbox.RecordParkedFailure: it
+// stays parked and undecided) and returned.
 // outbox.ErrNotFound, ErrNotParked, ErrDecided as outbox.Decide.
 func Republish(ctx context.Context, producer *kgo.Client, q dbpool.Querier, topic, id, by, reason string) error {
 	if strings.TrimSpace(reason) == "" || strings.TrimSpace(by) == "" {
@@ -205,8 +205,7 @@ func Republish(ctx context.Context, producer *kgo.Client, q dbpool.Querier, topi
 		return fmt.Errorf("%w: %s was %s", outbox.ErrDecided, id, s.Decision)
 	}
 	if err := producer.ProduceSync(ctx, RecordOf(s, topic)).FirstErr(); err != nil {
-		if _, uerr := q.Exec(ctx, `UPDATE outbox_event SET last_attempt_at = now(), publish_attempts = publish_attempts + 1,
-  last_error_code = $2, last_error = left($3, 2000) WHERE outbox_id = $1`, id, produceErrorCode(err), err.Error()); uerr != nil {
+		if uerr := outbox.RecordParkedFailure(ctx, q, id, produceErrorCode(err), err.Error()); uerr != nil {
 			return errors.Join(fmt.Errorf("republish outbox row %s: %w", id, err), uerr)
 		}
 		return fmt.Errorf("republish outbox row %s: %w", id, err)

@@ -258,7 +258,7 @@ type ReconcilerCmd struct {
 	Services
 	Pipeline
 	MetricsAddr
-	LagInterval time.Duration `env:"CONVERGE_LAG_SAMPLE_INTERVAL" default:"10s" help:"Interval of the consumer-group lag sample the reconciler exports (every group of the cluster; needs --kafka-brokers)."`
+	LagInterval     time.Duration `env:"CONVERGE_LAG_SAMPLE_INTERVAL" default:"10s" help:"Interval of the consumer-group lag sample the reconciler exports (every group of the cluster; needs --kafka-brokers)."`
 	OutboxRetention time.Duration `name:"outbox-retention" env:"CONVERGE_OUTBOX_RETENTION" default:"168h" help:"How long a published outbox row is kept before the retention scan removes it."`
 }
 

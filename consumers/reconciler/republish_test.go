@@ -22,11 +22,7 @@ func TestPassRepublishesUndeliveredRows(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	kafka := testenv.NewKafka(t)
-	producer, err := kgo.NewClient(kgo.SeedBrokers(kafka.Brokers...), kgo.RequiredAcks(kgo.AllISRAcks()))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer producer.Close()
+	producer := newProducer(t, kafka)
 	b := setup(t, Config{Producer: producer, RepublishAfter: 10 * time.Minute, Topic: kafka.Topic})
 	insert := func(id, task string, version int, ago string, published bool) {
 		t.Helper()
@@ -70,17 +66,7 @@ VALUES ($1, $2, $3, 'TaskCreated', $4, $5, now() - $6::interval, CASE WHEN $7 TH
 		t.Fatalf("unpublished after the pass: %v, %v; want parked-5, young-3", unpublished, rows.Err())
 	}
 
-	cl, err := kgo.NewClient(kgo.SeedBrokers(kafka.Brokers...), kgo.ConsumeTopics(kafka.Topic), kgo.ConsumeResetOffset(kgo.NewOffset().AtStart()))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer cl.Close()
-	pctx, cancel := context.WithTimeout(ctx, 10*time.Second)
-	defer cancel()
-	var got []*kgo.Record
-	for len(got) < 2 && pctx.Err() == nil {
-		cl.PollFetches(pctx).EachRecord(func(r *kgo.Record) { got = append(got, r) })
-	}
+	got := readRecords(t, kafka, 2)
 	if len(got) != 2 {
 		t.Fatalf("%d records in the topic, want 2", len(got))
 	}
@@ -108,11 +94,7 @@ func TestSlotRecreatedRowsReachTheTopic(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	kafka := testenv.NewKafka(t)
-	producer, err := kgo.NewClient(kgo.SeedBrokers(kafka.Brokers...), kgo.RequiredAcks(kgo.AllISRAcks()))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer producer.Close()
+	producer := newProducer(t, kafka)
 	b := setup(t, Config{Producer: producer, RepublishAfter: 2 * time.Second, Topic: kafka.Topic})
 	slot := "s_" + b.db.Name
 	startRelay := func() (stop func()) {
@@ -173,20 +155,42 @@ VALUES ($1, $1, 1, 'TaskCreated', $2, $3)`, id, payload, sum([]byte(payload))); 
 	if err != nil || res.OutboxRepublished != 2 {
 		t.Fatalf("pass = %+v, %v; want 2 republished", res, err)
 	}
-	cl, err := kgo.NewClient(kgo.SeedBrokers(kafka.Brokers...), kgo.ConsumeTopics(kafka.Topic), kgo.ConsumeResetOffset(kgo.NewOffset().AtStart()))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer cl.Close()
 	seen := map[string]bool{}
-	pctx, cancel := context.WithTimeout(ctx, 10*time.Second)
-	defer cancel()
-	for len(seen) < 4 && pctx.Err() == nil {
-		cl.PollFetches(pctx).EachRecord(func(r *kgo.Record) { seen[string(r.Key)] = true })
+	for _, r := range readRecords(t, kafka, 4) {
+		seen[string(r.Key)] = true
 	}
 	for _, id := range []string{"before-loss", "between-1", "between-2", "after-recreate"} {
 		if !seen[id] {
 			t.Errorf("row %s never reached the topic", id)
 		}
 	}
+}
+
+// newProducer is an acks=all producer on kafka, closed when t ends.
+func newProducer(t *testing.T, kafka *testenv.Kafka) *kgo.Client {
+	t.Helper()
+	p, err := kgo.NewClient(kgo.SeedBrokers(kafka.Brokers...), kgo.RequiredAcks(kgo.AllISRAcks()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(p.Close)
+	return p
+}
+
+// readRecords reads the task-events topic from the start until it has n
+// records or 10 s passed, and returns what it read.
+func readRecords(t *testing.T, kafka *testenv.Kafka, n int) []*kgo.Record {
+	t.Helper()
+	cl, err := kgo.NewClient(kgo.SeedBrokers(kafka.Brokers...), kgo.ConsumeTopics(kafka.Topic), kgo.ConsumeResetOffset(kgo.NewOffset().AtStart()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer cl.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	var got []*kgo.Record
+	for len(got) < n && ctx.Err() == nil {
+		cl.PollFetches(ctx).EachRecord(func(r *kgo.Record) { got = append(got, r) })
+	}
+	return got
 }

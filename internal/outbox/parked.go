@@ -76,6 +76,20 @@ WHERE outbox_id = ANY($1) AND published_at IS NULL AND parked_at IS NULL`, ids, 
 	return tag.RowsAffected(), nil
 }
 
+// RecordParkedFailure counts a failed republication of the parked,
+// undecided row id (`converge outbox republish` refused again): the row
+// stays parked, its attempts, last error and time are updated.
+func RecordParkedFailure(ctx context.Context, q dbpool.Querier, id, code, message string) error {
+	_, err := q.Exec(ctx, `
+UPDATE outbox_event
+SET last_attempt_at = now(), publish_attempts = publish_attempts + 1, last_error_code = $2, last_error = $3
+WHERE outbox_id = $1 AND parked_at IS NOT NULL AND decision IS NULL`, id, code, clip(message))
+	if err != nil {
+		return fmt.Errorf("record failed republication of outbox row %s: %w", id, err)
+	}
+	return nil
+}
+
 // Stored is an outbox row as stored, with its publication state.
 type Stored struct {
 	ID            string     `json:"outbox_id"`

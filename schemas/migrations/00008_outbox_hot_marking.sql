@@ -17,7 +17,7 @@
 -- their own clock, before their transaction began.
 --
 -- fillfactor 50 leaves each page room for the second version of every row
--- (each row is updated exactly once, milliseconds after its insert), so the
+-- (the relay updates each row once, milliseconds after its insert), so the
 -- update stays on its page without waiting for pruning.
 --
 -- Existing rows get the migration's own transaction id (ADD COLUMN with a
