@@ -130,6 +130,14 @@ type Config struct {
 	// Faults arms the fault points fault.RelayBeforeMarkPublished and
 	// fault.RelayAfterAckBeforeConfirm. Defaults to nil (no faults).
 	Faults *fault.Set
+	// RepairPublication makes the relay, at start, alter a publication
+	// that no longer covers public.outbox_event (or no longer publishes
+	// inserts) back instead of failing with ErrPublicationMismatch. For
+	// `converge dev`, whose embedded PostgreSQL an operator cannot reach
+	// while it is stopped; production keeps the strict check (a person
+	// decides). A mismatch found while streaming still ends Run. Defaults
+	// to false.
+	RepairPublication bool
 	// KafkaOpts are appended to the relay's franz-go client options (after
 	// its own, so they win). Meant for tests; do not disable idempotency
 	// or change the partitioner. Defaults to none.

@@ -10,9 +10,9 @@ import (
 	"strings"
 
 	"github.com/jackc/pglogrepl"
+	"github.com/jackc/pgx/v5"
 	"github.com/twmb/franz-go/pkg/kgo"
 
-	"github.com/converge-run/converge/internal/dbpool"
 	"github.com/converge-run/converge/internal/outbox"
 	"github.com/converge-run/converge/internal/taskevent"
 )
@@ -186,15 +186,28 @@ func RecordOf(s outbox.Stored, topic string) *kgo.Record {
 
 // Republish produces the parked outbox row id again (RecordOf) with
 // producer and waits for the broker's acknowledgement, then records the
-// decision (outbox.Decide: published_at set, by and reason kept). A produce
-// that fails again is recorded on the row (outbox.RecordParkedFailure: it
-// stays parked and undecided) and returned.
-// outbox.ErrNotFound, ErrNotParked, ErrDecided as outbox.Decide.
-func Republish(ctx context.Context, producer *kgo.Client, q dbpool.Querier, topic, id, by, reason string) error {
+// decision (outbox.Decide: published_at set, by and reason kept). The row
+// is locked (SELECT ... FOR UPDATE) from the check to the decision, so a
+// concurrent discard waits and then finds it decided: a published row is
+// never recorded as discarded. A produce that fails again is recorded on
+// the row (outbox.RecordParkedFailure: it stays parked and undecided) and
+// returned. outbox.ErrReasonRequired, ErrNotFound, ErrNotParked,
+// ErrDecided as outbox.Decide.
+func Republish(ctx context.Context, producer *kgo.Client, db interface {
+	Begin(context.Context) (pgx.Tx, error)
+}, topic, id, by, reason string) error {
 	if strings.TrimSpace(reason) == "" || strings.TrimSpace(by) == "" {
 		return outbox.ErrReasonRequired
 	}
-	s, err := outbox.Get(ctx, q, id)
+	tx, err := db.Begin(ctx)
+	if err != nil {
+		return fmt.Errorf("republish outbox row %s: %w", id, err)
+	}
+	defer tx.Rollback(ctx)
+	if _, err := tx.Exec(ctx, `SELECT 1 FROM outbox_event WHERE outbox_id = $1 FOR UPDATE`, id); err != nil {
+		return fmt.Errorf("lock outbox row %s: %w", id, err)
+	}
+	s, err := outbox.Get(ctx, tx, id)
 	if err != nil {
 		return err
 	}
@@ -205,10 +218,20 @@ func Republish(ctx context.Context, producer *kgo.Client, q dbpool.Querier, topi
 		return fmt.Errorf("%w: %s was %s", outbox.ErrDecided, id, s.Decision)
 	}
 	if err := producer.ProduceSync(ctx, RecordOf(s, topic)).FirstErr(); err != nil {
-		if uerr := outbox.RecordParkedFailure(ctx, q, id, produceErrorCode(err), err.Error()); uerr != nil {
-			return errors.Join(fmt.Errorf("republish outbox row %s: %w", id, err), uerr)
+		perr := fmt.Errorf("republish outbox row %s: %w", id, err)
+		if uerr := outbox.RecordParkedFailure(ctx, tx, id, produceErrorCode(err), err.Error()); uerr != nil {
+			return errors.Join(perr, uerr)
 		}
-		return fmt.Errorf("republish outbox row %s: %w", id, err)
+		if cerr := tx.Commit(ctx); cerr != nil {
+			return errors.Join(perr, cerr)
+		}
+		return perr
 	}
-	return outbox.Decide(ctx, q, id, outbox.DecisionRepublished, by, reason)
+	if err := outbox.Decide(ctx, tx, id, outbox.DecisionRepublished, by, reason); err != nil {
+		return err
+	}
+	if err := tx.Commit(ctx); err != nil {
+		return fmt.Errorf("record republication of outbox row %s (its record was produced: a retry produces it again, a duplicate the inboxes absorb): %w", id, err)
+	}
+	return nil
 }

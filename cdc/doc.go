@@ -76,8 +76,13 @@
 //     that LSN (pglogrepl would copy the write position into zero flush/apply
 //     positions). They are sent at least every StatusInterval and at once
 //     when a server keepalive asks for a reply. The server's WAL end from
-//     keepalives is never confirmed: only commit LSNs the tracker passed are,
-//     including those of heartbeats (below).
+//     keepalives is confirmed only while the relay is idle (no transaction
+//     tracked, none being received): the keepalive carries the walsender's
+//     sent position, and every transaction committed before it was then
+//     received and is done. Otherwise only commit LSNs the tracker passed
+//     are, including those of heartbeats (below). Without the idle rule a
+//     fast shutdown of PostgreSQL waits for good for the relay to confirm
+//     the shutdown checkpoint.
 //   - Heartbeat: every HeartbeatInterval (default 10s; negative disables) the
 //     relay runs SELECT pg_logical_emit_message(true, 'converge-heartbeat',
 //     '{"slot":...,"emitted_at":...}') on its normal connection. The

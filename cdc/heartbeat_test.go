@@ -112,7 +112,13 @@ func TestRelayHeartbeatAdvancesIdleSlot(t *testing.T) {
 	}
 }
 
-func TestRelayWithoutHeartbeatIdleSlotStays(t *testing.T) {
+// Without heartbeats, an idle relay still moves the slot past WAL that
+// carried no outbox commit: with no transaction tracked, the walsender's
+// sent position from its keepalives is confirmed (everything committed
+// before it was received and is done). A fast shutdown of PostgreSQL waits
+// for exactly this confirmation (issue 13 review: it hung while the relay
+// only confirmed commits). Rows written afterwards are still relayed.
+func TestRelayIdleConfirmsKeepalivePosition(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
 	cfg := b.config()
@@ -124,22 +130,20 @@ func TestRelayWithoutHeartbeatIdleSlotStays(t *testing.T) {
 	rr := b.start(t, cfg)
 	b.waitStreaming(t, rr)
 
-	target := b.writeOtherTable(t)
-	// Wait for several status updates after the write (a signal, not a
-	// sleep): none of them may confirm WAL that carried no outbox commit.
-	sent := counterSum(t, reg, "converge_relay_status_updates_total")
-	testenv.Eventually(t, 10*time.Second, "status updates sent", func() bool {
-		return counterSum(t, reg, "converge_relay_status_updates_total") >= sent+5
-	})
-	c, _, _ := b.slotState(t)
-	if c >= target {
-		t.Fatalf("slot confirmed %s past the other table's WAL %s without a heartbeat or outbox commit", c, target)
+	for range 3 {
+		target := b.writeOtherTable(t)
+		testenv.Eventually(t, 10*time.Second, "idle slot confirmed past the other table's WAL", func() bool {
+			c, _, _ := b.slotState(t)
+			return c >= target
+		})
 	}
-	// The sampled lag covers at least the unconfirmed WAL of the other table.
-	testenv.Eventually(t, 10*time.Second, "slot lag sampled", func() bool {
-		return gaugeValue(t, reg, "converge_relay_slot_lag_bytes") >= float64(target-c)
-	})
 	if got := counterSum(t, reg, "converge_relay_heartbeats_emitted_total"); got != 0 {
 		t.Fatalf("converge_relay_heartbeats_emitted_total = %v with heartbeats disabled", got)
+	}
+	ev := b.event(t, "task-after-idle", 1)
+	b.insertTx(t, ev)
+	testenv.Eventually(t, 10*time.Second, "row after the idle period published", func() bool { return b.unpublished(t) == 0 })
+	if len(byEventID(b.readAll(t))[ev.id]) != 1 {
+		t.Fatal("the row written after the idle period is not in the topic")
 	}
 }

@@ -13,6 +13,7 @@ import (
 	"golang.org/x/sync/errgroup"
 
 	"github.com/converge-run/converge/internal/fault"
+	"github.com/converge-run/converge/internal/kafkatopic"
 	"github.com/converge-run/converge/internal/outbox"
 )
 
@@ -41,7 +42,7 @@ func (s *session) produceRecord(seq uint64, outboxID, eventType string, rec *kgo
 				return
 			}
 			s.m.produceErrors.Inc()
-			if code, ok := refusedRecord(err); ok {
+			if code, ok := kafkatopic.RefusedRecord(err); ok {
 				// Retrying cannot help: park the row (the flush records it
 				// and releases the token) and let the stream go on.
 				s.log.Error("the broker refuses an outbox record; parking the row (converge outbox list)",
@@ -82,18 +83,6 @@ func (e *produceError) Error() string {
 }
 
 func (e *produceError) Unwrap() error { return e.err }
-
-// refusedRecord reports whether err is the broker's (or franz-go's own)
-// refusal of this record itself, which no retry changes, and its code.
-func refusedRecord(err error) (string, bool) {
-	for _, ke := range []*kerr.Error{kerr.MessageTooLarge, kerr.RecordListTooLarge, kerr.InvalidRecord,
-		kerr.CorruptMessage, kerr.InvalidTimestamp, kerr.UnsupportedForMessageFormat} {
-		if errors.Is(err, ke) {
-			return ke.Message, true
-		}
-	}
-	return "", false
-}
 
 // produceErrorCode is the stable code recorded for a produce failure:
 // Kafka's error name, or DELIVERY_TIMEOUT, RETRIES_EXHAUSTED, PRODUCE_FAILED.

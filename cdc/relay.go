@@ -228,6 +228,10 @@ type session struct {
 	inTxn        bool
 	txnSeq       uint64
 	serverWALEnd pglogrepl.LSN
+	// keepaliveEnd is the highest WAL position of a primary keepalive: the
+	// walsender's sent position (sentPtr), everything before which it has
+	// decoded and sent.
+	keepaliveEnd pglogrepl.LSN
 	nextStatus   time.Time
 
 	// The marker goroutine (marker.go).
@@ -257,6 +261,11 @@ func (r *Relay) open(ctx context.Context) (_ *session, err error) {
 	s.store = &store{pool: s.pool}
 
 	created, err := s.store.ensurePublication(ctx, cfg.PublicationName)
+	if errors.Is(err, ErrPublicationMismatch) && cfg.RepairPublication {
+		s.log.WarnContext(ctx, "the publication no longer covered the outbox; repairing it (RepairPublication); the reconciler republishes the rows written meanwhile",
+			slog.String("publication", cfg.PublicationName), slog.String("error", err.Error()))
+		err = s.store.repairPublication(ctx, cfg.PublicationName)
+	}
 	if err != nil {
 		return nil, err
 	}
@@ -437,6 +446,14 @@ func (s *session) housekeeping() error {
 func (s *session) sendStatus() error {
 	s.markMu.Lock()
 	markErr := s.markErr
+	if !s.inTxn && s.keepaliveEnd > 0 {
+		// Idle: every transaction the server sent before its keepalive is
+		// done, so its sent position may be confirmed. Without this a fast
+		// shutdown of PostgreSQL waits for good: its walsender waits for the
+		// client to confirm everything sent, the shutdown checkpoint
+		// included, and a heartbeat cannot connect then (issue 13 review).
+		s.tr.advanceIdle(s.keepaliveEnd)
+	}
 	lsn := s.tr.confirmable()
 	s.markMu.Unlock()
 	if markErr != nil {
@@ -480,6 +497,9 @@ func (s *session) handle(ctx context.Context, msg pgproto3.BackendMessage) error
 				return fmt.Errorf("parse keepalive: %w", err)
 			}
 			s.noteWALEnd(pkm.ServerWALEnd)
+			if pkm.ServerWALEnd > s.keepaliveEnd {
+				s.keepaliveEnd = pkm.ServerWALEnd
+			}
 			if pkm.ReplyRequested {
 				return s.sendStatus()
 			}

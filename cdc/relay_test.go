@@ -694,6 +694,23 @@ func TestRelayPublicationDroppedWhileStreaming(t *testing.T) {
 	}
 }
 
+// With RepairPublication (converge dev) a publication that no longer
+// covers the outbox at start is altered back and the relay streams.
+func TestRelayRepairsPublicationWhenAsked(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	if _, err := b.db.Pool.Exec(context.Background(), "CREATE PUBLICATION "+b.pub+" FOR TABLE task WITH (publish = 'update')"); err != nil {
+		t.Fatal(err)
+	}
+	cfg := b.config()
+	cfg.RepairPublication = true
+	rr := b.start(t, cfg)
+	b.waitStreaming(t, rr)
+	ev := b.event(t, "task-repaired", 1)
+	b.insertTx(t, ev)
+	testenv.Eventually(t, 10*time.Second, "row published after the repair", func() bool { return b.unpublished(t) == 0 })
+}
+
 func TestCheckSlot(t *testing.T) {
 	t.Parallel()
 	ok := slotInfo{exists: true, plugin: "pgoutput", slotType: "logical", database: "db", current: "db", walStatus: "reserved"}

@@ -59,6 +59,26 @@ func (s *store) ensurePublication(ctx context.Context, name string) (created boo
 	return false, s.checkPublication(ctx, name)
 }
 
+// repairPublication makes publication name cover public.outbox_event and
+// publish inserts again (RepairPublication, `converge dev` only).
+func (s *store) repairPublication(ctx context.Context, name string) error {
+	pub, table := pgx.Identifier{name}.Sanitize(), pgx.Identifier{outboxSchema, outboxTable}.Sanitize()
+	var covers bool
+	if err := s.pool.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM pg_publication_tables WHERE pubname = $1 AND schemaname = $2 AND tablename = $3)`,
+		name, outboxSchema, outboxTable).Scan(&covers); err != nil {
+		return fmt.Errorf("repair publication %s: %w", name, err)
+	}
+	if !covers {
+		if _, err := s.pool.Exec(ctx, "ALTER PUBLICATION "+pub+" ADD TABLE "+table); err != nil {
+			return fmt.Errorf("repair publication %s: %w", name, err)
+		}
+	}
+	if _, err := s.pool.Exec(ctx, "ALTER PUBLICATION "+pub+" SET (publish = 'insert')"); err != nil {
+		return fmt.Errorf("repair publication %s: %w", name, err)
+	}
+	return s.checkPublication(ctx, name)
+}
+
 // checkPublication verifies that publication name covers
 // public.outbox_event and publishes inserts (ErrPublicationMismatch
 // otherwise, with the fix). The relay checks it at start and every

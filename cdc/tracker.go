@@ -226,6 +226,18 @@ func (t *tracker) advance() {
 	}
 }
 
+// advanceIdle moves the confirmable LSN to lsn (the walsender's sent
+// position from a keepalive) when no transaction is tracked: every
+// transaction committed before it was then received and is done. It does
+// nothing while any transaction is tracked, and never moves back.
+func (t *tracker) advanceIdle(lsn pglogrepl.LSN) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if len(t.txns) == 0 && lsn > t.confirmed {
+		t.confirmed = lsn
+	}
+}
+
 // confirmable returns the end LSN up to which every transaction is done: the
 // LSN the standby status update may report.
 func (t *tracker) confirmable() pglogrepl.LSN {

@@ -149,7 +149,10 @@ func (c *DevCmd) Run(env *runEnv) error {
 		dirPrefix = "CONVERGE_DATA_DIR=" + dataDir + " "
 	}
 	cfg := pipeline.Config{
-		DatabaseURL: dbURL, Brokers: brokers, RedisURL: redisURL, ArtifactDir: artifactDir,
+		// The embedded PostgreSQL stops with dev, so a publication altered
+		// by hand could not be fixed before the relay checks it again.
+		RepairPublication: true,
+		DatabaseURL:       dbURL, Brokers: brokers, RedisURL: redisURL, ArtifactDir: artifactDir,
 		Topic: c.Topic, Partitions: c.TopicPartitions, SlotName: c.SlotName, PublicationName: c.PublicationName,
 		Listener: ln, AdminListener: adminLn, MaxBodyBytes: c.MaxBodyBytes, MaxInFlightPerTenant: c.MaxInFlight, Faults: env.faults, Logger: log, Registry: reg,
 		Worker: worker.Config{VisibilityTimeout: c.WorkerVisibilityTimeout},

@@ -23,15 +23,15 @@ type DLQCmd struct {
 
 // DLQListCmd is `converge dlq list`.
 type DLQListCmd struct {
-	DatabaseURL string `name:"database-url" env:"CONVERGE_DATABASE_URL" help:"PostgreSQL URL."`
-	Code        string `help:"Only dead letters with this error code."`
-	State       string `help:"Only dead letters in this state (parked, replayed, resolved, refused)."`
-	Limit       int    `default:"100" help:"At most this many."`
+	OperatorDB
+	Code  string `help:"Only dead letters with this error code."`
+	State string `help:"Only dead letters in this state (parked, replayed, resolved, refused)."`
+	Limit int    `default:"100" help:"At most this many."`
 }
 
 // Run prints one line per dead letter.
 func (c *DLQListCmd) Run(env *runEnv) error {
-	pool, err := openPool(env.ctx, c.DatabaseURL)
+	pool, err := c.open(env.ctx)
 	if err != nil {
 		return err
 	}
@@ -59,14 +59,14 @@ func (c *DLQListCmd) Run(env *runEnv) error {
 
 // DLQShowCmd is `converge dlq show ID`.
 type DLQShowCmd struct {
-	DatabaseURL string `name:"database-url" env:"CONVERGE_DATABASE_URL" help:"PostgreSQL URL."`
-	ID          int64  `arg:"" help:"Dead letter id."`
+	OperatorDB
+	ID int64 `arg:"" help:"Dead letter id."`
 }
 
 // Run prints the dead letter as indented JSON (key, value and header
 // values base64-encoded).
 func (c *DLQShowCmd) Run(env *runEnv) error {
-	pool, err := openPool(env.ctx, c.DatabaseURL)
+	pool, err := c.open(env.ctx)
 	if err != nil {
 		return err
 	}
@@ -82,7 +82,7 @@ func (c *DLQShowCmd) Run(env *runEnv) error {
 
 // DLQReplayCmd is `converge dlq replay ID|--all [--code CODE] --reason TEXT [--by WHO]`.
 type DLQReplayCmd struct {
-	DatabaseURL  string   `name:"database-url" env:"CONVERGE_DATABASE_URL" help:"PostgreSQL URL."`
+	OperatorDB
 	KafkaBrokers []string `name:"kafka-brokers" env:"CONVERGE_KAFKA_BROKERS" sep:"," help:"Kafka bootstrap brokers, comma-separated."`
 	ID           int64    `arg:"" optional:"" help:"Dead letter id (or --all)."`
 	All          bool     `help:"Replay every parked dead letter (of --code when given)."`
@@ -100,7 +100,7 @@ func (c *DLQReplayCmd) Run(env *runEnv) error {
 	if (c.ID == 0) == !c.All {
 		return errors.New("give a dead letter ID or --all")
 	}
-	pool, err := openPool(env.ctx, c.DatabaseURL)
+	pool, err := c.open(env.ctx)
 	if err != nil {
 		return err
 	}
@@ -148,10 +148,10 @@ func (c *DLQReplayCmd) Run(env *runEnv) error {
 
 // DLQResolveCmd is `converge dlq resolve ID --reason TEXT [--by WHO]`.
 type DLQResolveCmd struct {
-	DatabaseURL string `name:"database-url" env:"CONVERGE_DATABASE_URL" help:"PostgreSQL URL."`
-	ID          int64  `arg:"" help:"Dead letter id."`
-	Reason      string `required:"" help:"Why no replay is needed (recorded)."`
-	By          string `help:"Who decides (recorded). Defaults to the OS user."`
+	OperatorDB
+	ID     int64  `arg:"" help:"Dead letter id."`
+	Reason string `required:"" help:"Why no replay is needed (recorded)."`
+	By     string `help:"Who decides (recorded). Defaults to the OS user."`
 }
 
 // Run resolves the dead letter and prints one line (id, outcome, message).
@@ -160,7 +160,7 @@ func (c *DLQResolveCmd) Run(env *runEnv) error {
 	if c.ID < 1 {
 		return errors.New("give a dead letter ID (a positive integer)")
 	}
-	pool, err := openPool(env.ctx, c.DatabaseURL)
+	pool, err := c.open(env.ctx)
 	if err != nil {
 		return err
 	}

@@ -17,16 +17,16 @@ func TestDLQResolveCommand(t *testing.T) {
 	db := testenv.NewDB(t)
 	id := parkDeadLetter(t, db)
 	env := &runEnv{ctx: context.Background(), log: slog.New(slog.NewTextHandler(io.Discard, nil))}
-	if err := (&DLQResolveCmd{DatabaseURL: db.URL, ID: 0, Reason: "x"}).Run(env); err == nil {
+	if err := (&DLQResolveCmd{OperatorDB: OperatorDB{DatabaseURL: db.URL}, ID: 0, Reason: "x"}).Run(env); err == nil {
 		t.Error("resolve without an id succeeded")
 	}
-	if err := (&DLQResolveCmd{DatabaseURL: db.URL, ID: id, Reason: "  "}).Run(env); err == nil {
+	if err := (&DLQResolveCmd{OperatorDB: OperatorDB{DatabaseURL: db.URL}, ID: id, Reason: "  "}).Run(env); err == nil {
 		t.Error("resolve with a blank reason succeeded")
 	}
-	if err := (&DLQResolveCmd{DatabaseURL: db.URL, ID: id + 1000, Reason: "x"}).Run(env); err == nil {
+	if err := (&DLQResolveCmd{OperatorDB: OperatorDB{DatabaseURL: db.URL}, ID: id + 1000, Reason: "x"}).Run(env); err == nil {
 		t.Error("resolve of an unknown id succeeded")
 	}
-	if err := (&DLQResolveCmd{DatabaseURL: db.URL, ID: id, Reason: "obsolete record", By: "ops"}).Run(env); err != nil {
+	if err := (&DLQResolveCmd{OperatorDB: OperatorDB{DatabaseURL: db.URL}, ID: id, Reason: "obsolete record", By: "ops"}).Run(env); err != nil {
 		t.Fatal(err)
 	}
 	var state, by, reason string

@@ -17,8 +17,8 @@ type InboxCmd struct {
 
 // InboxConflictsCmd is `converge inbox conflicts [--limit N]`.
 type InboxConflictsCmd struct {
-	DatabaseURL string `name:"database-url" env:"CONVERGE_DATABASE_URL" help:"PostgreSQL URL."`
-	Limit       int    `default:"100" help:"At most this many."`
+	OperatorDB
+	Limit int `default:"100" help:"At most this many."`
 }
 
 // Run prints one line per conflict.
@@ -26,7 +26,7 @@ func (c *InboxConflictsCmd) Run(env *runEnv) error {
 	if c.Limit < 1 {
 		return errors.New("--limit must be at least 1")
 	}
-	pool, err := openPool(env.ctx, c.DatabaseURL)
+	pool, err := c.open(env.ctx)
 	if err != nil {
 		return err
 	}

@@ -25,9 +25,9 @@ type OutboxCmd struct {
 
 // OutboxListCmd is `converge outbox list [--all] [--limit N]`.
 type OutboxListCmd struct {
-	DatabaseURL string `name:"database-url" env:"CONVERGE_DATABASE_URL" help:"PostgreSQL URL."`
-	All         bool   `help:"Also the rows already republished or discarded."`
-	Limit       int    `default:"100" help:"At most this many."`
+	OperatorDB
+	All   bool `help:"Also the rows already republished or discarded."`
+	Limit int  `default:"100" help:"At most this many."`
 }
 
 // Run prints one line per parked row.
@@ -35,7 +35,7 @@ func (c *OutboxListCmd) Run(env *runEnv) error {
 	if c.Limit < 1 {
 		return errors.New("--limit must be at least 1")
 	}
-	pool, err := openPool(env.ctx, c.DatabaseURL)
+	pool, err := c.open(env.ctx)
 	if err != nil {
 		return err
 	}
@@ -65,13 +65,13 @@ func (c *OutboxListCmd) Run(env *runEnv) error {
 
 // OutboxShowCmd is `converge outbox show ID`.
 type OutboxShowCmd struct {
-	DatabaseURL string `name:"database-url" env:"CONVERGE_DATABASE_URL" help:"PostgreSQL URL."`
-	ID          string `arg:"" help:"Outbox id (the event id)."`
+	OperatorDB
+	ID string `arg:"" help:"Outbox id (the event id)."`
 }
 
 // Run prints the row as indented JSON (the payload as its size in bytes).
 func (c *OutboxShowCmd) Run(env *runEnv) error {
-	pool, err := openPool(env.ctx, c.DatabaseURL)
+	pool, err := c.open(env.ctx)
 	if err != nil {
 		return err
 	}
@@ -87,19 +87,18 @@ func (c *OutboxShowCmd) Run(env *runEnv) error {
 
 // OutboxRepublishCmd is `converge outbox republish ID --reason TEXT [--by WHO]`.
 type OutboxRepublishCmd struct {
-	DatabaseURL  string   `name:"database-url" env:"CONVERGE_DATABASE_URL" help:"PostgreSQL URL."`
+	OperatorDB
 	KafkaBrokers []string `name:"kafka-brokers" env:"CONVERGE_KAFKA_BROKERS" sep:"," help:"Kafka bootstrap brokers, comma-separated."`
 	Topic        string   `env:"CONVERGE_TOPIC" default:"converge.task-events.v1" help:"Task-events topic."`
 	ID           string   `arg:"" help:"Outbox id of a parked row."`
 	Reason       string   `required:"" help:"Why (recorded)."`
 	By           string   `help:"Who asks (recorded). Defaults to the OS user."`
-	MaxBytes     int32    `name:"max-bytes" default:"1048576" help:"Largest record the producer sends (kgo.ProducerBatchMaxBytes); raise it only when the broker's message.max.bytes was raised."`
 }
 
 // Run republishes the row and prints one line (id, outcome); it exits 1
 // when the broker refused it again (the attempt is recorded on the row).
 func (c *OutboxRepublishCmd) Run(env *runEnv) error {
-	pool, err := openPool(env.ctx, c.DatabaseURL)
+	pool, err := c.open(env.ctx)
 	if err != nil {
 		return err
 	}
@@ -107,8 +106,12 @@ func (c *OutboxRepublishCmd) Run(env *runEnv) error {
 	if err := need("CONVERGE_KAFKA_BROKERS", firstOr(c.KafkaBrokers)); err != nil {
 		return err
 	}
+	// The producer limits of the relay and the workers (franz-go's
+	// defaults, 1 MiB): a record larger than they send is refused here too,
+	// so a republished record never reaches consumers that could not
+	// dead-letter it.
 	producer, err := kgo.NewClient(kgo.SeedBrokers(c.KafkaBrokers...), kgo.RequiredAcks(kgo.AllISRAcks()),
-		kgo.ProducerBatchMaxBytes(c.MaxBytes), kgo.RecordDeliveryTimeout(30*time.Second))
+		kgo.RecordDeliveryTimeout(30*time.Second))
 	if err != nil {
 		return err
 	}
@@ -122,16 +125,16 @@ func (c *OutboxRepublishCmd) Run(env *runEnv) error {
 
 // OutboxDiscardCmd is `converge outbox discard ID --reason TEXT [--by WHO]`.
 type OutboxDiscardCmd struct {
-	DatabaseURL string `name:"database-url" env:"CONVERGE_DATABASE_URL" help:"PostgreSQL URL."`
-	ID          string `arg:"" help:"Outbox id of a parked row."`
-	Reason      string `required:"" help:"Why it is never published (recorded)."`
-	By          string `help:"Who decides (recorded). Defaults to the OS user."`
+	OperatorDB
+	ID     string `arg:"" help:"Outbox id of a parked row."`
+	Reason string `required:"" help:"Why it is never published (recorded)."`
+	By     string `help:"Who decides (recorded). Defaults to the OS user."`
 }
 
 // Run records the decision and prints one line (id, outcome). Nothing is
 // published; the task the event was about is left as it is.
 func (c *OutboxDiscardCmd) Run(env *runEnv) error {
-	pool, err := openPool(env.ctx, c.DatabaseURL)
+	pool, err := c.open(env.ctx)
 	if err != nil {
 		return err
 	}

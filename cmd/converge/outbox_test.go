@@ -45,22 +45,22 @@ func TestOutboxCommands(t *testing.T) {
 	discard := parkedRow(t, db, "task-discard")
 	again := parkedRow(t, db, "task-republish")
 
-	if err := (&OutboxListCmd{DatabaseURL: db.URL, Limit: 10}).Run(env); err != nil {
+	if err := (&OutboxListCmd{OperatorDB: OperatorDB{DatabaseURL: db.URL}, Limit: 10}).Run(env); err != nil {
 		t.Fatal(err)
 	}
-	if err := (&OutboxShowCmd{DatabaseURL: db.URL, ID: discard}).Run(env); err != nil {
+	if err := (&OutboxShowCmd{OperatorDB: OperatorDB{DatabaseURL: db.URL}, ID: discard}).Run(env); err != nil {
 		t.Fatal(err)
 	}
-	if err := (&OutboxShowCmd{DatabaseURL: db.URL, ID: "no-such-row"}).Run(env); !errors.Is(err, outbox.ErrNotFound) {
+	if err := (&OutboxShowCmd{OperatorDB: OperatorDB{DatabaseURL: db.URL}, ID: "no-such-row"}).Run(env); !errors.Is(err, outbox.ErrNotFound) {
 		t.Errorf("show of an unknown id = %v, want ErrNotFound", err)
 	}
-	if err := (&OutboxDiscardCmd{DatabaseURL: db.URL, ID: discard, Reason: "  ", By: "ops"}).Run(env); !errors.Is(err, outbox.ErrReasonRequired) {
+	if err := (&OutboxDiscardCmd{OperatorDB: OperatorDB{DatabaseURL: db.URL}, ID: discard, Reason: "  ", By: "ops"}).Run(env); !errors.Is(err, outbox.ErrReasonRequired) {
 		t.Errorf("discard with a blank reason = %v, want ErrReasonRequired", err)
 	}
-	if err := (&OutboxDiscardCmd{DatabaseURL: db.URL, ID: discard, Reason: "test event, never needed", By: "ops"}).Run(env); err != nil {
+	if err := (&OutboxDiscardCmd{OperatorDB: OperatorDB{DatabaseURL: db.URL}, ID: discard, Reason: "test event, never needed", By: "ops"}).Run(env); err != nil {
 		t.Fatal(err)
 	}
-	if err := (&OutboxDiscardCmd{DatabaseURL: db.URL, ID: discard, Reason: "again", By: "ops"}).Run(env); !errors.Is(err, outbox.ErrDecided) {
+	if err := (&OutboxDiscardCmd{OperatorDB: OperatorDB{DatabaseURL: db.URL}, ID: discard, Reason: "again", By: "ops"}).Run(env); !errors.Is(err, outbox.ErrDecided) {
 		t.Errorf("second discard = %v, want ErrDecided", err)
 	}
 	s, err := outbox.Get(ctx, db.Pool, discard)
@@ -71,7 +71,7 @@ func TestOutboxCommands(t *testing.T) {
 		t.Fatalf("discarded row = %+v", s)
 	}
 
-	rep := &OutboxRepublishCmd{DatabaseURL: db.URL, KafkaBrokers: kafka.Brokers, Topic: kafka.Topic, MaxBytes: 1 << 20, Reason: "broker limit raised", By: "ops"}
+	rep := &OutboxRepublishCmd{OperatorDB: OperatorDB{DatabaseURL: db.URL}, KafkaBrokers: kafka.Brokers, Topic: kafka.Topic, Reason: "broker limit raised", By: "ops"}
 	rep.ID = discard
 	if err := rep.Run(env); !errors.Is(err, outbox.ErrDecided) {
 		t.Errorf("republish of a discarded row = %v, want ErrDecided", err)
@@ -130,7 +130,7 @@ func TestInboxConflictsCommand(t *testing.T) {
 	ctx := context.Background()
 	db := testenv.NewDB(t)
 	env := &runEnv{ctx: ctx, log: slog.New(slog.NewTextHandler(io.Discard, nil))}
-	if err := (&InboxConflictsCmd{DatabaseURL: db.URL, Limit: 10}).Run(env); err != nil {
+	if err := (&InboxConflictsCmd{OperatorDB: OperatorDB{DatabaseURL: db.URL}, Limit: 10}).Run(env); err != nil {
 		t.Fatal(err)
 	}
 	d := inbox.Delivery{Consumer: "converge-worker", MessageID: "evt-1", PayloadSHA256: strings.Repeat("b", 64), Topic: "t", Partition: 2, Offset: 7}
@@ -141,10 +141,10 @@ func TestInboxConflictsCommand(t *testing.T) {
 	if err != nil || len(cs) != 1 || cs[0].MessageID != "evt-1" || cs[0].Offset != 7 || cs[0].StoredSHA256 != strings.Repeat("a", 64) {
 		t.Fatalf("ListConflicts = %+v, %v", cs, err)
 	}
-	if err := (&InboxConflictsCmd{DatabaseURL: db.URL, Limit: 10}).Run(env); err != nil {
+	if err := (&InboxConflictsCmd{OperatorDB: OperatorDB{DatabaseURL: db.URL}, Limit: 10}).Run(env); err != nil {
 		t.Fatal(err)
 	}
-	if err := (&InboxConflictsCmd{DatabaseURL: db.URL, Limit: 0}).Run(env); err == nil {
+	if err := (&InboxConflictsCmd{OperatorDB: OperatorDB{DatabaseURL: db.URL}, Limit: 0}).Run(env); err == nil {
 		t.Fatal("--limit 0 accepted")
 	}
 }

@@ -27,7 +27,7 @@ type TenantsCmd struct {
 
 // TenantsEnableCmd is `converge tenants enable NAME`.
 type TenantsEnableCmd struct {
-	TenantsDB
+	OperatorDB
 	Name string `arg:"" help:"Tenant name."`
 }
 
@@ -47,7 +47,7 @@ func (c *TenantsEnableCmd) Run(env *runEnv) error {
 
 // TenantsQuotaCmd is `converge tenants quota NAME (N | --none)`.
 type TenantsQuotaCmd struct {
-	TenantsDB
+	OperatorDB
 	Name      string `arg:"" help:"Tenant name."`
 	Remaining *int64 `arg:"" optional:"" help:"Tasks the tenant may still create."`
 	None      bool   `help:"Remove the quota (unlimited)."`
@@ -74,15 +74,16 @@ func (c *TenantsQuotaCmd) Run(env *runEnv) error {
 	return nil
 }
 
-// TenantsDB is how the tenants commands reach PostgreSQL:
+// OperatorDB is how the operator commands (tenants, outbox, inbox, dlq)
+// reach PostgreSQL:
 // CONVERGE_DATABASE_URL, else the database of a `converge dev` whose data
 // directory is --data-dir (it writes its URL there).
-type TenantsDB struct {
+type OperatorDB struct {
 	DatabaseURL string `name:"database-url" env:"CONVERGE_DATABASE_URL" help:"PostgreSQL URL (default: the converge dev stack of --data-dir)."`
 	DataDir     string `env:"CONVERGE_DATA_DIR" default:".converge" help:"Data directory of a running converge dev."`
 }
 
-func (d TenantsDB) open(ctx context.Context) (*pgxpool.Pool, error) {
+func (d OperatorDB) open(ctx context.Context) (*pgxpool.Pool, error) {
 	url := d.DatabaseURL
 	if url == "" {
 		b, err := os.ReadFile(filepath.Join(d.DataDir, devDatabaseURLFile))
@@ -96,7 +97,7 @@ func (d TenantsDB) open(ctx context.Context) (*pgxpool.Pool, error) {
 
 // TenantsAddCmd is `converge tenants add NAME [--quota N] [--admin]`.
 type TenantsAddCmd struct {
-	TenantsDB
+	OperatorDB
 	Name  string `arg:"" help:"Tenant name (lower case letters, digits, _ and -; at most 63)."`
 	Quota *int64 `help:"Tasks the tenant may create (default: no quota)."`
 	Admin bool   `help:"The tenant's tokens may use the admin endpoints and read every task."`
@@ -123,7 +124,7 @@ func (c *TenantsAddCmd) Run(env *runEnv) error {
 
 // TenantsListCmd is `converge tenants list`.
 type TenantsListCmd struct {
-	TenantsDB
+	OperatorDB
 }
 
 // Run prints one line per tenant (never a token).
@@ -154,7 +155,7 @@ func (c *TenantsListCmd) Run(env *runEnv) error {
 
 // TenantsRotateCmd is `converge tenants rotate NAME`.
 type TenantsRotateCmd struct {
-	TenantsDB
+	OperatorDB
 	Name string `arg:"" help:"Tenant name."`
 }
 
@@ -177,7 +178,7 @@ func (c *TenantsRotateCmd) Run(env *runEnv) error {
 
 // TenantsDisableCmd is `converge tenants disable NAME`.
 type TenantsDisableCmd struct {
-	TenantsDB
+	OperatorDB
 	Name string `arg:"" help:"Tenant name."`
 }
 

@@ -16,9 +16,9 @@ func TestTenantsCommands(t *testing.T) {
 	t.Parallel()
 	db := testenv.NewDB(t)
 	env := &runEnv{ctx: context.Background(), log: slog.New(slog.NewTextHandler(io.Discard, nil))}
-	d := TenantsDB{DatabaseURL: db.URL}
+	d := OperatorDB{DatabaseURL: db.URL}
 	q := int64(2)
-	if err := (&TenantsAddCmd{TenantsDB: d, Name: "cli-team", Quota: &q}).Run(env); err != nil {
+	if err := (&TenantsAddCmd{OperatorDB: d, Name: "cli-team", Quota: &q}).Run(env); err != nil {
 		t.Fatal(err)
 	}
 	get := func() tenant.Tenant {
@@ -33,34 +33,34 @@ func TestTenantsCommands(t *testing.T) {
 		t.Fatalf("after add: %+v", tn)
 	}
 	ten := int64(10)
-	if err := (&TenantsQuotaCmd{TenantsDB: d, Name: "cli-team", Remaining: &ten}).Run(env); err != nil || *get().Remaining != 10 {
+	if err := (&TenantsQuotaCmd{OperatorDB: d, Name: "cli-team", Remaining: &ten}).Run(env); err != nil || *get().Remaining != 10 {
 		t.Fatalf("quota 10: %v %+v", err, get())
 	}
-	if err := (&TenantsQuotaCmd{TenantsDB: d, Name: "cli-team", None: true}).Run(env); err != nil || get().Remaining != nil {
+	if err := (&TenantsQuotaCmd{OperatorDB: d, Name: "cli-team", None: true}).Run(env); err != nil || get().Remaining != nil {
 		t.Fatalf("quota --none: %v %+v", err, get())
 	}
-	if err := (&TenantsQuotaCmd{TenantsDB: d, Name: "cli-team"}).Run(env); err == nil {
+	if err := (&TenantsQuotaCmd{OperatorDB: d, Name: "cli-team"}).Run(env); err == nil {
 		t.Error("quota without a number or --none accepted")
 	}
-	if err := (&TenantsDisableCmd{TenantsDB: d, Name: "cli-team"}).Run(env); err != nil || get().DisabledAt == nil {
+	if err := (&TenantsDisableCmd{OperatorDB: d, Name: "cli-team"}).Run(env); err != nil || get().DisabledAt == nil {
 		t.Fatalf("disable: %v", err)
 	}
-	if err := (&TenantsRotateCmd{TenantsDB: d, Name: "cli-team"}).Run(env); err == nil {
+	if err := (&TenantsRotateCmd{OperatorDB: d, Name: "cli-team"}).Run(env); err == nil {
 		t.Error("rotate of a disabled tenant accepted")
 	}
-	if err := (&TenantsEnableCmd{TenantsDB: d, Name: "cli-team"}).Run(env); err != nil || get().DisabledAt != nil {
+	if err := (&TenantsEnableCmd{OperatorDB: d, Name: "cli-team"}).Run(env); err != nil || get().DisabledAt != nil {
 		t.Fatalf("enable: %v", err)
 	}
-	if err := (&TenantsRotateCmd{TenantsDB: d, Name: "cli-team"}).Run(env); err != nil || get().Credentials != 1 {
+	if err := (&TenantsRotateCmd{OperatorDB: d, Name: "cli-team"}).Run(env); err != nil || get().Credentials != 1 {
 		t.Fatalf("rotate: %v %+v", err, get())
 	}
-	if err := (&TenantsListCmd{TenantsDB: d}).Run(env); err != nil {
+	if err := (&TenantsListCmd{OperatorDB: d}).Run(env); err != nil {
 		t.Fatal(err)
 	}
 	for _, cmd := range []interface{ Run(*runEnv) error }{
-		&TenantsDisableCmd{TenantsDB: d, Name: "nobody"}, &TenantsEnableCmd{TenantsDB: d, Name: "nobody"},
-		&TenantsRotateCmd{TenantsDB: d, Name: "nobody"}, &TenantsAddCmd{TenantsDB: d, Name: "Bad Name"},
-		&TenantsListCmd{TenantsDB: TenantsDB{DataDir: t.TempDir()}},
+		&TenantsDisableCmd{OperatorDB: d, Name: "nobody"}, &TenantsEnableCmd{OperatorDB: d, Name: "nobody"},
+		&TenantsRotateCmd{OperatorDB: d, Name: "nobody"}, &TenantsAddCmd{OperatorDB: d, Name: "Bad Name"},
+		&TenantsListCmd{OperatorDB: OperatorDB{DataDir: t.TempDir()}},
 	} {
 		if err := cmd.Run(env); err == nil {
 			t.Errorf("%T succeeded", cmd)

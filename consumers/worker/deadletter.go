@@ -13,6 +13,7 @@ import (
 	"github.com/converge-run/converge/internal/backoff"
 	"github.com/converge-run/converge/internal/canon"
 	"github.com/converge-run/converge/internal/inbox"
+	"github.com/converge-run/converge/internal/kafkatopic"
 	"github.com/converge-run/converge/internal/outbox"
 	"github.com/converge-run/converge/internal/task"
 	"github.com/converge-run/converge/internal/taskevent"
@@ -47,6 +48,14 @@ func (w *Worker) deadLetter(ctx context.Context, cl *kgo.Client, r *kgo.Record, 
 		if err == nil {
 			break
 		}
+		if code, refused := kafkatopic.RefusedRecord(err); refused && len(dlq.Value) > 0 {
+			// Retrying cannot help and would hold the partition for good
+			// (issue 13 review): park the record without its value.
+			log.WarnContext(ctx, "the dead-letter topic refuses the record; dead-lettering it without its value",
+				slog.String("code", code), slog.Int("value_bytes", len(dlq.Value)), slog.Any("err", err))
+			dlq = withoutValue(dlq, code)
+			continue
+		}
 		log.WarnContext(ctx, "produce dead letter failed; retrying", slog.String("topic", w.cfg.DeadLetterTopic), slog.Any("err", err))
 		if !backoff.Sleep(ctx, w.cfg.RetryBackoffMin, w.cfg.RetryBackoffMax, n) {
 			return false
@@ -68,6 +77,14 @@ func (w *Worker) deadLetter(ctx context.Context, cl *kgo.Client, r *kgo.Record, 
 	log.WarnContext(ctx, "record dead-lettered", slog.String("class", f.class), slog.String("code", f.code),
 		slog.Int("attempts", f.attempts), slog.String("dlq_topic", w.cfg.DeadLetterTopic), slog.Any("err", f.err))
 	return true
+}
+
+// withoutValue is dlq with an empty value and the dlq-value-omitted
+// header saying why and how large the value was.
+func withoutValue(dlq *kgo.Record, code string) *kgo.Record {
+	hs := append(dlq.Headers[:len(dlq.Headers):len(dlq.Headers)], kgo.RecordHeader{
+		Key: taskevent.HeaderDLQValueOmitted, Value: []byte(fmt.Sprintf("%s: %d bytes", code, len(dlq.Value)))})
+	return &kgo.Record{Topic: dlq.Topic, Key: dlq.Key, Headers: hs}
 }
 
 // recordDeadLetter is the transaction after the dead-letter topic

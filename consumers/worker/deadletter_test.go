@@ -2,6 +2,7 @@ package worker
 
 import (
 	"context"
+	"strings"
 	"testing"
 	"time"
 
@@ -133,5 +134,35 @@ func TestRetriesExhaustedAreDeadLettered(t *testing.T) {
 	}
 	if a, _ := header(recs[0], taskevent.HeaderDLQAttempts); a != "3" {
 		t.Errorf("attempts %q", a)
+	}
+}
+
+// A poison record larger than the dead-letter topic accepts (here: the
+// worker's producer limit of 16 KiB, like a record over 1 MiB at the
+// defaults) is dead-lettered without its value, with dlq-value-omitted,
+// and the partition moves on: retrying the produce forever wedged it
+// (issue 13 review).
+func TestDeadLetterTooLargeIsParkedWithoutValue(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	healthy := createTask(t, b.db.Pool, []byte(`{"healthy":true}`))
+	big := healthy.record()
+	big.Value = []byte(`{"pad":"` + strings.Repeat("x", 32<<10) + `"}`) // its payload_sha256 header no longer matches
+	big.Key = []byte("task-big")
+	b.produce(t, big, healthy.record())
+	b.start(t, nil, kgo.ProducerBatchMaxBytes(16<<10))
+	testenv.Eventually(t, waitFor, "healthy task completed", func() bool { return b.status(healthy.taskID) == taskevent.StatusCompleted })
+	testenv.Eventually(t, waitFor, "offsets committed", func() bool { return b.allCommitted(t) })
+	recs := b.deadLetters(t, 1)
+	if len(recs) != 1 {
+		t.Fatalf("%d dead letters, want 1", len(recs))
+	}
+	d := recs[0]
+	omitted, n := header(d, taskevent.HeaderDLQValueOmitted)
+	if len(d.Value) != 0 || n != 1 || !strings.HasPrefix(omitted, "MESSAGE_TOO_LARGE: ") || string(d.Key) != "task-big" {
+		t.Fatalf("dead letter key %q, %d value bytes, %s=%q; want the key, no value, MESSAGE_TOO_LARGE", d.Key, len(d.Value), taskevent.HeaderDLQValueOmitted, omitted)
+	}
+	if code, _ := header(d, taskevent.HeaderDLQErrorCode); code == "" {
+		t.Error("dead letter without its error code")
 	}
 }

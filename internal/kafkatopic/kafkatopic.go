@@ -27,3 +27,17 @@ func Ensure(ctx context.Context, cl *kgo.Client, partitions int32, topics ...str
 	}
 	return nil
 }
+
+// RefusedRecord reports whether err is the refusal of one record itself
+// by the producer or the broker (too large, invalid), which no retry
+// changes, and its Kafka error name. The relay parks such a row; the
+// worker dead-letters such a record without its value.
+func RefusedRecord(err error) (code string, ok bool) {
+	for _, ke := range []*kerr.Error{kerr.MessageTooLarge, kerr.RecordListTooLarge, kerr.InvalidRecord,
+		kerr.CorruptMessage, kerr.InvalidTimestamp, kerr.UnsupportedForMessageFormat} {
+		if errors.Is(err, ke) {
+			return ke.Message, true
+		}
+	}
+	return "", false
+}

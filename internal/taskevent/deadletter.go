@@ -28,6 +28,12 @@ const (
 	HeaderDLQProcessorVersion = "dlq-processor-version"
 	HeaderDLQFirstFailureAt   = "dlq-first-failure-at"
 	HeaderDLQLastFailureAt    = "dlq-last-failure-at"
+	// HeaderDLQValueOmitted is set (to "<code>: <n> bytes") on a dead
+	// letter whose original value the dead-letter topic refused (too
+	// large): it carries the key and headers, an empty value, and this
+	// header; the original stays at its origin offset until the topic's
+	// retention removes it.
+	HeaderDLQValueOmitted = "dlq-value-omitted"
 )
 
 // Error classes (header dlq-error-class, dead_letter.error_class).

@@ -73,6 +73,8 @@ type Config struct {
 	// (kafkametrics.LagSampler: the worker and projector groups on Topic,
 	// and every other group of the cluster). Defaults to 10s.
 	LagSampleInterval time.Duration
+	// RepairPublication of the relay (cdc.Config): `converge dev` sets it.
+	RepairPublication bool
 	// HeartbeatInterval and SlotSampleInterval of the relay (cdc.Config).
 	// Default to the relay's defaults (10s each).
 	HeartbeatInterval  time.Duration
@@ -168,7 +170,7 @@ func Run(ctx context.Context, cfg Config) error {
 
 	relay, err := cdc.New(cdc.Config{
 		DatabaseURL: cfg.DatabaseURL, Brokers: cfg.Brokers, Topic: cfg.Topic, Partitions: cfg.Partitions,
-		SlotName: cfg.SlotName, PublicationName: cfg.PublicationName,
+		SlotName: cfg.SlotName, PublicationName: cfg.PublicationName, RepairPublication: cfg.RepairPublication,
 		HeartbeatInterval: cfg.HeartbeatInterval, SlotSampleInterval: cfg.SlotSampleInterval,
 		Logger: log.With("component", "relay"), Registerer: reg, Faults: cfg.Faults,
 		KafkaOpts: []kgo.Opt{kafkametrics.ClientMetrics(reg, "relay")},
