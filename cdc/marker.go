@@ -45,7 +45,7 @@ func (s *session) produceRecord(seq uint64, outboxID, eventType string, rec *kgo
 			if code, ok := kafkatopic.RefusedRecord(err); ok {
 				// Retrying cannot help: park the row (the flush records it
 				// and releases the token) and let the stream go on.
-				s.log.Error("the broker refuses an outbox record; parking the row (converge outbox list)",
+				s.log.Error("an outbox record is refused for good (by the producer's 1 MiB limit or by the broker); parking the row (converge outbox list)",
 					slog.String("outbox_id", outboxID), slog.String("code", code), slog.String("error", err.Error()))
 				s.tr.ackPark(seq, outboxID, parkReason{code: code, message: err.Error()})
 				return

@@ -8,6 +8,7 @@ import (
 	"text/tabwriter"
 	"time"
 
+	"github.com/twmb/franz-go/pkg/kerr"
 	"github.com/twmb/franz-go/pkg/kgo"
 
 	"github.com/converge-run/converge/cdc"
@@ -117,6 +118,9 @@ func (c *OutboxRepublishCmd) Run(env *runEnv) error {
 	}
 	defer producer.Close()
 	if err := cdc.Republish(env.ctx, producer, pool, c.Topic, c.ID, osUserOr(c.By), c.Reason); err != nil {
+		if errors.Is(err, kerr.MessageTooLarge) {
+			return fmt.Errorf("%w (a record over converge's 1 MiB producer limit cannot be republished; discard it: converge outbox discard %s --reason ...)", err, c.ID)
+		}
 		return err
 	}
 	fmt.Printf("%s\t%s\n", c.ID, outbox.DecisionRepublished)

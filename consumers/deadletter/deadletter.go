@@ -139,6 +139,11 @@ func FromRecord(r *kgo.Record) DeadLetter {
 		d.ErrorCode = taskevent.CodeUnclassified
 	}
 	d.ErrorMessage = h[taskevent.HeaderDLQErrorMessage]
+	if omitted := h[taskevent.HeaderDLQValueOmitted]; omitted != "" {
+		// The dead-letter topic refused the original value (too large):
+		// say so where `converge dlq show` shows it.
+		d.ErrorMessage += " [value not kept: " + omitted + "]"
+	}
 	d.Attempts, _ = strconv.Atoi(h[taskevent.HeaderDLQAttempts])
 	d.Attempts = max(d.Attempts, 1)
 	d.ProcessorVersion = h[taskevent.HeaderDLQProcessorVersion]
@@ -373,6 +378,14 @@ func (s *Service) replay(ctx context.Context, id int64, req Request) (Result, st
 			return recordReplay(ctx, tx, id, StateResolved, 0, req.By, req.Reason, res.Message)
 		}
 		subject := limitSubject(d)
+		if len(d.Value) == 0 {
+			// Nothing to replay: the worker dead-lettered the record without
+			// its value (too large for the dead-letter topic), or it had
+			// none. Publishing it would only produce an empty record.
+			res.Outcome = OutcomeRefused
+			res.Message = "the dead letter keeps no value (" + d.ErrorMessage + "); nothing published: fix the task another way, or `converge dlq resolve`"
+			return nil
+		}
 		if d.State == StateRefused {
 			res.Outcome = OutcomeRefused
 			res.Message = fmt.Sprintf("dead letter refused earlier (%s replayed %d times over all its dead letters, limit %d); nothing published: a person must decide (fix and complete the task, or `converge dlq resolve`)",

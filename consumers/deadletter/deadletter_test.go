@@ -602,3 +602,43 @@ func TestReplayErrors(t *testing.T) {
 		t.Errorf("dead letter changed by refused requests: %+v", d)
 	}
 }
+
+// A dead letter the worker parked without its value (too large for the
+// dead-letter topic: dlq-value-omitted) says so in its error message and
+// is never replayed: publishing it would produce an empty record and use
+// up one of the task's replays (issue 13 review).
+func TestReplayOfDeadLetterWithoutValueIsRefused(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ctx := context.Background()
+	_, orig := b.failedTask(t, worker.CodeInjectedProcessingError)
+	now := time.Now().UTC()
+	rec := taskevent.DeadLetterRecord(orig, taskevent.DeadLetter{Topic: taskevent.DeadLetterTopic(b.kafka.Topic), Group: taskevent.DefaultWorkerGroup,
+		Class: taskevent.ClassDeterministic, Code: worker.CodeInjectedProcessingError, Message: "processing failed", Attempts: 1,
+		ProcessorVersion: worker.DefaultProcessorVersion, First: now, Last: now})
+	rec.Value = nil
+	rec.Headers = append(rec.Headers, kgo.RecordHeader{Key: taskevent.HeaderDLQValueOmitted, Value: []byte("MESSAGE_TOO_LARGE: 2000000 bytes")})
+	rec.Partition, rec.Offset, rec.Timestamp = orig.Partition, orig.Offset, now
+	d := FromRecord(rec)
+	if !strings.Contains(d.ErrorMessage, "value not kept: MESSAGE_TOO_LARGE: 2000000 bytes") {
+		t.Fatalf("error message %q does not say the value was not kept", d.ErrorMessage)
+	}
+	if _, err := b.svc.Store().Insert(ctx, d); err != nil {
+		t.Fatal(err)
+	}
+	var id int64
+	if err := b.db.Pool.QueryRow(ctx, `SELECT dead_letter_id FROM dead_letter WHERE origin_offset = $1 AND origin_partition = $2`, orig.Offset, orig.Partition).Scan(&id); err != nil {
+		t.Fatal(err)
+	}
+	n := b.published(t)
+	res, err := b.svc.Replay(ctx, id, Request{Reason: "try", By: "bob"})
+	if err != nil || res.Outcome != OutcomeRefused || !strings.Contains(res.Message, "keeps no value") {
+		t.Fatalf("replay = %+v, %v; want refused, nothing to replay", res, err)
+	}
+	if got := b.published(t); got != n {
+		t.Fatalf("%d records published", got-n)
+	}
+	if got, _ := b.svc.Get(ctx, id); got.ReplayCount != 0 {
+		t.Fatalf("replay count %d, want 0", got.ReplayCount)
+	}
+}

@@ -136,6 +136,9 @@ func Run(ctx context.Context, e Experiment, env Env, out string, log *slog.Logge
 	if err := x.stop(); err != nil && runErr == nil && !errors.Is(err, context.Canceled) {
 		runErr = fmt.Errorf("pipeline stop: %w", err)
 	}
+	for _, f := range x.cleanup {
+		f()
+	}
 	cancel()
 	x.rep.Snapshot = x.snapshot(ctx)
 	x.rep.Duration = time.Since(start).Round(time.Millisecond).String()
@@ -174,6 +177,9 @@ type X struct {
 	tasks   []string // task ids involved
 	keys    []string // idempotency keys used (one intent each)
 	replays int      // MaxReplays configured
+	// cleanup runs after the pipeline stopped (things it still needs
+	// while the invariants are checked, e.g. a proxy to PostgreSQL).
+	cleanup []func()
 }
 
 func (x *X) step(format string, args ...any) {

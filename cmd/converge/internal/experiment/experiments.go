@@ -30,6 +30,7 @@ var experiments = []Experiment{
 	{"poison-replay", "Poison message: dead letter, fix, replay, completes", "13.5, 14", poisonReplay},
 	{"stale-cache", "Stale cache: the version wins, the reconciler repairs the view", "9, 13.6, 14", staleCache},
 	{"crash-after-artifact-write", "Crash between artifact write and completion: restart completes with one artifact", "13.3, 12", crashAfterWrite},
+	{"database-outage", "PostgreSQL unreachable for 10 s under load: 503s, nothing stops, everything completes after", "14, issue 13", databaseOutage},
 }
 
 func arm(spec string) (*fault.Set, error) { return fault.Parse(spec) }
