@@ -128,12 +128,8 @@ func (r *Relay) Run(ctx context.Context) error {
 		delay := backoff.Delay(r.cfg.RestartBackoffMin, r.cfg.RestartBackoffMax, attempt)
 		r.log.WarnContext(ctx, "relay session failed; restarting from the slot", slog.String("reason", reason),
 			slog.Duration("backoff", delay), slog.String("error", err.Error()))
-		t := time.NewTimer(delay)
-		select {
-		case <-ctx.Done():
-			t.Stop()
+		if !backoff.Wait(ctx, delay) {
 			return nil
-		case <-t.C:
 		}
 	}
 }

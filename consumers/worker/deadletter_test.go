@@ -146,8 +146,11 @@ func TestDeadLetterTooLargeIsParkedWithoutValue(t *testing.T) {
 	t.Parallel()
 	b := setup(t, nil)
 	healthy := createTask(t, b.db.Pool, []byte(`{"healthy":true}`))
-	big := healthy.record()
-	big.Value = []byte(`{"pad":"` + strings.Repeat("x", 32<<10) + `"}`) // its payload_sha256 header no longer matches
+	// A record of its own (its own event id: the inbox must not see it as
+	// the healthy record's id reused), its value replaced, so its
+	// payload_sha256 header no longer matches.
+	big := createTask(t, b.db.Pool, []byte(`{"big":true}`)).record()
+	big.Value = []byte(`{"pad":"` + strings.Repeat("x", 32<<10) + `"}`)
 	big.Key = []byte("task-big")
 	b.produce(t, big, healthy.record())
 	b.start(t, nil, kgo.ProducerBatchMaxBytes(16<<10))

@@ -28,7 +28,13 @@ func Delay(min, max time.Duration, n int) time.Duration {
 
 // Sleep waits Delay(min, max, n); false when ctx ended first.
 func Sleep(ctx context.Context, min, max time.Duration, n int) bool {
-	t := time.NewTimer(Delay(min, max, n))
+	return Wait(ctx, Delay(min, max, n))
+}
+
+// Wait waits d (a delay the caller drew with Delay, e.g. to log it first);
+// false when ctx ended first.
+func Wait(ctx context.Context, d time.Duration) bool {
+	t := time.NewTimer(d)
 	defer t.Stop()
 	select {
 	case <-ctx.Done():

@@ -71,12 +71,8 @@ func (s *supervisor) run(ctx context.Context, name string, fatal func(error) boo
 			msg = "component failed; restarting it"
 		}
 		s.log.ErrorContext(ctx, msg, slog.String("component", name), slog.Duration("backoff", delay), slog.Any("err", err))
-		t := time.NewTimer(delay)
-		select {
-		case <-ctx.Done():
-			t.Stop()
+		if !backoff.Wait(ctx, delay) {
 			return nil
-		case <-t.C:
 		}
 	}
 }
