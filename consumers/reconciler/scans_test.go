@@ -63,7 +63,7 @@ func TestCompensationTimeoutReconciledByObservation(t *testing.T) {
 
 // A task left queued past TaskDeadline is re-driven once per version by a
 // TaskRedriveRequested outbox event; inbox rows of terminal tasks left
-// processing are released; expired in_progress idempotency records without
+// processing are released (unless a worker's lease on them is live); expired in_progress idempotency records without
 // a task are removed; unpublished outbox rows are reported.
 func TestScansRedriveReleaseResolve(t *testing.T) {
 	t.Parallel()
@@ -85,6 +85,12 @@ func TestScansRedriveReleaseResolve(t *testing.T) {
 VALUES ('ev-done', $1, 1, 'TaskFailed', '{}', $2, now() - interval '1 hour')`, doneTask, sum([]byte("x")))
 	exec(`INSERT INTO inbox_message (consumer_name, message_id, payload_sha256, state, last_seen_at)
 VALUES ('converge-worker', 'ev-done', $1, 'processing', now() - interval '1 hour')`, sum([]byte("x")))
+	// Also stale by last_seen_at, but under a live lease of a worker (seed
+	// 6): that delivery is still in its attempt, the row is not released.
+	exec(`INSERT INTO outbox_event (outbox_id, aggregate_id, aggregate_version, event_type, payload, payload_sha256, created_at, published_at)
+VALUES ('ev-leased', $1, 2, 'TaskFailed', '{}', $2, now() - interval '1 hour', now())`, doneTask, sum([]byte("x")))
+	exec(`INSERT INTO inbox_message (consumer_name, message_id, payload_sha256, state, last_seen_at, locked_by, locked_until)
+VALUES ('converge-worker', 'ev-leased', $1, 'processing', now() - interval '1 hour', 'w-1', now() + interval '1 hour')`, sum([]byte("x")))
 	exec(`INSERT INTO idempotency_record (scope, idempotency_key, request_fingerprint, state, locked_until, expires_at)
 VALUES ('s', 'k-expired', $1, 'in_progress', now() - interval '1 minute', now() + interval '1 day')`, sum([]byte("y")))
 
@@ -104,6 +110,10 @@ VALUES ('s', 'k-expired', $1, 'in_progress', now() - interval '1 minute', now() 
 	_ = b.db.Pool.QueryRow(ctx, `SELECT state FROM inbox_message WHERE message_id = 'ev-done'`).Scan(&state)
 	if state != "completed" {
 		t.Errorf("inbox %s, want completed", state)
+	}
+	_ = b.db.Pool.QueryRow(ctx, `SELECT state FROM inbox_message WHERE message_id = 'ev-leased'`).Scan(&state)
+	if state != "processing" {
+		t.Errorf("leased inbox row %s, want processing (its lease is live)", state)
 	}
 	// A second pass re-drives nothing more: one re-drive per task version.
 	res, err = b.r.Pass(ctx)

@@ -215,6 +215,15 @@ func (w *Worker) perRecord(ctx context.Context, cl *kgo.Client, run []*job, done
 			continue
 		}
 		if ctx.Err() != nil || !w.processRecord(ctx, cl, j.rec) {
+			// Given up: the run's intake may have leased the rest.
+			for k := i + 1; k < len(run); k++ {
+				if done == nil || done[k] == "" {
+					w.releaseLease(run[k].rec, w.log)
+				}
+			}
+			if ctx.Err() != nil {
+				w.releaseLease(j.rec, w.log)
+			}
 			return i
 		}
 	}
@@ -240,7 +249,7 @@ func (w *Worker) intakeRun(ctx context.Context, tx pgx.Tx, run []*job) error {
 	)
 	b := &pgx.Batch{}
 	for i, j := range run {
-		inbox.QueueRegister(b, w.cfg.Group, j.ev.EventID, j.sha, &inserted[i])
+		inbox.QueueRegister(b, w.cfg.Group, j.ev.EventID, j.sha, w.lease, &inserted[i])
 		task.QueueStartIfQueued(b, j.ev.TaskID, j.ev.TaskVersion, &started[i])
 		task.QueueDocument(b, j.ev.TaskID, &docs[i], &docFound[i])
 		ledger.QueueLive(b, j.ev.TaskID, &live[i], &liveFound[i])

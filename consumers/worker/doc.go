@@ -22,7 +22,13 @@
 //     decides. Same id and another hash: an inbox_conflict row, nothing
 //     processed ("conflict", seed 13.4). Same hash and completed/failed: a
 //     duplicate, only deliveries is counted ("duplicate"). Same hash and
-//     processing: an earlier delivery stopped mid-way and is resumed. The
+//     processing: an earlier delivery stopped mid-way and is resumed — once
+//     its inbox lease allows (seed 6): the registering or resuming delivery
+//     leases the row to this instance (Config.LeaseOwner, InboxLease ≥
+//     AttemptTimeout); another instance's live lease makes the delivery
+//     wait ("lease_held", inbox.ErrLeaseHeld; not counted against
+//     MaxAttempts) until the holder finishes it or the lease expires, and a
+//     record given up unfinished releases the lease. The
 //     task moves queued -> running by a compare-and-set on status queued and
 //     a version at least the event's (version+1, attempt+1; a task re-opened
 //     by a dead-letter replay is queued at a higher version than its

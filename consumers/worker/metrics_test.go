@@ -33,7 +33,7 @@ func TestMessageOutcomesExportedFromStart(t *testing.T) {
 			}
 		}
 	}
-	for _, o := range []string{OutcomeProcessed, OutcomeDuplicate, OutcomeConflict, OutcomeIgnored, OutcomeFailed, OutcomeRetried, OutcomeDeadLettered} {
+	for _, o := range []string{OutcomeProcessed, OutcomeDuplicate, OutcomeConflict, OutcomeIgnored, OutcomeFailed, OutcomeRetried, OutcomeDeadLettered, OutcomeCancelled, OutcomeLeaseHeld} {
 		if v, ok := got[o]; !ok || v != 0 {
 			t.Errorf("converge_worker_messages_total{outcome=%q} = %v (exported %v), want 0 from the start", o, v, ok)
 		}

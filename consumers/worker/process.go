@@ -112,7 +112,7 @@ func (w *Worker) process(ctx context.Context, r *kgo.Record, ev *taskevent.Event
 // means the delivery is finished (duplicate, conflict, failed transform).
 func (w *Worker) intake(ctx context.Context, tx pgx.Tx, j *job) (string, error) {
 	group, ev := w.cfg.Group, j.ev
-	inserted, err := inbox.Register(ctx, tx, group, ev.EventID, j.sha)
+	inserted, err := inbox.Register(ctx, tx, group, ev.EventID, j.sha, w.lease)
 	if err != nil {
 		return "", err
 	}
@@ -127,14 +127,19 @@ func (w *Worker) intake(ctx context.Context, tx pgx.Tx, j *job) (string, error) 
 			return OutcomeConflict, inbox.InsertConflict(ctx, tx, inbox.Delivery{Consumer: group, MessageID: ev.EventID,
 				PayloadSHA256: j.sha, Topic: j.rec.Topic, Partition: j.rec.Partition, Offset: j.rec.Offset}, row.PayloadSHA256)
 		}
-		if err := inbox.Touch(ctx, tx, group, ev.EventID); err != nil {
-			return "", err
-		}
 		if row.State != inbox.Processing {
+			if err := inbox.Touch(ctx, tx, group, ev.EventID); err != nil {
+				return "", err
+			}
 			return OutcomeDuplicate, nil
 		}
-		// processing: an earlier delivery stopped mid-way; resume it (the
-		// ledger makes the effect safe to resume, seed 13.3).
+		// processing: an earlier delivery stopped mid-way, or another
+		// instance is processing it now (a rebalance moved the partition
+		// while its attempt runs). Resume it once its lease allows (seed
+		// 6); the ledger makes the effect safe to resume (seed 13.3).
+		if err := inbox.Acquire(ctx, tx, group, ev.EventID, row, w.lease); err != nil {
+			return "", err
+		}
 	}
 	// The common case, a queued task, reads the document and the live
 	// effect in the round trip that starts the task.

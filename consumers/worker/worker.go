@@ -2,6 +2,8 @@ package worker
 
 import (
 	"context"
+	"crypto/rand"
+	"encoding/hex"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -17,6 +19,7 @@ import (
 	"github.com/converge-run/converge/internal/consumergroup"
 	"github.com/converge-run/converge/internal/dbpool"
 	"github.com/converge-run/converge/internal/fault"
+	"github.com/converge-run/converge/internal/inbox"
 	"github.com/converge-run/converge/internal/kafkatopic"
 	"github.com/converge-run/converge/internal/taskevent"
 )
@@ -51,6 +54,12 @@ const (
 	// retryable errors MaxAttempts times, and was parked on the dead-letter
 	// topic (seed 13.5).
 	OutcomeDeadLettered = "dead_lettered"
+	// OutcomeLeaseHeld: one attempt found the message processing under
+	// another instance's live inbox lease (seed 6: not processed
+	// concurrently); the record is tried again shortly, without counting
+	// against MaxAttempts, until the holder finished it or its lease
+	// expired (InboxLease).
+	OutcomeLeaseHeld = "lease_held"
 	// OutcomeCancelled: the task was cancelled while queued (a client's
 	// version-guarded cancel won against the start): not started, nothing
 	// performed.
@@ -151,6 +160,19 @@ type Config struct {
 	// statements and store calls). An attempt in flight when Run's context
 	// is cancelled runs to its end within this bound. Defaults to 30s.
 	AttemptTimeout time.Duration
+	// InboxLease is how long a delivery leases the inbox row of a message
+	// it registers or resumes (seed 6; inbox.Lease): while it lasts,
+	// another instance that receives the message (a rebalance moved the
+	// partition, a redelivery) waits instead of processing it
+	// concurrently; after it, the message is taken over. It must be at
+	// least AttemptTimeout, so that the holder's attempt has ended when the
+	// lease expires; a worker that crashed mid-attempt delays its messages
+	// by at most this long. Defaults to AttemptTimeout.
+	InboxLease time.Duration
+	// LeaseOwner names this worker instance in inbox leases
+	// (inbox_message.locked_by). Defaults to the process's client id
+	// (clientid.Process) and a random suffix, unique per Worker.
+	LeaseOwner string
 }
 
 func (c *Config) setDefaults() {
@@ -187,6 +209,14 @@ func (c *Config) setDefaults() {
 	if c.VisibilityTimeout <= 0 {
 		c.VisibilityTimeout = 30 * time.Second
 	}
+	if c.InboxLease <= 0 {
+		c.InboxLease = c.AttemptTimeout
+	}
+	if c.LeaseOwner == "" {
+		var b [4]byte
+		_, _ = rand.Read(b[:])
+		c.LeaseOwner = clientid.Process("converge-worker") + "-" + hex.EncodeToString(b[:])
+	}
 	if c.MaxAttempts <= 0 {
 		c.MaxAttempts = 10
 	}
@@ -212,6 +242,8 @@ func (c *Config) Validate() error {
 		return errors.New("worker: ArtifactStore is required")
 	case c.DeadLetterTopic == c.Topic:
 		return fmt.Errorf("worker: DeadLetterTopic must differ from Topic %q", c.Topic)
+	case c.InboxLease < c.AttemptTimeout:
+		return fmt.Errorf("worker: InboxLease %s is below AttemptTimeout %s (a lease must outlive its holder's attempt)", c.InboxLease, c.AttemptTimeout)
 	case c.RetryBackoffMax < c.RetryBackoffMin:
 		return fmt.Errorf("worker: RetryBackoffMax %s is below RetryBackoffMin %s", c.RetryBackoffMax, c.RetryBackoffMin)
 	}
@@ -228,6 +260,7 @@ type Worker struct {
 	store   *artifact.Store
 	faults  *fault.Set
 	m       *metrics
+	lease   inbox.Lease
 }
 
 // New validates cfg and returns a Worker. It registers the worker's metrics
@@ -242,7 +275,8 @@ func New(cfg Config) (*Worker, error) {
 	if err != nil {
 		return nil, err
 	}
-	w := &Worker{cfg: cfg, log: cfg.Logger, pool: cfg.Pool, store: cfg.ArtifactStore, faults: cfg.Faults, m: m}
+	w := &Worker{cfg: cfg, log: cfg.Logger, pool: cfg.Pool, store: cfg.ArtifactStore, faults: cfg.Faults, m: m,
+		lease: inbox.Lease{Owner: cfg.LeaseOwner, For: cfg.InboxLease}}
 	if w.pool, w.ownPool, err = dbpool.Use(w.pool, cfg.DatabaseURL, "worker"); err != nil {
 		return nil, err
 	}
@@ -312,7 +346,8 @@ func (w *Worker) processRecord(ctx context.Context, cl *kgo.Client, r *kgo.Recor
 			first = now
 		}
 		retryable := Retryable(err)
-		if retryable {
+		leased := errors.Is(err, inbox.ErrLeaseHeld)
+		if retryable && !leased {
 			retries++
 		}
 		waiting := !retryable && errors.Is(err, ErrNotYetVisible) && now.Before(w.visibleBy(r, first))
@@ -328,9 +363,17 @@ func (w *Worker) processRecord(ctx context.Context, cl *kgo.Client, r *kgo.Recor
 			w.m.processing.Observe(time.Since(start).Seconds())
 			return true
 		}
-		w.m.messages.WithLabelValues(OutcomeRetried).Inc()
 		d := backoff.Delay(w.cfg.RetryBackoffMin, w.cfg.RetryBackoffMax, attempt)
-		if waiting {
+		if leased {
+			w.m.messages.WithLabelValues(OutcomeLeaseHeld).Inc()
+		} else {
+			w.m.messages.WithLabelValues(OutcomeRetried).Inc()
+		}
+		if leased {
+			// The holder may finish any moment; its lease bounds the wait.
+			d = min(d, leaseBackoffMax)
+			log.InfoContext(ctx, "message leased to another instance; waiting", slog.Int("attempt", attempt+1), slog.Duration("backoff", d), slog.Any("err", err))
+		} else if waiting {
 			d = min(d, visibilityBackoffMax)
 			log.DebugContext(ctx, "task not visible yet; retrying", slog.Int("attempt", attempt+1), slog.Duration("backoff", d), slog.Any("err", err))
 		} else {
@@ -340,11 +383,39 @@ func (w *Worker) processRecord(ctx context.Context, cl *kgo.Client, r *kgo.Recor
 		select {
 		case <-ctx.Done():
 			t.Stop()
+			w.releaseLease(r, log)
 			return false
 		case <-t.C:
 		}
 	}
 }
+
+// releaseLease ends this instance's inbox lease on record r, given up
+// unfinished (inbox.ReleaseLease), so that its next consumer need not wait
+// for the lease to expire. Best effort: a lease left behind expires.
+func (w *Worker) releaseLease(r *kgo.Record, log *slog.Logger) {
+	id := ""
+	for _, h := range r.Headers {
+		if h.Key == taskevent.HeaderEventID {
+			id = string(h.Value)
+		}
+	}
+	if id == "" {
+		return
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), releaseLeaseTimeout)
+	defer cancel()
+	if _, err := inbox.ReleaseLease(ctx, w.pool, w.cfg.Group, id, w.lease.Owner); err != nil {
+		log.WarnContext(ctx, "could not release the inbox lease; it expires by itself", slog.String("event_id", id), slog.Any("err", err))
+	}
+}
+
+// releaseLeaseTimeout bounds releaseLease.
+const releaseLeaseTimeout = 2 * time.Second
+
+// leaseBackoffMax caps the delay between attempts on a record whose inbox
+// row another instance holds under a live lease.
+const leaseBackoffMax = time.Second
 
 // visibilityBackoffMax caps the delay between attempts on a record whose
 // task is not visible yet: a commit normally becomes visible within
@@ -400,7 +471,7 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 			Buckets: prometheus.ExponentialBuckets(0.005, 2.5, 14),
 		}),
 	}
-	for _, o := range []string{OutcomeProcessed, OutcomeDuplicate, OutcomeConflict, OutcomeIgnored, OutcomeFailed, OutcomeRetried, OutcomeDeadLettered, OutcomeCancelled} {
+	for _, o := range []string{OutcomeProcessed, OutcomeDuplicate, OutcomeConflict, OutcomeIgnored, OutcomeFailed, OutcomeRetried, OutcomeDeadLettered, OutcomeCancelled, OutcomeLeaseHeld} {
 		m.messages.WithLabelValues(o)
 	}
 	// Exported at 0 from the start so that a dashboard's sum shows 0, not

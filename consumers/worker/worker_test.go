@@ -692,6 +692,7 @@ func TestNewValidates(t *testing.T) {
 		"no brokers":  {DatabaseURL: "postgres://x/y", ArtifactStore: store},
 		"no store":    {DatabaseURL: "postgres://x/y", Brokers: []string{"x"}},
 		"backoff":     {DatabaseURL: "postgres://x/y", Brokers: []string{"x"}, ArtifactStore: store, RetryBackoffMin: time.Second, RetryBackoffMax: time.Millisecond},
+		"lease":       {DatabaseURL: "postgres://x/y", Brokers: []string{"x"}, ArtifactStore: store, AttemptTimeout: time.Minute, InboxLease: time.Second},
 	} {
 		if _, err := New(cfg); err == nil || !strings.HasPrefix(err.Error(), "worker:") {
 			t.Errorf("%s: New error %v, want a worker: validation error", name, err)

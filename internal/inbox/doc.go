@@ -9,8 +9,13 @@
 //     being the event id (= outbox id). Register inserts it Processing; the
 //     primary key, not a prior read, decides which delivery registered it.
 //   - A registered message with the same payload hash is a redelivery:
-//     Processing is resumed (the effect ledger makes the effect safe to
-//     resume), Completed or Failed is a duplicate. With another payload hash
+//     Completed or Failed is a duplicate; Processing is resumed (the effect
+//     ledger makes the effect safe to resume) once its lease allows: a
+//     delivery that registers or resumes a message leases it (locked_by,
+//     locked_until: Lease, Acquire), and another instance's live lease
+//     makes a redelivery wait (ErrLeaseHeld) instead of processing
+//     concurrently (seed 6). A lease outlives its holder's attempt, so a
+//     takeover after expiry never overlaps a live attempt of the holder. With another payload hash
 //     it is a conflict: recorded once per hash in inbox_conflict and never
 //     processed.
 //   - A row leaves Processing only by a compare-and-set (Finish, Release),

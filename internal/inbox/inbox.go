@@ -32,14 +32,31 @@ const (
 type Row struct {
 	PayloadSHA256 string
 	State         State
+	// LockedBy is the lease holder (Lease.Owner) of a Processing message,
+	// "" when it has none; LeaseLive reports whether its lease has not
+	// expired yet (by the database's clock) and LockedUntil when it does.
+	LockedBy    string
+	LeaseLive   bool
+	LockedUntil time.Time
+}
+
+// Lease is the lease a delivery takes on a message it processes (seed 6:
+// a processing message whose lease has not expired is not processed
+// concurrently). Owner names one worker instance (unique per process and
+// Worker); For is how long the lease lasts, from the statement's now():
+// the worker uses its attempt bound, so the holder's attempt has ended
+// before another instance may take the message over.
+type Lease struct {
+	Owner string
+	For   time.Duration
 }
 
 // Register inserts message id of consumer in state Processing with its
-// payload hash. It returns false when the identity is already registered:
-// the primary key (consumer_name, message_id) decides, never a prior read
-// (seed 6).
-func Register(ctx context.Context, q dbpool.Querier, consumer, id, payloadSHA256 string) (bool, error) {
-	tag, err := q.Exec(ctx, sqlRegister, consumer, id, payloadSHA256)
+// payload hash, leased to l. It returns false when the identity is already
+// registered: the primary key (consumer_name, message_id) decides, never a
+// prior read (seed 6).
+func Register(ctx context.Context, q dbpool.Querier, consumer, id, payloadSHA256 string, l Lease) (bool, error) {
+	tag, err := q.Exec(ctx, sqlRegister, consumer, id, payloadSHA256, l.Owner, l.For.Milliseconds())
 	if err != nil {
 		return false, fmt.Errorf("insert inbox message %s: %w", id, err)
 	}
@@ -47,30 +64,97 @@ func Register(ctx context.Context, q dbpool.Querier, consumer, id, payloadSHA256
 }
 
 const sqlRegister = `
-INSERT INTO inbox_message (consumer_name, message_id, payload_sha256, state)
-VALUES ($1, $2, $3, 'processing')
+INSERT INTO inbox_message (consumer_name, message_id, payload_sha256, state, locked_by, locked_until)
+VALUES ($1, $2, $3, 'processing', $4, now() + $5::bigint * interval '1 millisecond')
 ON CONFLICT (consumer_name, message_id) DO NOTHING`
 
 // QueueRegister queues Register on b; inserted is set when the batch's
 // results are read.
-func QueueRegister(b *pgx.Batch, consumer, id, payloadSHA256 string, inserted *bool) {
-	b.Queue(sqlRegister, consumer, id, payloadSHA256).Exec(func(tag pgconn.CommandTag) error {
+func QueueRegister(b *pgx.Batch, consumer, id, payloadSHA256 string, l Lease, inserted *bool) {
+	b.Queue(sqlRegister, consumer, id, payloadSHA256, l.Owner, l.For.Milliseconds()).Exec(func(tag pgconn.CommandTag) error {
 		*inserted = tag.RowsAffected() == 1
 		return nil
 	})
+}
+
+// ErrLeaseHeld is wrapped by the error of Acquire when another owner's
+// lease on the message is live: the delivery must not process it now
+// (seed 6), but may try again later — the holder finishes it (a redelivery
+// is then a duplicate) or its lease expires.
+var ErrLeaseHeld = errors.New("inbox message is leased to another consumer instance")
+
+// LeaseHeldError is the error of Acquire for a live lease of another owner.
+type LeaseHeldError struct {
+	MessageID string
+	Owner     string    // the holder
+	Until     time.Time // when the lease expires
+}
+
+func (e *LeaseHeldError) Error() string {
+	return fmt.Sprintf("inbox message %s is leased to %s until %s", e.MessageID, e.Owner, e.Until.UTC().Format(time.RFC3339Nano))
+}
+
+// Unwrap returns ErrLeaseHeld.
+func (e *LeaseHeldError) Unwrap() error { return ErrLeaseHeld }
+
+// Acquire takes the lease of a registered message that row (read by Lock
+// in this transaction) shows Processing, for a delivery that resumes it:
+// when the message has no lease, an expired one, or one of l.Owner (a
+// retry by the same instance), the lease becomes l and the delivery is
+// counted (as Touch); when another owner's lease is live, nothing changes
+// and the error is a *LeaseHeldError (errors.Is ErrLeaseHeld).
+func Acquire(ctx context.Context, q dbpool.Querier, consumer, id string, row Row, l Lease) error {
+	if row.LeaseLive && row.LockedBy != l.Owner {
+		return &LeaseHeldError{MessageID: id, Owner: row.LockedBy, Until: row.LockedUntil}
+	}
+	_, err := q.Exec(ctx, `
+UPDATE inbox_message SET deliveries = deliveries + 1, last_seen_at = now(),
+  locked_by = $3, locked_until = now() + $4::bigint * interval '1 millisecond'
+WHERE consumer_name = $1 AND message_id = $2`, consumer, id, l.Owner, l.For.Milliseconds())
+	if err != nil {
+		return fmt.Errorf("lease inbox message %s: %w", id, err)
+	}
+	return nil
+}
+
+// ReleaseLease ends owner's lease on message id if it is still Processing
+// under it (a compare-and-set on locked_by): the worker calls it when it
+// gives a record up unfinished (Run stopping, its partition revoked), so
+// the instance that receives the record next resumes it at once instead of
+// waiting for the lease to expire. It reports whether a lease was ended.
+func ReleaseLease(ctx context.Context, q dbpool.Querier, consumer, id, owner string) (bool, error) {
+	tag, err := q.Exec(ctx, `
+UPDATE inbox_message SET locked_until = NULL
+WHERE consumer_name = $1 AND message_id = $2 AND state = 'processing' AND locked_by = $3 AND locked_until IS NOT NULL`,
+		consumer, id, owner)
+	if err != nil {
+		return false, fmt.Errorf("release lease of inbox message %s: %w", id, err)
+	}
+	return tag.RowsAffected() == 1, nil
 }
 
 // Lock reads a registered message and locks it until the transaction ends,
 // so concurrent deliveries of one message (and a dead-letter replay)
 // serialise on it. The error wraps pgx.ErrNoRows when it is not registered.
 func Lock(ctx context.Context, q dbpool.Querier, consumer, id string) (Row, error) {
-	var r Row
+	var (
+		r     Row
+		by    *string
+		until *time.Time
+	)
 	err := q.QueryRow(ctx, `
-SELECT payload_sha256, state FROM inbox_message
+SELECT payload_sha256, state, locked_by, locked_until, coalesce(locked_until > now(), false)
+FROM inbox_message
 WHERE consumer_name = $1 AND message_id = $2
-FOR UPDATE`, consumer, id).Scan(&r.PayloadSHA256, &r.State)
+FOR UPDATE`, consumer, id).Scan(&r.PayloadSHA256, &r.State, &by, &until, &r.LeaseLive)
 	if err != nil {
 		return r, fmt.Errorf("read inbox message %s: %w", id, err)
+	}
+	if by != nil {
+		r.LockedBy = *by
+	}
+	if until != nil {
+		r.LockedUntil = *until
 	}
 	return r, nil
 }
@@ -186,11 +270,13 @@ ON CONFLICT (consumer_name, message_id) DO NOTHING`, d.Consumer, d.MessageID, d.
 	return false, nil
 }
 
-// ResetFailed moves a Failed message back to Processing so that a replayed
-// record is processed, not taken as a duplicate (package deadletter).
+// ResetFailed moves a Failed message back to Processing, without a lease,
+// so that a replayed record is processed at once, not taken as a
+// duplicate (package deadletter).
 func ResetFailed(ctx context.Context, q dbpool.Querier, consumer, id string) (bool, error) {
 	tag, err := q.Exec(ctx, `
-UPDATE inbox_message SET state = 'processing', result_json = NULL, completed_at = NULL, last_seen_at = now()
+UPDATE inbox_message SET state = 'processing', result_json = NULL, completed_at = NULL, last_seen_at = now(),
+  locked_by = NULL, locked_until = NULL
 WHERE consumer_name = $1 AND message_id = $2 AND state = 'failed'`, consumer, id)
 	if err != nil {
 		return false, fmt.Errorf("reset inbox message %s: %w", id, err)
@@ -210,7 +296,7 @@ type Stale struct {
 }
 
 // Stales returns at most limit messages Processing with no delivery for
-// lease, oldest first.
+// lease and no live lease of a delivery (Lease), oldest first.
 func Stales(ctx context.Context, q dbpool.Querier, lease time.Duration, limit int) ([]Stale, error) {
 	rows, err := q.Query(ctx, `
 SELECT i.consumer_name, i.message_id, i.last_seen_at, t.task_id, t.status
@@ -218,6 +304,7 @@ FROM inbox_message i
 LEFT JOIN outbox_event o ON o.outbox_id = i.message_id
 LEFT JOIN task t ON t.task_id = o.aggregate_id
 WHERE i.state = 'processing' AND i.last_seen_at < now() - make_interval(secs => $1)
+  AND (i.locked_until IS NULL OR i.locked_until < now())
 ORDER BY i.last_seen_at
 LIMIT $2`, lease.Seconds(), limit)
 	if err != nil {
