@@ -68,17 +68,19 @@ func (c *DevCmd) Run(env *runEnv) error {
 	}
 	defer unlock()
 
+	var supervised []pipeline.Component
 	dbURL := c.DatabaseURL
 	if dbURL == "" {
 		pw, err := devSecret(dataDir, "postgres.password")
 		if err != nil {
 			return err
 		}
-		pg, err := localpg.Start(ctx, localpg.Config{DataDir: filepath.Join(dataDir, "pg"), Port: c.PGPort, Fsync: true, Password: pw, Logger: log})
+		pg, err := startEmbeddedPG(ctx, localpg.Config{DataDir: filepath.Join(dataDir, "pg"), Port: c.PGPort, Fsync: true, Password: pw, Logger: log}, log)
 		if err != nil {
 			return fmt.Errorf("embedded PostgreSQL: %w", err)
 		}
 		defer pg.Stop()
+		supervised = append(supervised, pg.Component())
 		if err := ensureDatabase(ctx, pg.URL("postgres"), "converge"); err != nil {
 			return err
 		}
@@ -155,7 +157,8 @@ func (c *DevCmd) Run(env *runEnv) error {
 		DatabaseURL:       dbURL, Brokers: brokers, RedisURL: redisURL, ArtifactDir: artifactDir,
 		Topic: c.Topic, Partitions: c.TopicPartitions, SlotName: c.SlotName, PublicationName: c.PublicationName,
 		Listener: ln, AdminListener: adminLn, MaxBodyBytes: c.MaxBodyBytes, MaxInFlightPerTenant: c.MaxInFlight, Faults: env.faults, Logger: log, Registry: reg,
-		Worker: worker.Config{VisibilityTimeout: c.WorkerVisibilityTimeout},
+		Worker:     worker.Config{VisibilityTimeout: c.WorkerVisibilityTimeout},
+		Supervised: supervised,
 		Ready: func(addr string) {
 			fmt.Printf(`
 converge is running (Ctrl-C stops it cleanly)

@@ -84,12 +84,19 @@ func requireServices(t *testing.T) {
 	_ = localredis.ErrNoBinary
 }
 
-// TestDevKilledMidBatch runs the real binary on embedded defaults, submits a
-// batch, kills the process with SIGKILL while the batch is being processed,
-// starts it again on the same data directory, and checks from the database
-// and the artifact directory that every task completed with exactly one
-// verified artifact and that no task was created twice.
-func TestDevKilledMidBatch(t *testing.T) {
+// devTest is the world of a test that runs the real binary on embedded
+// defaults: its build, free ports, environment and log file.
+type devTest struct {
+	dir, bin, apiURL string
+	env              []string
+	logf             *os.File
+	pgPort           int
+}
+
+// newDevTest builds the binary and prepares a data directory and ports;
+// it skips under -short and fails without service binaries under CI=true.
+func newDevTest(t *testing.T) *devTest {
+	t.Helper()
 	if testing.Short() {
 		t.Skip("builds and runs the binary")
 	}
@@ -107,8 +114,8 @@ func TestDevKilledMidBatch(t *testing.T) {
 		t.Fatalf("go build: %v\n%s", err, out)
 	}
 	pgPort, kPort, rPort, hPort := testenv.FreePort(t), testenv.FreePort(t), testenv.FreePort(t), testenv.FreePort(t)
-	apiURL := "http://127.0.0.1:" + strconv.Itoa(hPort)
-	env := []string{
+	d := &devTest{dir: dir, bin: bin, apiURL: "http://127.0.0.1:" + strconv.Itoa(hPort), pgPort: pgPort}
+	d.env = []string{
 		"CONVERGE_DATA_DIR=" + filepath.Join(dir, "data"),
 		"CONVERGE_DEV_PG_PORT=" + strconv.Itoa(pgPort),
 		"CONVERGE_DEV_KAFKA_PORT=" + strconv.Itoa(kPort),
@@ -118,17 +125,38 @@ func TestDevKilledMidBatch(t *testing.T) {
 		"CONVERGE_DEV_NO_EXAMPLES=true",
 		"CONVERGE_DATABASE_URL=", "CONVERGE_KAFKA_BROKERS=", "CONVERGE_REDIS_URL=", "CONVERGE_FAULTS=",
 	}
-	logf, err := os.Create(filepath.Join(dir, "dev.log"))
-	if err != nil {
+	if d.logf, err = os.Create(filepath.Join(dir, "dev.log")); err != nil {
 		t.Fatal(err)
 	}
-	defer logf.Close()
 	t.Cleanup(func() {
+		d.logf.Close()
 		if t.Failed() {
 			b, _ := os.ReadFile(filepath.Join(dir, "dev.log"))
 			t.Logf("dev log (tail):\n%s", tail(string(b), 60))
 		}
 	})
+	return d
+}
+
+// dbURL is the embedded PostgreSQL's URL, with its password, that dev wrote
+// into its data directory.
+func (d *devTest) dbURL(t *testing.T) string {
+	t.Helper()
+	raw, err := os.ReadFile(filepath.Join(d.dir, "data", devDatabaseURLFile))
+	if err != nil {
+		t.Fatal(err)
+	}
+	return strings.TrimSpace(string(raw))
+}
+
+// TestDevKilledMidBatch runs the real binary on embedded defaults, submits a
+// batch, kills the process with SIGKILL while the batch is being processed,
+// starts it again on the same data directory, and checks from the database
+// and the artifact directory that every task completed with exactly one
+// verified artifact and that no task was created twice.
+func TestDevKilledMidBatch(t *testing.T) {
+	d := newDevTest(t)
+	dir, bin, env, logf, apiURL, pgPort := d.dir, d.bin, d.env, d.logf, d.apiURL, d.pgPort
 
 	p := startDev(t, bin, env, logf)
 	defer func() { _ = p.cmd.Process.Kill(); <-p.done }()

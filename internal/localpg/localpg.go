@@ -279,6 +279,24 @@ func (c *Cluster) URL(db string) string {
 // Port returns the TCP port.
 func (c *Cluster) Port() int { return c.cfg.Port }
 
+// Exited is closed when the postmaster has exited, by Stop or otherwise (a
+// crash, kill -9); ExitErr then tells how.
+func (c *Cluster) Exited() <-chan struct{} { return c.done }
+
+// ExitErr is the postmaster's exit status (exec.Cmd.Wait's error; nil for a
+// clean exit) once Exited is closed, nil before.
+func (c *Cluster) ExitErr() error {
+	select {
+	case <-c.done:
+		return c.err
+	default:
+		return nil
+	}
+}
+
+// PID returns the postmaster's process id.
+func (c *Cluster) PID() int { return c.cmd.Process.Pid }
+
 // Stop shuts the server down (fast shutdown, then kill after 30 s) and waits
 // for it to exit.
 func (c *Cluster) Stop() error {

@@ -93,6 +93,19 @@ type Config struct {
 	// MaxReplays of a dead letter through the admin API
 	// (deadletter.Config.MaxReplays). Defaults to deadletter's default (3).
 	MaxReplays int
+	// Supervised are more components of the process, run and restarted
+	// like the pipeline's own (converge_component_restarts_total{component}
+	// = Name): `converge dev` watches its embedded PostgreSQL this way.
+	// Defaults to none.
+	Supervised []Component
+}
+
+// Component is a supervised part of the process: Run runs until ctx ends
+// (then it returns nil) or the component fails (an error, or nil before
+// ctx ended); it is then called again after a backoff.
+type Component struct {
+	Name string
+	Run  func(ctx context.Context) error
 }
 
 func (c *Config) setDefaults() {
@@ -245,7 +258,11 @@ func Run(ctx context.Context, cfg Config) error {
 		}
 	}
 
-	sup, err := newSupervisor(log, reg, "relay", "worker", "projector", "reconciler", "lag_sampler")
+	names := []string{"relay", "worker", "projector", "reconciler", "lag_sampler"}
+	for _, c := range cfg.Supervised {
+		names = append(names, c.Name)
+	}
+	sup, err := newSupervisor(log, reg, names...)
 	if err != nil {
 		return err
 	}
@@ -267,6 +284,9 @@ func Run(ctx context.Context, cfg Config) error {
 	run("projector", nil, proj.Run)
 	run("reconciler", nil, rec.Run)
 	run("lag_sampler", nil, lag.Run)
+	for _, c := range cfg.Supervised {
+		run(c.Name, nil, c.Run)
+	}
 	g.Go(func() error {
 		// Serve only once the relay streams from its slot: a row committed
 		// before the slot exists would never be relayed.
