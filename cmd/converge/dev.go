@@ -98,7 +98,7 @@ func (c *DevCmd) Run(env *runEnv) error {
 	reg := newRegistry()
 	brokers := c.KafkaBrokers
 	if len(brokers) == 0 {
-		opts := []kfake.Opt{kfake.NumBrokers(1), kfake.Ports(c.KafkaPort), kfake.DataDir(filepath.Join(dataDir, "kafka")),
+		opts := []kfake.Opt{kfake.NumBrokers(1), kfake.Ports(c.KafkaPort),
 			kfake.ClusterID("converge-dev"), kfake.DefaultNumPartitions(int(c.TopicPartitions))}
 		if !c.KafkaNoSync {
 			opts = append(opts, kfake.SyncWrites())
@@ -106,7 +106,7 @@ func (c *DevCmd) Run(env *runEnv) error {
 		// kfake plus a reaper of consumer-group members whose process is
 		// gone (issue 9): a `converge worker` killed mid-join against
 		// this broker would otherwise wedge the group for minutes.
-		kb, err := devbroker.Start(devbroker.Config{Opts: opts, Logger: log.With("component", "devbroker"), Registerer: reg,
+		kb, err := devbroker.Start(devbroker.Config{Opts: opts, DataDir: filepath.Join(dataDir, "kafka"), Logger: log.With("component", "devbroker"), Registerer: reg,
 			Groups: []string{worker.DefaultGroup, taskview.DefaultGroup, reconciler.DefaultDeadLetterGroup}})
 		if err != nil {
 			return fmt.Errorf("embedded Kafka broker on port %d: %w", c.KafkaPort, err)

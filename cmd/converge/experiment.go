@@ -8,14 +8,11 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
-
-	"github.com/twmb/franz-go/pkg/kfake"
+	"time"
 
 	"github.com/converge-run/converge/cmd/converge/internal/experiment"
-	"github.com/converge-run/converge/internal/devbroker"
 	"github.com/converge-run/converge/internal/localpg"
 	"github.com/converge-run/converge/internal/localredis"
-	"github.com/converge-run/converge/internal/taskevent"
 )
 
 // ExperimentCmd runs the fault-injection experiments (cmd/converge/internal/experiment).
@@ -40,12 +37,18 @@ type ExperimentRunCmd struct {
 	Name string `arg:"" help:"Experiment name (see 'converge experiment list') or 'all'."`
 	Out  string `default:"experiments" help:"Directory for <name>.json (snapshot) and <name>.md (report)."`
 	Keep bool   `help:"Keep the temporary data directory of the embedded services."`
+	// Outage is experiment.Env.Outage.
+	Outage time.Duration `default:"30s" help:"How long database-outage keeps PostgreSQL and kafka-outage keeps Kafka unreachable."`
 }
 
 // Run starts one PostgreSQL cluster and one redis-server in a temporary
-// directory on free ports, then runs each experiment on a database and a
-// kfake cluster of its own, and exits 1 when an invariant failed.
+// directory on free ports, then runs each experiment on a database and an
+// embedded broker (experiment.NewBroker, its data in the temporary
+// directory) of its own, and exits 1 when an invariant failed.
 func (c *ExperimentRunCmd) Run(env *runEnv) error {
+	if c.Outage <= 0 {
+		return fmt.Errorf("--outage %s: want a positive duration", c.Outage)
+	}
 	var list []experiment.Experiment
 	if c.Name == "all" {
 		list = experiment.List()
@@ -93,12 +96,11 @@ func (c *ExperimentRunCmd) Run(env *runEnv) error {
 		if err := ensureDatabase(ctx, pg.URL("postgres"), db); err != nil {
 			return err
 		}
-		kc, err := devbroker.Start(devbroker.Config{Logger: env.log.With("experiment", e.Name, "component", "devbroker"),
-			Opts: []kfake.Opt{kfake.NumBrokers(1), kfake.SeedTopics(4, taskevent.DefaultTopic, taskevent.DeadLetterTopic(taskevent.DefaultTopic))}})
+		kc, err := experiment.NewBroker(filepath.Join(tmp, "kafka", e.Name), env.log.With("experiment", e.Name, "component", "devbroker"))
 		if err != nil {
 			return fmt.Errorf("embedded Kafka broker: %w", err)
 		}
-		xenv := experiment.Env{DatabaseURL: pg.URL(db), Brokers: kc.ListenAddrs(), RedisURL: rs.URL(),
+		xenv := experiment.Env{DatabaseURL: pg.URL(db), Brokers: kc.ListenAddrs(), Broker: kc, Outage: c.Outage, RedisURL: rs.URL(),
 			ArtifactDir: filepath.Join(tmp, "artifacts", e.Name), SlotName: "s_" + db, PublicationName: "p_" + db}
 		rep, err := experiment.Run(ctx, e, xenv, c.Out, env.log.With("experiment", e.Name))
 		kc.Close()

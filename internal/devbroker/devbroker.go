@@ -2,10 +2,14 @@ package devbroker
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"log/slog"
 	"net"
+	"slices"
+	"strconv"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -19,11 +23,18 @@ const ClientID = "converge-devbroker"
 // Config configures Start. Zero values take the defaults noted.
 type Config struct {
 	// Opts are the kfake options of the cluster (NumBrokers, Ports,
-	// DataDir, SyncWrites, ClusterID, DefaultNumPartitions, ...), passed
-	// unchanged. Start appends kfake.ListenFn to track connections, which
-	// overrides a ListenFn given here. Defaults to none (kfake's defaults:
-	// three brokers on random ports).
+	// SyncWrites, ClusterID, DefaultNumPartitions, ...), passed unchanged.
+	// Start appends kfake.ListenFn to track connections, which overrides a
+	// ListenFn given here, and kfake.DataDir(DataDir) when DataDir is set;
+	// Restart also appends kfake.Ports with the ports of the first start.
+	// Defaults to none (kfake's defaults: three brokers on random ports).
 	Opts []kfake.Opt
+	// DataDir is the cluster's data directory (kfake.DataDir): its state
+	// is written there and reloaded at Start and Restart, so topics,
+	// records and committed offsets survive both. Stop and Restart need it
+	// (ErrNoDataDir). Defaults to none: the state lives in memory and ends
+	// with Close.
+	DataDir string
 	// ScanInterval is the time between two scans of the classic consumer
 	// groups (ListGroups + DescribeGroups). Shorter finds dead members
 	// sooner, at one DescribeGroups per interval on the broker. Defaults
@@ -86,22 +97,42 @@ func (c *Config) Validate() error {
 	return nil
 }
 
-// Broker is a running kfake cluster with its reaper. Close stops both.
-type Broker struct {
-	// Cluster is the kfake cluster (ControlKey, ListenAddrs, ...).
-	Cluster *kfake.Cluster
+// Sentinel errors of Stop and Restart.
+var (
+	// ErrNoDataDir: Stop and Restart need Config.DataDir, or the
+	// cluster's topics, records and offsets would be lost.
+	ErrNoDataDir = errors.New("devbroker: Stop and Restart need Config.DataDir")
+	// ErrRunning: Restart of a broker that was not stopped.
+	ErrRunning = errors.New("devbroker: the broker is running (Stop it first)")
+	// ErrClosed: Stop or Restart after Close.
+	ErrClosed = errors.New("devbroker: the broker is closed")
+)
 
+// Broker is a running kfake cluster with its reaper. Close stops both.
+// Stop and Restart take the cluster away and bring it back on the same
+// addresses with the state it persisted (a Kafka outage on demand: the
+// kafka-outage experiment of cmd/converge/internal/experiment).
+type Broker struct {
+	cfg     Config
 	conns   *conns
-	reaper  *reaper
+	m       *metrics
+	evicted atomic.Int64
+	addrs   []string // fixed at Start: Restart listens on the same ports
+	ports   []int
+
+	mu      sync.Mutex // guards the fields below; held through Stop, Restart and Close
+	kc      *kfake.Cluster
 	cl      *kgo.Client
 	cancel  context.CancelFunc
 	done    chan struct{}
-	closeMu sync.Once
+	stopped bool
+	closed  bool
 }
 
 // Start starts the kfake cluster with cfg.Opts and the reaper. It returns
-// an error when the configuration is invalid, the cluster cannot listen, or
-// the metrics are already registered on cfg.Registerer.
+// an error when the configuration is invalid, the cluster cannot listen
+// or cannot load cfg.DataDir, or the metrics are already registered on
+// cfg.Registerer.
 func Start(cfg Config) (*Broker, error) {
 	cfg.setDefaults()
 	if err := cfg.Validate(); err != nil {
@@ -115,47 +146,159 @@ func Start(cfg Config) (*Broker, error) {
 	for _, g := range cfg.Groups {
 		m.evicted.WithLabelValues(g)
 	}
+	b := &Broker{cfg: cfg, conns: cs, m: m}
+	if err := b.start(nil); err != nil {
+		m.unregister(cfg.Registerer)
+		return nil, err
+	}
+	b.addrs = b.kc.ListenAddrs()
+	for _, a := range b.addrs {
+		p, err := port(a)
+		if err != nil {
+			b.Close()
+			m.unregister(cfg.Registerer)
+			return nil, err
+		}
+		b.ports = append(b.ports, p)
+	}
+	return b, nil
+}
+
+// port returns the port of a host:port listen address.
+func port(addr string) (int, error) {
+	_, p, err := net.SplitHostPort(addr)
+	if err != nil {
+		return 0, fmt.Errorf("devbroker: listen address %q: %w", addr, err)
+	}
+	n, err := strconv.Atoi(p)
+	if err != nil {
+		return 0, fmt.Errorf("devbroker: listen address %q: %w", addr, err)
+	}
+	return n, nil
+}
+
+// start creates the cluster (on ports when given) and its reaper.
+func (b *Broker) start(ports []int) error {
 	listen := func(network, address string) (net.Listener, error) {
 		ln, err := net.Listen(network, address)
 		if err != nil {
 			return nil, err
 		}
-		return &listener{Listener: ln, conns: cs}, nil
+		return &listener{Listener: ln, conns: b.conns}, nil
 	}
-	kc, err := kfake.NewCluster(append(cfg.Opts[:len(cfg.Opts):len(cfg.Opts)], kfake.ListenFn(listen))...)
+	opts := append(b.cfg.Opts[:len(b.cfg.Opts):len(b.cfg.Opts)], kfake.ListenFn(listen))
+	if b.cfg.DataDir != "" {
+		opts = append(opts, kfake.DataDir(b.cfg.DataDir))
+	}
+	if len(ports) > 0 {
+		opts = append(opts, kfake.Ports(ports...))
+	}
+	kc, err := kfake.NewCluster(opts...)
 	if err != nil {
-		m.unregister(cfg.Registerer)
-		return nil, err
+		return err
 	}
 	cl, err := kgo.NewClient(kgo.SeedBrokers(kc.ListenAddrs()...), kgo.ClientID(ClientID))
 	if err != nil {
 		kc.Close()
-		m.unregister(cfg.Registerer)
-		return nil, fmt.Errorf("devbroker: reaper client: %w", err)
+		return fmt.Errorf("devbroker: reaper client: %w", err)
 	}
 	ctx, cancel := context.WithCancel(context.Background())
-	b := &Broker{Cluster: kc, conns: cs, cl: cl, cancel: cancel, done: make(chan struct{}),
-		reaper: &reaper{cfg: cfg, log: cfg.Logger, conns: cs, cl: cl, m: m, suspects: map[memberKey]int{}}}
+	done := make(chan struct{})
+	// A reaper of its own per start: its first scan after a Restart finds
+	// the members kfake restored from DataDir, which get RestoredGrace to
+	// reconnect.
+	r := &reaper{cfg: b.cfg, log: b.cfg.Logger, conns: b.conns, cl: cl, m: b.m, evicted: &b.evicted, suspects: map[memberKey]int{}}
 	go func() {
-		defer close(b.done)
-		b.reaper.run(ctx)
+		defer close(done)
+		r.run(ctx)
 	}()
-	return b, nil
+	b.kc, b.cl, b.cancel, b.done = kc, cl, cancel, done
+	return nil
 }
 
-// ListenAddrs returns the brokers' host:port addresses.
-func (b *Broker) ListenAddrs() []string { return b.Cluster.ListenAddrs() }
+// stop stops the reaper and then the cluster, which persists its state to
+// DataDir (when set) and closes its listeners and every client connection.
+func (b *Broker) stop() {
+	b.cancel()
+	<-b.done
+	b.cl.Close()
+	b.kc.Close()
+	b.kc, b.cl = nil, nil
+}
 
-// Evicted returns how many members the reaper has evicted so far.
-func (b *Broker) Evicted() int64 { return b.reaper.evicted.Load() }
+// Cluster returns the running kfake cluster (ControlKey, ...), nil while
+// the broker is stopped or closed. A Restart replaces it.
+func (b *Broker) Cluster() *kfake.Cluster {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.kc
+}
+
+// ListenAddrs returns the brokers' host:port addresses, the same while
+// stopped and after a Restart.
+func (b *Broker) ListenAddrs() []string { return slices.Clone(b.addrs) }
+
+// Evicted returns how many members the reaper has evicted so far (over
+// every Restart).
+func (b *Broker) Evicted() int64 { return b.evicted.Load() }
+
+// Stop takes the cluster away until Restart: kfake writes its state to
+// DataDir (topics, records, committed offsets, producer ids and sequence
+// windows, group sessions; see kfake.DataDir), then closes its listeners
+// and every client connection, so clients get connection refused on the
+// addresses of ListenAddrs. A stopped broker's Stop is a no-op. Errors:
+// ErrNoDataDir when Config.DataDir is empty (nothing would survive),
+// ErrClosed after Close.
+func (b *Broker) Stop() error {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	switch {
+	case b.closed:
+		return ErrClosed
+	case b.cfg.DataDir == "":
+		return ErrNoDataDir
+	case b.stopped:
+		return nil
+	}
+	b.stop()
+	b.stopped = true
+	return nil
+}
+
+// Restart starts the cluster again after Stop, on the same ports and with
+// the state reloaded from DataDir, and a new reaper (its RestoredGrace
+// counts from now). Errors: ErrRunning when the broker was not stopped,
+// ErrClosed after Close, ErrNoDataDir without Config.DataDir, or kfake's
+// error when a port is taken meanwhile or DataDir cannot be loaded (the
+// broker stays stopped; Restart may be called again).
+func (b *Broker) Restart() error {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	switch {
+	case b.closed:
+		return ErrClosed
+	case b.cfg.DataDir == "":
+		return ErrNoDataDir
+	case !b.stopped:
+		return ErrRunning
+	}
+	if err := b.start(b.ports); err != nil {
+		return fmt.Errorf("devbroker: restart on %v: %w", b.addrs, err)
+	}
+	b.stopped = false
+	return nil
+}
 
 // Close stops the reaper and then the cluster. It is safe to call more
-// than once.
+// than once, and on a stopped broker.
 func (b *Broker) Close() {
-	b.closeMu.Do(func() {
-		b.cancel()
-		<-b.done
-		b.cl.Close()
-		b.Cluster.Close()
-	})
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if b.closed {
+		return
+	}
+	b.closed = true
+	if !b.stopped {
+		b.stop()
+	}
 }

@@ -1,7 +1,9 @@
 // Package devbroker is converge's embedded development broker: franz-go's
 // in-process Kafka cluster (kfake) plus a reaper that removes consumer-group
-// members whose process is gone. `converge dev` (make run) and
-// `converge experiment` start it; tests use plain kfake (internal/testenv).
+// members whose process is gone, which can be stopped and restarted with its
+// state (a Kafka outage on demand). `converge dev` (make run) and
+// `converge experiment` (and its test) start it; other tests use plain
+// kfake (internal/testenv).
 //
 // # Why
 //
@@ -95,6 +97,20 @@
 // several session timeouts, and two live members whose re-joins are
 // staggered by more than 10s (the read timeout minus the rebalance
 // timeout) but less than the rebalance timeout renew it indefinitely.
+//
+// # Stop and Restart
+//
+// With Config.DataDir, Stop takes the cluster away in process: kfake writes
+// its state to the directory (topics, record log, committed offsets,
+// producer ids and sequence windows, group sessions) and closes its
+// listeners and every client connection, so every client gets connection
+// refused on the broker's address, as when a broker process is down.
+// Restart creates a new kfake cluster on the same ports from that
+// directory, and a new reaper, whose RestoredGrace covers the restored
+// members while their clients reconnect. Clients reconnect by themselves;
+// an idempotent producer's records given during the outage are delivered
+// once, after the earlier ones (restart_test.go). The kafka-outage
+// experiment (cmd/converge/internal/experiment) uses it.
 //
 // # Metrics
 //

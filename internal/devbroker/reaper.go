@@ -34,7 +34,7 @@ type reaper struct {
 	failing  bool               // the last scan failed (logged once)
 	restored map[memberKey]bool // members of the first successful scan
 	suspects map[memberKey]int  // scans in a row that found the member dead
-	evicted  atomic.Int64
+	evicted  *atomic.Int64      // the Broker's, over every start
 }
 
 func (r *reaper) run(ctx context.Context) {

@@ -450,7 +450,7 @@ func TestDeadMembersEvictedAfterKillMidJoin(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Cleanup(b.Close)
-	e := setup(t, b.Cluster)
+	e := setup(t, b.Cluster())
 	e.waitLiveOwnAll()
 	const victims = 5
 	_, last := e.killVictims(victims, 2*time.Second)

@@ -1,7 +1,7 @@
 // Package experiment runs the seed's fault-injection experiments (section
 // 15) and the failure matrix of section 14 against the real pipeline —
-// internal/pipeline on a fresh PostgreSQL database, a fresh kfake cluster and
-// Redis — and checks the invariants from the database: one task per intent,
+// internal/pipeline on a fresh PostgreSQL database, a fresh embedded broker
+// (NewBroker) and Redis — and checks the invariants from the database: one task per intent,
 // one verified artifact per completed task (a failed task keeps none: it was
 // compensated), no task left non-terminal, no inbox row left processing, no
 // message requeued forever (bounded deliveries and replays), every outbox
@@ -17,6 +17,11 @@
 // started again on the same database, slot, broker and artifact directory.
 // The real-process crash (SIGKILL of `converge dev`) is the end-to-end
 // test of cmd/converge.
+//
+// Outages last Env.Outage (OutageFor, 30 s): database-outage cuts
+// PostgreSQL behind a TCP proxy; kafka-outage stops the broker itself
+// (Env.Broker: a proxy cannot do it, clients follow the addresses the
+// broker advertises in its metadata) and restarts it with its state.
 package experiment
 
 import (
@@ -38,6 +43,7 @@ import (
 
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/prometheus/client_golang/prometheus"
+	"github.com/twmb/franz-go/pkg/kfake"
 
 	"github.com/converge-run/converge/cmd/converge/internal/pipeline"
 	"github.com/converge-run/converge/cmd/converge/internal/submit"
@@ -45,7 +51,9 @@ import (
 	"github.com/converge-run/converge/consumers/reconciler"
 	"github.com/converge-run/converge/consumers/worker"
 	"github.com/converge-run/converge/internal/dbpool"
+	"github.com/converge-run/converge/internal/devbroker"
 	"github.com/converge-run/converge/internal/fault"
+	"github.com/converge-run/converge/internal/taskevent"
 )
 
 // Env is where one experiment runs: a fresh database (empty or migrated),
@@ -58,6 +66,38 @@ type Env struct {
 	// SlotName and PublicationName must be unique on the PostgreSQL
 	// cluster. Default "converge_outbox".
 	SlotName, PublicationName string
+	// Broker is the Kafka cluster at Brokers when it can be taken away and
+	// brought back with its state (NewBroker's); kafka-outage needs it and
+	// fails without. Defaults to none.
+	Broker Broker
+	// Outage is how long database-outage keeps PostgreSQL and kafka-outage
+	// keeps Kafka unreachable. Defaults to OutageFor (30 s, issue 13);
+	// tests shorten it.
+	Outage time.Duration
+}
+
+// OutageFor is how long the outage experiments keep their service
+// unreachable unless Env.Outage says otherwise (issue 13: "stops
+// PostgreSQL and Kafka in turn for 30 s under load").
+const OutageFor = 30 * time.Second
+
+// Broker is a Kafka cluster that can be stopped and restarted on the same
+// addresses with the state it persisted (*devbroker.Broker with a
+// DataDir). Stop makes every client's connection fail until Restart.
+type Broker interface {
+	Stop() error
+	Restart() error
+}
+
+var _ Broker = (*devbroker.Broker)(nil)
+
+// NewBroker starts the embedded broker of one experiment as `converge
+// experiment run` does: internal/devbroker, one broker, the task-event
+// topic and its dead-letter topic with 4 partitions, its state kept in
+// dataDir (so kafka-outage can stop and restart it). Close it after Run.
+func NewBroker(dataDir string, log *slog.Logger) (*devbroker.Broker, error) {
+	return devbroker.Start(devbroker.Config{Logger: log, DataDir: dataDir,
+		Opts: []kfake.Opt{kfake.NumBrokers(1), kfake.SeedTopics(4, taskevent.DefaultTopic, taskevent.DeadLetterTopic(taskevent.DefaultTopic))}})
 }
 
 // Experiment is one runnable experiment.
@@ -119,6 +159,9 @@ func Run(ctx context.Context, e Experiment, env Env, out string, log *slog.Logge
 	if env.PublicationName == "" {
 		env.PublicationName = env.SlotName
 	}
+	if env.Outage == 0 {
+		env.Outage = OutageFor
+	}
 	start := time.Now()
 	x := &X{env: env, log: log, rep: &Report{Name: e.Name, Title: e.Title, Seed: e.Seed, Counts: map[string]any{}}}
 	pool, err := dbpool.New(ctx, env.DatabaseURL)
@@ -127,7 +170,7 @@ func Run(ctx context.Context, e Experiment, env Env, out string, log *slog.Logge
 	}
 	defer pool.Close()
 	x.pool = pool
-	rctx, cancel := context.WithTimeout(ctx, 2*time.Minute)
+	rctx, cancel := context.WithTimeout(ctx, 2*time.Minute+env.Outage)
 	runErr := e.run(rctx, x)
 	if runErr == nil {
 		// While the pipeline still runs: the last outbox rows get published.

@@ -30,7 +30,8 @@ var experiments = []Experiment{
 	{"poison-replay", "Poison message: dead letter, fix, replay, completes", "13.5, 14", poisonReplay},
 	{"stale-cache", "Stale cache: the version wins, the reconciler repairs the view", "9, 13.6, 14", staleCache},
 	{"crash-after-artifact-write", "Crash between artifact write and completion: restart completes with one artifact", "13.3, 12", crashAfterWrite},
-	{"database-outage", "PostgreSQL unreachable for 10 s under load: 503s, nothing stops, everything completes after", "14, issue 13", databaseOutage},
+	{"database-outage", "PostgreSQL unreachable for 30 s under load: 503s, nothing stops, everything completes after", "14, issue 13", databaseOutage},
+	{"kafka-outage", "Kafka unreachable for 30 s under load: the API accepts, the outbox holds, nothing stops, everything completes after", "14, issue 13", kafkaOutage},
 }
 
 func arm(spec string) (*fault.Set, error) { return fault.Parse(spec) }
