@@ -1,16 +1,13 @@
 package cdc
 
 import (
-	"context"
 	"crypto/sha256"
 	"encoding/hex"
-	"errors"
 	"fmt"
 	"strconv"
 	"strings"
 
 	"github.com/jackc/pglogrepl"
-	"github.com/jackc/pgx/v5"
 	"github.com/twmb/franz-go/pkg/kgo"
 
 	"github.com/converge-run/converge/internal/outbox"
@@ -182,56 +179,4 @@ func RecordOf(s outbox.Stored, topic string) *kgo.Record {
 	rec, _ := outboxRow{outboxID: s.ID, aggregateID: s.TaskID, aggregateVersion: s.Version, eventType: s.Type,
 		payload: s.Payload, payloadSHA256: s.PayloadSHA256, tenantID: s.TenantID}.record(topic)
 	return rec
-}
-
-// Republish produces the parked outbox row id again (RecordOf) with
-// producer and waits for the broker's acknowledgement, then records the
-// decision (outbox.Decide: published_at set, by and reason kept). The row
-// is locked (SELECT ... FOR UPDATE) from the check to the decision, so a
-// concurrent discard waits and then finds it decided: a published row is
-// never recorded as discarded. A produce that fails again is recorded on
-// the row (outbox.RecordParkedFailure: it stays parked and undecided) and
-// returned. outbox.ErrReasonRequired, ErrNotFound, ErrNotParked,
-// ErrDecided as outbox.Decide.
-func Republish(ctx context.Context, producer *kgo.Client, db interface {
-	Begin(context.Context) (pgx.Tx, error)
-}, topic, id, by, reason string) error {
-	if strings.TrimSpace(reason) == "" || strings.TrimSpace(by) == "" {
-		return outbox.ErrReasonRequired
-	}
-	tx, err := db.Begin(ctx)
-	if err != nil {
-		return fmt.Errorf("republish outbox row %s: %w", id, err)
-	}
-	defer tx.Rollback(ctx)
-	if _, err := tx.Exec(ctx, `SELECT 1 FROM outbox_event WHERE outbox_id = $1 FOR UPDATE`, id); err != nil {
-		return fmt.Errorf("lock outbox row %s: %w", id, err)
-	}
-	s, err := outbox.Get(ctx, tx, id)
-	if err != nil {
-		return err
-	}
-	switch {
-	case s.ParkedAt == nil:
-		return fmt.Errorf("%w: %s", outbox.ErrNotParked, id)
-	case s.Decision != "":
-		return fmt.Errorf("%w: %s was %s", outbox.ErrDecided, id, s.Decision)
-	}
-	if err := producer.ProduceSync(ctx, RecordOf(s, topic)).FirstErr(); err != nil {
-		perr := fmt.Errorf("republish outbox row %s: %w", id, err)
-		if uerr := outbox.RecordParkedFailure(ctx, tx, id, produceErrorCode(err), err.Error()); uerr != nil {
-			return errors.Join(perr, uerr)
-		}
-		if cerr := tx.Commit(ctx); cerr != nil {
-			return errors.Join(perr, cerr)
-		}
-		return perr
-	}
-	if err := outbox.Decide(ctx, tx, id, outbox.DecisionRepublished, by, reason); err != nil {
-		return err
-	}
-	if err := tx.Commit(ctx); err != nil {
-		return fmt.Errorf("record republication of outbox row %s (its record was produced: a retry produces it again, a duplicate the inboxes absorb): %w", id, err)
-	}
-	return nil
 }

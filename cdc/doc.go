@@ -110,8 +110,13 @@
 //     (outbox.Park: parked_at, publish_attempts, last_error_code,
 //     last_error, last_attempt_at), in the flush, with the same visibility
 //     check as a mark; a parked row is settled, so the slot moves past it
-//     and the stream goes on. Operators decide with `converge outbox`
-//     (Republish produces RecordOf the row: same key, value, headers).
+//     and the stream goes on. Operators decide with `converge outbox` or
+//     the API's /v1/admin/outbox/ endpoints (Republish produces RecordOf
+//     the row: same key, value, headers; republish.go).
+//   - Rows the slot will not deliver (unpublished, not parked, older than
+//     a threshold) are produced again by RepublishUnpublished: the one
+//     routine of the reconciler's pass and of `converge outbox republish
+//     --unpublished`.
 //   - Any other failure of a session — a record whose produce fails for a
 //     reason retrying may fix (broker unreachable past DeliveryTimeout, an
 //     authorization error), the database or the replication connection,

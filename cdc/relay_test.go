@@ -897,7 +897,7 @@ func TestRelayParksRefusedRecord(t *testing.T) {
 	if got := counterSum(t, reg, "converge_relay_restarts_total"); got != 0 {
 		t.Fatalf("converge_relay_restarts_total = %v, want 0 (parking is not a failure)", got)
 	}
-	if rows, err := outbox.ListParked(context.Background(), b.db.Pool, true, 10); err != nil || len(rows) != 1 || rows[0].ID != big.id {
+	if rows, err := outbox.ListParked(context.Background(), b.db.Pool, outbox.ParkedFilter{Limit: 10}); err != nil || len(rows) != 1 || rows[0].ID != big.id {
 		t.Fatalf("ListParked = %+v, %v", rows, err)
 	}
 }

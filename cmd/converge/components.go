@@ -136,26 +136,28 @@ func (c *APICmd) Run(env *runEnv) error {
 		return err
 	}
 	reg := newRegistry()
-	// The admin endpoints list and show dead letters from PostgreSQL; a
-	// replay re-publishes to Kafka, so it needs brokers (without them it
-	// answers 503 DEAD_LETTERS_UNAVAILABLE saying so).
+	// The admin endpoints list and show dead letters and parked outbox rows
+	// from PostgreSQL; a dead-letter replay and an outbox republication
+	// produce to Kafka, so they need brokers (without them they answer 503
+	// DEAD_LETTERS_UNAVAILABLE / OUTBOX_REPUBLISH_UNAVAILABLE saying so).
 	dcfg := deadletter.Config{Pool: pool, MaxReplays: c.MaxReplays, Logger: env.log.With("component", "deadletter"), Registerer: reg}
+	var producer *kgo.Client
 	if len(c.KafkaBrokers) > 0 {
-		producer, err := kgo.NewClient(kgo.SeedBrokers(c.KafkaBrokers...), kafkametrics.ClientMetrics(reg, "api"))
+		producer, err = newRepublishProducer(c.KafkaBrokers, kafkametrics.ClientMetrics(reg, "api"))
 		if err != nil {
-			return fmt.Errorf("dead-letter replay producer: %w", err)
+			return fmt.Errorf("dead-letter replay and outbox republish producer: %w", err)
 		}
 		defer producer.Close()
 		dcfg.Producer = producer
 	} else {
-		env.log.Warn("no Kafka brokers (CONVERGE_KAFKA_BROKERS): dead-letter replays through the admin API answer 503")
+		env.log.Warn("no Kafka brokers (CONVERGE_KAFKA_BROKERS): dead-letter replays and outbox republications through the admin API answer 503")
 	}
 	dls, err := deadletter.New(dcfg)
 	if err != nil {
 		return err
 	}
 	srv, err := api.New(api.Config{Pool: pool, Redis: rdb, ArtifactStore: store, MaxBodyBytes: c.MaxBodyBytes, MaxInFlightPerTenant: c.MaxInFlight, DeadLetters: dls,
-		Auth: tenant.NewAuthenticator(pool, 0), Logger: env.log, Registerer: reg, Gatherer: reg, Faults: env.faults})
+		OutboxProducer: producer, Topic: c.Topic, Auth: tenant.NewAuthenticator(pool, 0), Logger: env.log, Registerer: reg, Gatherer: reg, Faults: env.faults})
 	if err != nil {
 		return err
 	}

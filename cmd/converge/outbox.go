@@ -5,9 +5,11 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"strings"
 	"text/tabwriter"
 	"time"
 
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/twmb/franz-go/pkg/kerr"
 	"github.com/twmb/franz-go/pkg/kgo"
 
@@ -20,15 +22,16 @@ import (
 type OutboxCmd struct {
 	List      OutboxListCmd      `cmd:"" help:"List parked outbox rows, oldest park first."`
 	Show      OutboxShowCmd      `cmd:"" help:"Show one outbox row (any state) as JSON."`
-	Republish OutboxRepublishCmd `cmd:"" help:"Produce a parked row again with its original message id and headers; on the broker's acknowledgement mark it published (who and why are kept)."`
+	Republish OutboxRepublishCmd `cmd:"" help:"Produce a parked row again with its original message id and headers; on the broker's acknowledgement mark it published (who and why are kept). With --unpublished: the rows the slot did not deliver, as the reconciler does."`
 	Discard   OutboxDiscardCmd   `cmd:"" help:"Decide that a parked row is never published (who and why are kept)."`
 }
 
-// OutboxListCmd is `converge outbox list [--all] [--limit N]`.
+// OutboxListCmd is `converge outbox list [--all] [--code CODE] [--limit N]`.
 type OutboxListCmd struct {
 	OperatorDB
-	All   bool `help:"Also the rows already republished or discarded."`
-	Limit int  `default:"100" help:"At most this many."`
+	All   bool   `help:"Also the rows already republished or discarded."`
+	Code  string `help:"Only rows whose last error code is this (e.g. MESSAGE_TOO_LARGE)."`
+	Limit int    `default:"100" help:"At most this many."`
 }
 
 // Run prints one line per parked row.
@@ -41,7 +44,7 @@ func (c *OutboxListCmd) Run(env *runEnv) error {
 		return err
 	}
 	defer pool.Close()
-	rows, err := outbox.ListParked(env.ctx, pool, !c.All, c.Limit)
+	rows, err := outbox.ListParked(env.ctx, pool, outbox.ParkedFilter{All: c.All, Code: c.Code, Limit: c.Limit})
 	if err != nil {
 		return err
 	}
@@ -86,19 +89,35 @@ func (c *OutboxShowCmd) Run(env *runEnv) error {
 	return enc.Encode(s)
 }
 
-// OutboxRepublishCmd is `converge outbox republish ID --reason TEXT [--by WHO]`.
+// OutboxRepublishCmd is `converge outbox republish ID --reason TEXT [--by
+// WHO]` (a parked row) or `converge outbox republish --unpublished
+// [--older-than D] [--limit N]` (the rows the slot did not deliver).
 type OutboxRepublishCmd struct {
 	OperatorDB
-	KafkaBrokers []string `name:"kafka-brokers" env:"CONVERGE_KAFKA_BROKERS" sep:"," help:"Kafka bootstrap brokers, comma-separated."`
-	Topic        string   `env:"CONVERGE_TOPIC" default:"converge.task-events.v1" help:"Task-events topic."`
-	ID           string   `arg:"" help:"Outbox id of a parked row."`
-	Reason       string   `required:"" help:"Why (recorded)."`
-	By           string   `help:"Who asks (recorded). Defaults to the OS user."`
+	KafkaBrokers []string      `name:"kafka-brokers" env:"CONVERGE_KAFKA_BROKERS" sep:"," help:"Kafka bootstrap brokers, comma-separated."`
+	Topic        string        `env:"CONVERGE_TOPIC" default:"converge.task-events.v1" help:"Task-events topic."`
+	ID           string        `arg:"" optional:"" help:"Outbox id of a parked row (or --unpublished)."`
+	Reason       string        `help:"With an ID: why (recorded; required)."`
+	By           string        `help:"With an ID: who asks (recorded). Defaults to the OS user."`
+	Unpublished  bool          `help:"Instead of an ID: republish the rows neither published nor parked created more than --older-than ago, oldest first, and mark them published (the reconciler's republication, on demand; no decision is recorded)."`
+	OlderThan    time.Duration `name:"older-than" default:"5m" help:"With --unpublished: only rows created more than this long ago (the reconciler's default; a younger row is likely still on its way through the relay)."`
+	Limit        int           `default:"100" help:"With --unpublished: at most this many rows."`
 }
 
-// Run republishes the row and prints one line (id, outcome); it exits 1
-// when the broker refused it again (the attempt is recorded on the row).
+// Run republishes and prints one line per row (id, outcome; for a failed
+// row also the error). It exits 1 when a record was refused (the attempt
+// is recorded on its row).
 func (c *OutboxRepublishCmd) Run(env *runEnv) error {
+	switch {
+	case (c.ID == "") == !c.Unpublished:
+		return errors.New("give an outbox ID of a parked row, or --unpublished")
+	case c.Unpublished && (c.Reason != "" || c.By != ""):
+		return errors.New("--reason and --by record a decision on a parked row; --unpublished rows need none and record none")
+	case c.Unpublished && (c.OlderThan <= 0 || c.Limit < 1):
+		return errors.New("--older-than must be positive and --limit at least 1")
+	case !c.Unpublished && strings.TrimSpace(c.Reason) == "":
+		return fmt.Errorf("--reason is required with an ID: %w", outbox.ErrReasonRequired)
+	}
 	pool, err := c.open(env.ctx)
 	if err != nil {
 		return err
@@ -107,16 +126,14 @@ func (c *OutboxRepublishCmd) Run(env *runEnv) error {
 	if err := need("CONVERGE_KAFKA_BROKERS", firstOr(c.KafkaBrokers)); err != nil {
 		return err
 	}
-	// The producer limits of the relay and the workers (franz-go's
-	// defaults, 1 MiB): a record larger than they send is refused here too,
-	// so a republished record never reaches consumers that could not
-	// dead-letter it.
-	producer, err := kgo.NewClient(kgo.SeedBrokers(c.KafkaBrokers...), kgo.RequiredAcks(kgo.AllISRAcks()),
-		kgo.RecordDeliveryTimeout(30*time.Second))
+	producer, err := newRepublishProducer(c.KafkaBrokers)
 	if err != nil {
 		return err
 	}
 	defer producer.Close()
+	if c.Unpublished {
+		return c.republishUnpublished(env, producer, pool)
+	}
 	if err := cdc.Republish(env.ctx, producer, pool, c.Topic, c.ID, osUserOr(c.By), c.Reason); err != nil {
 		if errors.Is(err, kerr.MessageTooLarge) {
 			return fmt.Errorf("%w (a record over converge's 1 MiB producer limit cannot be republished; discard it: converge outbox discard %s --reason ...)", err, c.ID)
@@ -125,6 +142,42 @@ func (c *OutboxRepublishCmd) Run(env *runEnv) error {
 	}
 	fmt.Printf("%s\t%s\n", c.ID, outbox.DecisionRepublished)
 	return nil
+}
+
+// republishUnpublished runs cdc.RepublishUnpublished (the reconciler's
+// routine) once, from a new outbox.Backlog: it reads every retained outbox
+// row's created_xid once, through outbox_event_created_xid_idx.
+func (c *OutboxRepublishCmd) republishUnpublished(env *runEnv, producer *kgo.Client, pool *pgxpool.Pool) error {
+	var backlog outbox.Backlog
+	rep, err := cdc.RepublishUnpublished(env.ctx, producer, pool, &backlog, c.Topic, c.OlderThan, c.Limit)
+	for _, id := range rep.Republished {
+		fmt.Printf("%s\t%s\n", id, "republished")
+	}
+	for _, f := range rep.Failed {
+		fmt.Printf("%s\t%s\t%v\n", f.ID, "failed", f.Err)
+	}
+	if err != nil {
+		return err
+	}
+	if len(rep.Republished)+len(rep.Failed) == 0 {
+		fmt.Printf("no outbox rows unpublished (and not parked) for more than %s\n", c.OlderThan)
+	}
+	if len(rep.Failed) > 0 {
+		return exitCode(1)
+	}
+	return nil
+}
+
+// newRepublishProducer is the producer of operator republications (`converge
+// outbox republish`, the API's dead-letter replays and outbox
+// republications): acks=all, a 30 s record delivery timeout (a row stays
+// locked until the broker answers), and the producer limits of the relay
+// and the workers (franz-go's defaults, 1 MiB per record), so a
+// republished record never reaches consumers that could not dead-letter
+// it.
+func newRepublishProducer(brokers []string, opts ...kgo.Opt) (*kgo.Client, error) {
+	return kgo.NewClient(append([]kgo.Opt{kgo.SeedBrokers(brokers...), kgo.RequiredAcks(kgo.AllISRAcks()),
+		kgo.RecordDeliveryTimeout(30 * time.Second)}, opts...)...)
 }
 
 // OutboxDiscardCmd is `converge outbox discard ID --reason TEXT [--by WHO]`.

@@ -111,6 +111,117 @@ func TestOutboxCommands(t *testing.T) {
 	}
 }
 
+// `converge outbox republish --unpublished` runs the reconciler's
+// republication once, on demand (issue 13): the rows neither published nor
+// parked older than --older-than reach the topic with their original key
+// and event id, oldest first, and are marked published; a younger row, a
+// parked row and a published row are left alone; a second run finds
+// nothing. Flags that do not go together are refused before anything runs.
+func TestOutboxRepublishUnpublished(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	db := testenv.NewDB(t)
+	kafka := testenv.NewKafka(t)
+	env := &runEnv{ctx: ctx, log: slog.New(slog.NewTextHandler(io.Discard, nil))}
+	row := func(taskID, age string) string {
+		t.Helper()
+		ev := mustEvent(t, taskID)
+		if ok, err := outbox.InsertOnce(ctx, db.Pool, ev); err != nil || !ok {
+			t.Fatalf("InsertOnce = %v, %v", ok, err)
+		}
+		if _, err := db.Pool.Exec(ctx, `UPDATE outbox_event SET created_at = now() - $2::interval WHERE outbox_id = $1`, ev.EventID, age); err != nil {
+			t.Fatal(err)
+		}
+		return ev.EventID
+	}
+	lost1 := row("task-lost-1", "2 hours")
+	lost2 := row("task-lost-2", "1 hour")
+	young := row("task-young", "10 seconds")
+	parked := parkedRow(t, db, "task-parked")
+	if _, err := db.Pool.Exec(ctx, `UPDATE outbox_event SET created_at = now() - interval '1 hour' WHERE outbox_id = $1`, parked); err != nil {
+		t.Fatal(err)
+	}
+	done := row("task-done", "1 hour")
+	if _, err := outbox.MarkPublished(ctx, db.Pool, []string{done}); err != nil {
+		t.Fatal(err)
+	}
+
+	base := OutboxRepublishCmd{OperatorDB: OperatorDB{DatabaseURL: db.URL}, KafkaBrokers: kafka.Brokers, Topic: kafka.Topic, OlderThan: time.Minute, Limit: 10}
+	for name, change := range map[string]func(*OutboxRepublishCmd){
+		"neither an id nor --unpublished": func(*OutboxRepublishCmd) {},
+		"both an id and --unpublished":    func(c *OutboxRepublishCmd) { c.ID, c.Unpublished, c.Reason = parked, true, "x" },
+		"--unpublished with --reason":     func(c *OutboxRepublishCmd) { c.Unpublished, c.Reason = true, "x" },
+		"--unpublished with --by":         func(c *OutboxRepublishCmd) { c.Unpublished, c.By = true, "ops" },
+		"--unpublished --limit 0":         func(c *OutboxRepublishCmd) { c.Unpublished, c.Limit = true, 0 },
+		"--unpublished --older-than 0":    func(c *OutboxRepublishCmd) { c.Unpublished, c.OlderThan = true, 0 },
+		"an id without --reason":          func(c *OutboxRepublishCmd) { c.ID = parked },
+	} {
+		cmd := base
+		change(&cmd)
+		if err := cmd.Run(env); err == nil {
+			t.Errorf("%s: accepted", name)
+		}
+	}
+
+	cmd := base
+	cmd.Unpublished = true
+	if err := cmd.Run(env); err != nil {
+		t.Fatal(err)
+	}
+	state := func(id string) outbox.Stored {
+		t.Helper()
+		s, err := outbox.Get(ctx, db.Pool, id)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return s
+	}
+	for _, id := range []string{lost1, lost2} {
+		if s := state(id); s.PublishedAt == nil || s.Attempts != 1 || s.Decision != "" {
+			t.Errorf("lost row %s after the run: %+v; want published once, no decision", id, s)
+		}
+	}
+	if s := state(young); s.PublishedAt != nil {
+		t.Errorf("young row published: %+v", s)
+	}
+	if s := state(parked); s.PublishedAt != nil || s.Decision != "" {
+		t.Errorf("parked row touched: %+v", s)
+	}
+	if s := state(done); s.Attempts != 1 {
+		t.Errorf("published row produced again: %+v", s)
+	}
+
+	cl, err := kgo.NewClient(kgo.SeedBrokers(kafka.Brokers...), kgo.ConsumeTopics(kafka.Topic), kgo.ConsumeResetOffset(kgo.NewOffset().AtStart()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer cl.Close()
+	pctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	got := map[string]string{} // event id -> key
+	for len(got) < 2 && pctx.Err() == nil {
+		cl.PollFetches(pctx).EachRecord(func(r *kgo.Record) {
+			for _, h := range r.Headers {
+				if h.Key == taskevent.HeaderEventID {
+					got[string(h.Value)] = string(r.Key)
+				}
+			}
+		})
+	}
+	if len(got) != 2 || got[lost1] != "task-lost-1" || got[lost2] != "task-lost-2" {
+		t.Fatalf("records in the topic (event id -> key) = %v; want the two lost rows with their task ids", got)
+	}
+
+	if err := cmd.Run(env); err != nil {
+		t.Fatal(err)
+	}
+	for _, id := range []string{lost1, lost2} {
+		if s := state(id); s.Attempts != 1 {
+			t.Errorf("second run produced %s again: %+v", id, s)
+		}
+	}
+}
+
 func mustEvent(t *testing.T, taskID string) *taskevent.Event {
 	t.Helper()
 	now := time.Now().UTC()

@@ -56,8 +56,11 @@
 //     one (the API writes both in one transaction) the record is deleted so
 //     that a retry with the same key creates the task.
 //   - Outbox: rows unpublished for longer than OutboxThreshold are counted
-//     (gauges below) and logged; the relay publishes, the reconciler never
-//     does.
+//     (gauges below) and logged. The relay publishes; only with a Producer
+//     does a pass republish the rows unpublished, and not parked, past
+//     RepublishAfter — the rows the slot will not deliver
+//     (cdc.RepublishUnpublished, "outbox_republished") — never a parked
+//     row, which waits for a person's decision.
 //   - Task views (with Redis): a cursor on task id walks the task table,
 //     BatchSize tasks per pass; a view whose version is below the
 //     database's is replaced by the database snapshot (taskview.Cache.Put,

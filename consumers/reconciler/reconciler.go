@@ -153,7 +153,9 @@ type Config struct {
 	// oldest first, each with its original key, value and headers
 	// (cdc.RecordOf), then marked published (issue 13: rows the slot can no
 	// longer deliver — a lost and recreated slot, rows committed before the
-	// slot existed). Use acks=all. The caller closes it. Optional.
+	// slot existed; cdc.RepublishUnpublished, which `converge outbox
+	// republish --unpublished` runs on demand). Use acks=all. The caller
+	// closes it. Optional.
 	Producer *kgo.Client
 	// OutboxRetention is how long a published (or parked and decided)
 	// outbox row is kept before a pass removes it (issue 13; at most

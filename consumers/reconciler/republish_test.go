@@ -166,6 +166,38 @@ VALUES ($1, $1, 1, 'TaskCreated', $2, $3)`, id, payload, sum([]byte(payload))); 
 	}
 }
 
+// A republication the broker does not acknowledge (here: no broker answers
+// within the delivery timeout) is recorded on its row (REPUBLISH_FAILED,
+// one attempt more), which stays unpublished for the next pass; the pass
+// itself does not fail.
+func TestPassRecordsFailedRepublication(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	down, err := kgo.NewClient(kgo.SeedBrokers("127.0.0.1:1"), kgo.RecordDeliveryTimeout(time.Second))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(down.Close)
+	b := setup(t, Config{Producer: down, RepublishAfter: time.Minute})
+	payload := `{"n":1}`
+	if _, err := b.db.Pool.Exec(ctx, `
+INSERT INTO outbox_event (outbox_id, aggregate_id, aggregate_version, event_type, payload, payload_sha256, created_at)
+VALUES ('lost', 'task-a', 1, 'TaskCreated', $1, $2, now() - interval '1 hour')`, payload, sum([]byte(payload))); err != nil {
+		t.Fatal(err)
+	}
+	res, err := b.r.Pass(ctx)
+	if err != nil || res.OutboxRepublished != 0 {
+		t.Fatalf("pass = %+v, %v; want no error, nothing republished", res, err)
+	}
+	s, err := outbox.Get(ctx, b.db.Pool, "lost")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if s.PublishedAt != nil || s.ParkedAt != nil || s.Attempts != 1 || s.LastErrorCode != cdc.CodeRepublishFailed || s.LastError == "" {
+		t.Fatalf("row after the failed republication = %+v; want unpublished, 1 attempt, %s", s, cdc.CodeRepublishFailed)
+	}
+}
+
 // newProducer is an acks=all producer on kafka, closed when t ends.
 func newProducer(t *testing.T, kafka *testenv.Kafka) *kgo.Client {
 	t.Helper()

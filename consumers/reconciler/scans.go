@@ -7,7 +7,6 @@ import (
 	"time"
 
 	"github.com/redis/go-redis/v9"
-	"github.com/twmb/franz-go/pkg/kgo"
 
 	"github.com/converge-run/converge/cdc"
 	"github.com/converge-run/converge/consumers/deadletter"
@@ -213,41 +212,23 @@ func (r *Reconciler) scanOutbox(ctx context.Context, res *Result) error {
 	return nil
 }
 
-// republish produces the rows the slot did not deliver (outbox.Backlog.Stale)
-// with their original records, in order, and marks the acknowledged ones
-// published; a failed one keeps its error on the row (outbox.RecordFailure)
-// and is tried again at the next pass.
+// republish produces the rows the slot did not deliver with their original
+// records, in order, and marks the acknowledged ones published; a failed
+// one keeps its error on the row and is tried again at the next pass
+// (cdc.RepublishUnpublished, also behind `converge outbox republish
+// --unpublished`).
 func (r *Reconciler) republish(ctx context.Context, res *Result) error {
-	stale, err := r.backlog.Stale(ctx, r.pool, r.cfg.RepublishAfter, r.cfg.BatchSize)
-	if err != nil || len(stale) == 0 {
-		return err
+	rep, err := cdc.RepublishUnpublished(ctx, r.cfg.Producer, r.pool, &r.backlog, r.cfg.Topic, r.cfg.RepublishAfter, r.cfg.BatchSize)
+	for _, f := range rep.Failed {
+		r.log.WarnContext(ctx, "republish of an outbox row failed; tried again next pass", slog.String("outbox_id", f.ID), slog.Any("err", f.Err))
+		r.act(res, ActionError, nil)
 	}
-	recs := make([]*kgo.Record, len(stale))
-	for i, s := range stale {
-		recs[i] = cdc.RecordOf(s, r.cfg.Topic)
-	}
-	results := r.cfg.Producer.ProduceSync(ctx, recs...)
-	var acked []string
-	for i, pr := range results {
-		if pr.Err != nil {
-			r.log.WarnContext(ctx, "republish of an outbox row failed; tried again next pass", slog.String("outbox_id", stale[i].ID), slog.Any("err", pr.Err))
-			if _, err := outbox.RecordFailure(ctx, r.pool, []string{stale[i].ID}, "REPUBLISH_FAILED", pr.Err.Error()); err != nil {
-				return err
-			}
-			r.act(res, ActionError, nil)
-			continue
-		}
-		acked = append(acked, stale[i].ID)
-	}
-	if len(acked) == 0 {
-		return nil
-	}
-	if _, err := outbox.MarkPublished(ctx, r.pool, acked); err != nil {
+	if err != nil || len(rep.Republished) == 0 {
 		return err
 	}
 	r.log.WarnContext(ctx, "outbox rows the relay did not deliver were republished by the reconciler",
-		slog.Int("rows", len(acked)), slog.Duration("older_than", r.cfg.RepublishAfter), slog.String("first", acked[0]))
-	for range acked {
+		slog.Int("rows", len(rep.Republished)), slog.Duration("older_than", r.cfg.RepublishAfter), slog.String("first", rep.Republished[0]))
+	for range rep.Republished {
 		r.act(res, ActionOutboxRepublished, &res.OutboxRepublished)
 	}
 	return nil

@@ -139,12 +139,28 @@ func Get(ctx context.Context, q dbpool.Querier, id string) (Stored, error) {
 	return s, nil
 }
 
-// ListParked returns at most limit parked rows, oldest park first; with
-// undecided only those not yet republished or discarded.
-func ListParked(ctx context.Context, q dbpool.Querier, undecided bool, limit int) ([]Stored, error) {
+// ParkedFilter selects the parked rows ListParked returns.
+type ParkedFilter struct {
+	// All includes the rows already decided (republished or discarded).
+	// Defaults to false: only the rows no one decided on.
+	All bool
+	// Code, when not empty, keeps only the rows whose last_error_code is
+	// Code (a stable code such as MESSAGE_TOO_LARGE; Park). Defaults to
+	// every code.
+	Code string
+	// Limit is the most rows returned. Defaults to 100 (when 0 or less).
+	Limit int
+}
+
+// ListParked returns the parked rows f selects, oldest park first
+// (parked_at, then outbox_id), through outbox_event_parked_idx.
+func ListParked(ctx context.Context, q dbpool.Querier, f ParkedFilter) ([]Stored, error) {
+	if f.Limit <= 0 {
+		f.Limit = 100
+	}
 	rows, err := q.Query(ctx, `SELECT `+storedColumns+` FROM outbox_event
-WHERE parked_at IS NOT NULL AND (NOT $1 OR decision IS NULL)
-ORDER BY parked_at, outbox_id LIMIT $2`, undecided, limit)
+WHERE parked_at IS NOT NULL AND ($1 OR decision IS NULL) AND ($2 = '' OR last_error_code = $2)
+ORDER BY parked_at, outbox_id LIMIT $3`, f.All, f.Code, f.Limit)
 	if err != nil {
 		return nil, fmt.Errorf("list parked outbox rows: %w", err)
 	}

@@ -158,27 +158,11 @@ func (s *Server) handleDeadLetterRequest(w http.ResponseWriter, r *http.Request,
 	if !ok {
 		return
 	}
-	if err := checkContentType(r.Header); err != nil {
-		s.writeError(w, r, err)
+	reason, ok := s.readReason(w, r)
+	if !ok {
 		return
 	}
-	body, err := io.ReadAll(http.MaxBytesReader(w, r.Body, maxAdminBodyBytes))
-	var me *http.MaxBytesError
-	if errors.As(err, &me) {
-		s.writeError(w, r, err)
-		return
-	}
-	if err != nil {
-		s.writeError(w, r, newError(CodeInvalidAdminRequest, "body could not be read"))
-		return
-	}
-	req, err := decodeReplayRequest(body)
-	if err != nil {
-		s.writeError(w, r, newError(CodeInvalidAdminRequest, `body must be one JSON object {"reason": "..."} (a string, no other member; who acts is the credential's tenant): %s`, clip(err.Error(), 120)))
-		return
-	}
-	req.By = "tenant:" + principal(r).Name
-	res, err := do(svc, r.Context(), id, req)
+	res, err := do(svc, r.Context(), id, deadletter.Request{Reason: reason, By: actor(r)})
 	if err != nil {
 		s.writeError(w, r, deadLetterErr(err))
 		return
@@ -186,16 +170,40 @@ func (s *Server) handleDeadLetterRequest(w http.ResponseWriter, r *http.Request,
 	s.writeAdminJSON(w, r, http.StatusOK, res)
 }
 
-// decodeReplayRequest decodes a replay or resolve body strictly: one JSON
-// object with the string member reason only, nothing after it.
-func decodeReplayRequest(body []byte) (deadletter.Request, error) {
+// actor is who an admin request is recorded as: "tenant:<name>" of the
+// authenticated admin credential (never a member of the body).
+func actor(r *http.Request) string { return "tenant:" + principal(r).Name }
+
+// readReason reads the body of an admin decision (a dead-letter replay or
+// resolve, an outbox republish or discard): Content-Type application/json,
+// at most maxAdminBodyBytes, one JSON object {"reason": "..."} decoded
+// strictly (the string member reason only, nothing after it). It answers
+// the problem itself (415, 413, 400 INVALID_ADMIN_REQUEST) and returns
+// false; a missing or blank reason is returned as "", for the caller to
+// refuse with its own code.
+func (s *Server) readReason(w http.ResponseWriter, r *http.Request) (string, bool) {
+	if err := checkContentType(r.Header); err != nil {
+		s.writeError(w, r, err)
+		return "", false
+	}
+	body, err := io.ReadAll(http.MaxBytesReader(w, r.Body, maxAdminBodyBytes))
+	var me *http.MaxBytesError
+	if errors.As(err, &me) {
+		s.writeError(w, r, err)
+		return "", false
+	}
+	if err != nil {
+		s.writeError(w, r, newError(CodeInvalidAdminRequest, "body could not be read"))
+		return "", false
+	}
 	var in struct {
 		Reason string `json:"reason"`
 	}
 	if err := strictDecode(body, &in); err != nil {
-		return deadletter.Request{}, err
+		s.writeError(w, r, newError(CodeInvalidAdminRequest, `body must be one JSON object {"reason": "..."} (a string, no other member; who acts is the credential's tenant): %s`, clip(err.Error(), 120)))
+		return "", false
 	}
-	return deadletter.Request{Reason: in.Reason}, nil
+	return in.Reason, true
 }
 
 // strictDecode decodes one JSON object into v: member names exact (case

@@ -11,6 +11,20 @@
 //	GET  /readyz                   200 when PostgreSQL answers within 1s (body lists "redis" under "degraded" when Redis does not); 503 otherwise
 //	GET  /metrics                  Prometheus metrics of Config.Gatherer
 //
+// The admin plane (AdminHandler, admin tenants only) serves
+// /v1/admin/dead-letters (list, show, replay, resolve: package deadletter),
+// /v1/admin/tenants, and the parked outbox rows (seed 4.1, issue 13):
+//
+//	GET  /v1/admin/outbox/parked[?code=&all=&limit=]   parked rows, oldest park first (outbox.ListParked)
+//	GET  /v1/admin/outbox/{id}                         one outbox row in any state (outbox.Get)
+//	POST /v1/admin/outbox/{id}/republish {"reason"}    cdc.Republish with Config.OutboxProducer (503 without it)
+//	POST /v1/admin/outbox/{id}/discard   {"reason"}    outbox.Decide discarded
+//
+// A decision records who as "tenant:<name>" of the credential, never a
+// member of the body; a blank reason is 422. The routines are those of
+// `converge dlq` and `converge outbox`: the handlers only read the request
+// and map the packages' errors to problem codes (deadLetterErr, outboxErr).
+//
 // # Idempotency (seed section 3)
 //
 // Every /v1/ request carries "Authorization: Bearer <token>", a credential

@@ -29,7 +29,8 @@ func TestOpenAPIListsEveryCode(t *testing.T) {
 	}
 	for _, route := range []string{"  /v1/tasks:\n    post:", "  /v1/tasks/{id}:\n    get:", "  /v1/tasks/{id}/artifact:\n    get:", "  /healthz:\n    get:", "  /readyz:\n    get:", "  /metrics:\n    get:",
 		"  /v1/admin/dead-letters:\n    get:", "  /v1/admin/dead-letters/{id}:\n    get:", "  /v1/admin/dead-letters/{id}/replay:\n    post:",
-		"  /v1/admin/dead-letters/{id}/resolve:\n    post:"} {
+		"  /v1/admin/dead-letters/{id}/resolve:\n    post:", "  /v1/admin/outbox/parked:\n    get:", "  /v1/admin/outbox/{id}:\n    get:",
+		"  /v1/admin/outbox/{id}/republish:\n    post:", "  /v1/admin/outbox/{id}/discard:\n    post:"} {
 		if !strings.Contains(spec, route) {
 			t.Errorf("openapi.yaml lacks %q", route)
 		}

@@ -15,10 +15,12 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 	"github.com/redis/go-redis/v9"
+	"github.com/twmb/franz-go/pkg/kgo"
 
 	"github.com/converge-run/converge/consumers/deadletter"
 	"github.com/converge-run/converge/internal/artifact"
 	"github.com/converge-run/converge/internal/fault"
+	"github.com/converge-run/converge/internal/taskevent"
 	"github.com/converge-run/converge/internal/tenant"
 	"github.com/converge-run/converge/projections/taskview"
 )
@@ -93,6 +95,17 @@ type Config struct {
 	// 503 DEAD_LETTERS_UNAVAILABLE. The endpoints have no authentication of
 	// their own: expose them only to operators.
 	DeadLetters *deadletter.Service
+	// OutboxProducer produces a parked outbox row again for POST
+	// /v1/admin/outbox/{id}/republish (cdc.Republish: the row's original
+	// record; the row stays locked until the broker answers, so use
+	// acks=all and a record delivery timeout). Optional: without it that
+	// endpoint answers 503 OUTBOX_REPUBLISH_UNAVAILABLE; GET
+	// /v1/admin/outbox/parked, GET /v1/admin/outbox/{id} and POST
+	// /v1/admin/outbox/{id}/discard need only Pool. The caller closes it.
+	OutboxProducer *kgo.Client
+	// Topic is the task-events topic a republished outbox row is produced
+	// to. Defaults to taskevent.DefaultTopic.
+	Topic string
 	// Auth authenticates the bearer tokens of every /v1/ request
 	// (internal/tenant). Required.
 	Auth *tenant.Authenticator
@@ -143,6 +156,9 @@ func (c *Config) setDefaults() {
 		if g, ok := c.Registerer.(prometheus.Gatherer); ok {
 			c.Gatherer = g
 		}
+	}
+	if c.Topic == "" {
+		c.Topic = taskevent.DefaultTopic
 	}
 	if c.Cache.Registerer == nil {
 		c.Cache.Registerer = c.Registerer
@@ -216,6 +232,7 @@ func New(cfg Config) (*Server, error) {
 	s.mux.HandleFunc("GET /readyz", s.handleReadyz)
 	s.registerAdmin()
 	s.registerAdminTenants()
+	s.registerAdminOutbox()
 	s.mux.Handle("GET /metrics", promhttp.HandlerFor(cfg.Gatherer, promhttp.HandlerOpts{ErrorLog: slog.NewLogLogger(cfg.Logger.Handler(), slog.LevelWarn)}))
 	return s, nil
 }

@@ -222,7 +222,8 @@ func Run(ctx context.Context, cfg Config) error {
 		return err
 	}
 	// One producer (acks=all, idempotent: franz-go's defaults) for the
-	// dead-letter replays and the reconciler's republications.
+	// dead-letter replays, the outbox republications (the reconciler's and
+	// the admin API's).
 	producer, err := kgo.NewClient(kgo.SeedBrokers(cfg.Brokers...))
 	if err != nil {
 		return fmt.Errorf("dead-letter replay producer: %w", err)
@@ -243,6 +244,7 @@ func Run(ctx context.Context, cfg Config) error {
 	}
 	srv, err := api.New(api.Config{
 		Pool: pool, Redis: rdb, ArtifactStore: store, MaxBodyBytes: cfg.MaxBodyBytes, MaxInFlightPerTenant: cfg.MaxInFlightPerTenant, DeadLetters: dls,
+		OutboxProducer: producer, Topic: cfg.Topic,
 		Auth:   tenant.NewAuthenticator(pool, 0),
 		Logger: log.With("component", "api"), Registerer: reg, Gatherer: reg, Faults: cfg.Faults,
 	})
