@@ -35,6 +35,22 @@ const CodeRepublishFailed = "REPUBLISH_FAILED"
 // and is recorded all the same.
 const recordFailureTimeout = 5 * time.Second
 
+// NewRepublishProducer returns the producer of republications (operator
+// decisions, the reconciler's pass, dead-letter replays): acks=all, a 30 s
+// record delivery timeout (a republished row stays locked, a reconciler
+// pass waits, until the broker answers), and the relay's producer limits
+// (franz-go's defaults, 1 MiB per record), so a republished record never
+// reaches consumers that could not dead-letter it. opts are appended
+// (metrics hooks, TLS).
+func NewRepublishProducer(brokers []string, opts ...kgo.Opt) (*kgo.Client, error) {
+	return kgo.NewClient(append([]kgo.Opt{kgo.SeedBrokers(brokers...), kgo.RequiredAcks(kgo.AllISRAcks()),
+		kgo.RecordDeliveryTimeout(republishDeliveryTimeout)}, opts...)...)
+}
+
+// republishDeliveryTimeout is NewRepublishProducer's record delivery
+// timeout.
+const republishDeliveryTimeout = 30 * time.Second
+
 // Republish produces the parked outbox row id again (RecordOf) with
 // producer and waits for the broker's acknowledgement, then records the
 // decision (outbox.Decide: published_at set, by and reason kept). The row

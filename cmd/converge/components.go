@@ -143,7 +143,7 @@ func (c *APICmd) Run(env *runEnv) error {
 	dcfg := deadletter.Config{Pool: pool, MaxReplays: c.MaxReplays, Logger: env.log.With("component", "deadletter"), Registerer: reg}
 	var producer *kgo.Client
 	if len(c.KafkaBrokers) > 0 {
-		producer, err = newRepublishProducer(c.KafkaBrokers, kafkametrics.ClientMetrics(reg, "api"))
+		producer, err = cdc.NewRepublishProducer(c.KafkaBrokers, kafkametrics.ClientMetrics(reg, "api"))
 		if err != nil {
 			return fmt.Errorf("dead-letter replay and outbox republish producer: %w", err)
 		}

@@ -126,7 +126,7 @@ func (c *OutboxRepublishCmd) Run(env *runEnv) error {
 	if err := need("CONVERGE_KAFKA_BROKERS", firstOr(c.KafkaBrokers)); err != nil {
 		return err
 	}
-	producer, err := newRepublishProducer(c.KafkaBrokers)
+	producer, err := cdc.NewRepublishProducer(c.KafkaBrokers)
 	if err != nil {
 		return err
 	}
@@ -166,18 +166,6 @@ func (c *OutboxRepublishCmd) republishUnpublished(env *runEnv, producer *kgo.Cli
 		return exitCode(1)
 	}
 	return nil
-}
-
-// newRepublishProducer is the producer of operator republications (`converge
-// outbox republish`, the API's dead-letter replays and outbox
-// republications): acks=all, a 30 s record delivery timeout (a row stays
-// locked until the broker answers), and the producer limits of the relay
-// and the workers (franz-go's defaults, 1 MiB per record), so a
-// republished record never reaches consumers that could not dead-letter
-// it.
-func newRepublishProducer(brokers []string, opts ...kgo.Opt) (*kgo.Client, error) {
-	return kgo.NewClient(append([]kgo.Opt{kgo.SeedBrokers(brokers...), kgo.RequiredAcks(kgo.AllISRAcks()),
-		kgo.RecordDeliveryTimeout(30 * time.Second)}, opts...)...)
 }
 
 // OutboxDiscardCmd is `converge outbox discard ID --reason TEXT [--by WHO]`.

@@ -221,10 +221,9 @@ func Run(ctx context.Context, cfg Config) error {
 	if err != nil {
 		return err
 	}
-	// One producer (acks=all, idempotent: franz-go's defaults) for the
-	// dead-letter replays, the outbox republications (the reconciler's and
-	// the admin API's).
-	producer, err := kgo.NewClient(kgo.SeedBrokers(cfg.Brokers...))
+	// One producer for the dead-letter replays and the outbox
+	// republications (the reconciler's and the admin API's).
+	producer, err := cdc.NewRepublishProducer(cfg.Brokers)
 	if err != nil {
 		return fmt.Errorf("dead-letter replay producer: %w", err)
 	}
