@@ -120,7 +120,9 @@ type Config struct {
 	HeartbeatInterval time.Duration
 	// SlotSampleInterval is how often the relay reads its slot from
 	// pg_replication_slots for the converge_relay_slot_* metrics (lag,
-	// retained WAL, wal_status). Defaults to 10s.
+	// retained WAL, wal_status) and checks its publication, while it
+	// streams and while it waits for a mismatch to be fixed. Defaults to
+	// 10s.
 	SlotSampleInterval time.Duration
 	// Logger receives the relay's logs. Defaults to slog.Default().
 	Logger *slog.Logger
@@ -130,13 +132,14 @@ type Config struct {
 	// Faults arms the fault points fault.RelayBeforeMarkPublished and
 	// fault.RelayAfterAckBeforeConfirm. Defaults to nil (no faults).
 	Faults *fault.Set
-	// RepairPublication makes the relay, at start, alter a publication
-	// that no longer covers public.outbox_event (or no longer publishes
-	// inserts) back instead of failing with ErrPublicationMismatch. For
-	// `converge dev`, whose embedded PostgreSQL an operator cannot reach
-	// while it is stopped; production keeps the strict check (a person
-	// decides). A mismatch found while streaming still ends Run. Defaults
-	// to false.
+	// RepairPublication makes the relay, when it opens a session (at
+	// start, and right after a check found a mismatch while it streamed),
+	// alter a publication that no longer covers public.outbox_event (or
+	// no longer publishes inserts) back instead of waiting for a person to
+	// fix it (the mismatch is still counted and logged). For `converge
+	// dev`, whose embedded PostgreSQL an operator cannot reach while it is
+	// stopped; production keeps the strict check (a person decides).
+	// Defaults to false.
 	RepairPublication bool
 	// KafkaOpts are appended to the relay's franz-go client options (after
 	// its own, so they win). Meant for tests; do not disable idempotency

@@ -47,8 +47,10 @@ type relation struct {
 	ncols  int
 }
 
-// newRelation maps the columns of m. It fails when m is public.outbox_event
-// but lacks a column the relay needs.
+// newRelation maps the columns of m. It fails with a *mismatchError
+// wrapping ErrRelationMismatch (reason columns) when m is
+// public.outbox_event but lacks a column the relay needs (tenant_id is
+// optional). Any other relation maps with outbox false.
 func newRelation(m *pglogrepl.RelationMessage) (*relation, error) {
 	rel := &relation{name: m.Namespace + "." + m.RelationName, ncols: len(m.Columns)}
 	if m.Namespace != outboxSchema || m.RelationName != outboxTable {
@@ -65,10 +67,16 @@ func newRelation(m *pglogrepl.RelationMessage) (*relation, error) {
 			}
 		}
 	}
+	var missing []string
 	for i, pos := range rel.index {
 		if pos < 0 && i != colTenantID {
-			return nil, fmt.Errorf("relation %s (oid %d) has no column %s", rel.name, m.RelationID, outboxColumns[i])
+			missing = append(missing, outboxColumns[i])
 		}
+	}
+	if len(missing) > 0 {
+		return nil, &mismatchError{sentinel: ErrRelationMismatch, reason: mismatchColumns, stream: true,
+			msg: fmt.Sprintf("relation %s (oid %d) has no column %s (a migration renamed or dropped it; the relay reads %s)",
+				rel.name, m.RelationID, strings.Join(missing, ", "), strings.Join(outboxColumns[:colTenantID], ", "))}
 	}
 	return rel, nil
 }

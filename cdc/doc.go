@@ -8,9 +8,11 @@
 //
 //   - Publication (Config.PublicationName): created FOR TABLE
 //     public.outbox_event WITH (publish = 'insert') when missing; when it
-//     exists it must still cover public.outbox_event and publish inserts, or
-//     Run fails with ErrPublicationMismatch (a migration that drops and
-//     recreates the table leaves the publication covering nothing).
+//     exists it must still cover public.outbox_event and publish inserts,
+//     or the relay waits for it to be fixed before it touches the slot
+//     (ErrPublicationMismatch, "Publication checks" below; a migration that
+//     drops and recreates the table leaves the publication covering
+//     nothing).
 //   - Slot (Config.SlotName): a permanent logical slot with pgoutput, created
 //     when missing. A slot invalidated by max_slot_wal_keep_size (wal_status
 //     lost) fails Run with ErrSlotLost; a slot of another kind or database
@@ -102,6 +104,7 @@
 //     wal_status is also exported when Run fails with ErrSlotLost).
 //   - Every receive from the replication connection has its own deadline, so
 //     flushes and status updates happen while the stream is idle.
+//   - Publication checks: see the section below.
 //   - Parking (seed 4.1, issue 13): a record the producer or the broker
 //     refuses for good (MESSAGE_TOO_LARGE, RECORD_LIST_TOO_LARGE,
 //     INVALID_RECORD, CORRUPT_MESSAGE, INVALID_TIMESTAMP,
@@ -130,6 +133,75 @@
 //   - Shutdown (ctx cancelled): stop reading, wait up to ShutdownTimeout for
 //     in-flight records, mark the acknowledged rows published, send a final
 //     status update with the confirmable LSN, close, return nil.
+//
+// # Publication checks (issue 13)
+//
+// pgoutput sends a row only when, in the catalog as of the row's place in
+// the WAL (decoding uses historic catalog snapshots), the publication
+// covers the table and publishes inserts. A row written while that is not
+// so is never in the slot's stream, whatever the slot's position and
+// whenever the publication is fixed; nothing in the stream shows that rows
+// are missing. So the relay checks:
+//
+//   - the publication (store.checkPublication: it exists, covers
+//     public.outbox_event, publishes inserts): when a session opens, every
+//     SlotSampleInterval while it streams, and after each Relation message
+//     of the outbox (asynchronously, in the monitor: the receive loop makes
+//     no extra round trip);
+//   - each pgoutput Relation message of public.outbox_event (sent before
+//     the first change of the relation in a session and after its schema
+//     changed): it must have every column the relay reads (newRelation;
+//     tenant_id is optional). Relation messages of other tables are kept
+//     and their rows ignored;
+//   - the stream's errors: a walsender failing with "publication ... does
+//     not exist" (SQLSTATE 42704). PostgreSQL before 18 fails so on every
+//     change written while the publication did not exist (dropped while
+//     the relay streamed), even once the relay created it again.
+//
+// A mismatch — reason missing, not_covered, no_insert (ErrPublicationMismatch)
+// or columns (ErrRelationMismatch) — makes the relay unhealthy: Health
+// returns it with the statement that fixes it (`converge relay` serves it as
+// GET /readyz, 503), converge_relay_publication_mismatch{reason} is 1,
+// converge_relay_publication_mismatches_total{reason} counts it once, and
+// it is logged at error level (repeated while it lasts). The session ends
+// without a further status update, so the slot stays at the position last
+// confirmed, and the relay does not stream until the mismatch is gone:
+//
+//   - a publication mismatch is checked again every SlotSampleInterval
+//     before the slot is touched (at start no slot is created meanwhile);
+//     once the publication delivers inserts the relay opens a session from
+//     the slot. The rows committed meanwhile are not in the stream: the
+//     reconciler republishes them (consumers/reconciler, RepublishAfter,
+//     default 5 minutes after they were written) with their original
+//     records. With RepairPublication (`converge dev`) the relay repairs the
+//     publication when it opens the session instead of waiting.
+//   - a Relation message without a column, and the walsender's error for a
+//     dropped publication, end every session at the same place (the slot
+//     never passes it); the relay opens a new session every
+//     SlotSampleInterval. It is healthy again once a Relation message of the
+//     outbox maps, or once the slot was moved past that place (the fix, in
+//     Health's text: restore the column if one is missing, stop the relay,
+//     pg_replication_slot_advance past the WAL it cannot decode, start the
+//     relay; the reconciler republishes the rows written meanwhile).
+//
+// Neither ends Run, and neither counts as a restart: ending Run would make
+// `converge relay` exit — a crash loop whose metrics and message are gone
+// between restarts — and stop all of `converge dev`, API included, while
+// the fix is one statement in the database after which the relay resumes
+// by itself. Not streaming, rather than streaming on and confirming
+// heartbeats, stops the slot where the relay found the mismatch (within a
+// SlotSampleInterval of its start): the relay does not go on confirming a
+// stream it knows is missing outbox rows, and it holds no replication
+// connection a PostgreSQL shutdown would wait for. The cost is WAL: the
+// slot retains it while the mismatch lasts (the slot_* gauges are still
+// sampled every SlotSampleInterval, so ConvergeReplicationSlotRetainedWALHigh
+// fires; past max_slot_wal_keep_size the slot is lost, ErrSlotLost). Tests: TestRelayPublicationMismatchAtStart,
+// TestRelayPublicationDroppedWhileStreaming,
+// TestRelayPublicationDroppedAndRecreated,
+// TestRelayChecksPublicationOnRelationMessage,
+// TestRelayOutboxRelationWithoutColumn, TestRelayRepairsPublicationWhenAsked,
+// and consumers/reconciler TestPublicationRepairedRowsReachTheTopic (every
+// row of the gap reaches the topic, none is marked published unproduced).
 //
 // # Fault points
 //
@@ -168,8 +240,10 @@
 //	converge_relay_outbox_rows_gone_total                     counter    -           acknowledged rows deleted after their commit before they were marked
 //	converge_relay_status_updates_total                       counter    -           standby status updates sent
 //	converge_relay_outbox_rows_parked_total                   counter    code        rows parked because they cannot be published
-//	converge_relay_restarts_total                             counter    reason      sessions failed and restarted (produce, slot_active, database, other)
+//	converge_relay_restarts_total                             counter    reason      sessions failed and restarted (produce, slot_active, database, other; a publication mismatch is not counted)
 //	converge_relay_streaming                                  gauge      -           1 while streaming from the slot, 0 while connecting or backing off
+//	converge_relay_publication_mismatch                       gauge      reason      1 for each reason (missing, not_covered, no_insert, columns) the relay finds now; the relay does not stream while one is 1
+//	converge_relay_publication_mismatches_total               counter    reason      mismatches found (once per finding, however long it lasts)
 //
 // The relay's franz-go client exports converge_kafka_client_*{component=
 // "relay"} when the caller passes kafkametrics.ClientMetrics in KafkaOpts

@@ -24,8 +24,10 @@ type heartbeatContent struct {
 const monitorTimeout = 5 * time.Second
 
 // startMonitor runs the session's monitor beside the replication loop: it
-// writes a heartbeat into the WAL every HeartbeatInterval (when enabled) and
-// samples the slot every SlotSampleInterval, both at once at start. Neither
+// writes a heartbeat into the WAL every HeartbeatInterval (when enabled),
+// samples the slot and checks the publication every SlotSampleInterval
+// (heartbeat and sample at once at start; the publication was checked by
+// open), and checks the publication when handleRelation asks. Neither
 // failing stops the relay: they are counted and logged. The returned
 // function stops the monitor and waits for it; call it before closing the
 // session's pool.
@@ -63,6 +65,8 @@ func (s *session) monitor(ctx context.Context) {
 		case <-sample.C:
 			s.sampleSlot(ctx)
 			s.verifyPublication(ctx)
+		case <-s.checkNow:
+			s.verifyPublication(ctx)
 		}
 	}
 }
@@ -87,18 +91,22 @@ func (s *session) heartbeat(ctx context.Context) {
 	s.m.heartbeatsEmitted.Inc()
 }
 
-// verifyPublication checks the publication while streaming. A mismatch
-// stops the session with ErrPublicationMismatch through the marker's
-// failure (no further status update: the slot stays where it was), which
-// ends Run. A failed check is only logged.
+// verifyPublication checks the publication while streaming and records
+// the result (Health, converge_relay_publication_mismatch). A mismatch ends
+// the session through the marker's failure (no further status update: the
+// slot stays where it was); Run then waits for the publication to be fixed
+// before it opens the next session. A check that could not run is only
+// logged.
 func (s *session) verifyPublication(ctx context.Context) {
 	ctx, cancel := context.WithTimeout(ctx, monitorTimeout)
 	defer cancel()
 	err := s.store.checkPublication(ctx, s.cfg.PublicationName)
 	switch {
-	case err == nil, context.Cause(ctx) == context.Canceled:
+	case context.Cause(ctx) == context.Canceled:
+	case err == nil:
+		s.r.noteCatalog(ctx, nil)
 	case errors.Is(err, ErrPublicationMismatch):
-		s.log.ErrorContext(ctx, "the publication no longer covers the outbox; the relay stops", slog.String("error", err.Error()))
+		s.r.noteCatalog(ctx, err)
 		s.setMarkErr(err)
 	default:
 		s.log.WarnContext(ctx, "verify publication failed", slog.String("error", err.Error()))
@@ -124,13 +132,18 @@ func (s *session) sampleSlot(ctx context.Context) {
 		s.log.ErrorContext(ctx, "replication slot vanished while streaming")
 		return
 	}
-	s.m.slotLag.Set(float64(st.lagBytes))
-	s.m.slotRetained.Set(float64(st.retainedBytes))
-	s.m.setWALStatus(st.walStatus)
+	s.setSlotStats(st)
 	if st.walStatus == "unreserved" {
 		s.log.WarnContext(ctx, "replication slot is about to lose WAL (wal_status unreserved): the relay is far behind",
 			slog.Int64("lag_bytes", st.lagBytes), slog.Int64("retained_bytes", st.retainedBytes))
 	}
+}
+
+// setSlotStats sets the converge_relay_slot_* gauges from st.
+func (s *session) setSlotStats(st slotStats) {
+	s.m.slotLag.Set(float64(st.lagBytes))
+	s.m.slotRetained.Set(float64(st.retainedBytes))
+	s.m.setWALStatus(st.walStatus)
 }
 
 // setWALStatus sets converge_relay_slot_wal_status: 1 for status, 0 for the

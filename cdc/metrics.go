@@ -34,6 +34,9 @@ type metrics struct {
 	rowsParked *prometheus.CounterVec
 	restarts   *prometheus.CounterVec
 	streaming  prometheus.Gauge
+
+	pubMismatch   *prometheus.GaugeVec
+	pubMismatches *prometheus.CounterVec
 }
 
 // restartReasons are the values of converge_relay_restarts_total's reason
@@ -146,11 +149,19 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 			Name: "converge_relay_streaming",
 			Help: "1 while the relay streams from its slot, 0 while it connects or waits to restart.",
 		}),
+		pubMismatch: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Name: "converge_relay_publication_mismatch",
+			Help: "1 for the reason (missing, not_covered, no_insert, columns) while the last publication check or the outbox's last Relation message found that outbox inserts are not delivered, 0 otherwise; while 1 the relay does not stream and the slot does not advance.",
+		}, []string{"reason"}),
+		pubMismatches: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "converge_relay_publication_mismatches_total",
+			Help: "Times a publication check or an outbox Relation message found a mismatch (missing, not_covered, no_insert, columns) after finding none (or another reason) before.",
+		}, []string{"reason"}),
 	}
 	for _, c := range []prometheus.Collector{m.rowsParked, m.restarts, m.streaming, m.published, m.produceErrors, m.hashMismatches, m.commitToAck,
 		m.confirmedLSN, m.slotLag, m.txnsInFlight, m.recordsInFlight, m.publishedMarked, m.outboxRowsInvisible, m.outboxRowsGone, m.statusUpdatesOut,
 		m.lastAckedLSN, m.slotRetained, m.slotWALStatus, m.slotSampleErrors, m.heartbeatsEmitted, m.heartbeatErrors,
-		m.heartbeatRTT, m.heartbeatLastSeen} {
+		m.heartbeatRTT, m.heartbeatLastSeen, m.pubMismatch, m.pubMismatches} {
 		if err := reg.Register(c); err != nil {
 			return nil, fmt.Errorf("register relay metrics: %w", err)
 		}
@@ -160,6 +171,10 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 	}
 	for _, r := range restartReasons {
 		m.restarts.WithLabelValues(r)
+	}
+	for _, r := range mismatchReasons {
+		m.pubMismatch.WithLabelValues(r) // 0 until a check finds a mismatch
+		m.pubMismatches.WithLabelValues(r)
 	}
 	return m, nil
 }

@@ -26,10 +26,18 @@ import (
 
 // Sentinel errors of Run. Each is wrapped with the details of the case.
 var (
-	// ErrPublicationMismatch: the publication exists but does not publish
-	// inserts of public.outbox_event (typically the table was dropped and
-	// recreated by a migration). An operator must fix the publication.
+	// ErrPublicationMismatch: the publication does not publish inserts of
+	// public.outbox_event (the table was dropped from it, or dropped and
+	// recreated by a migration; publish without insert; the publication was
+	// dropped). Not fatal: Relay.Health reports it, naming the fix, and the
+	// relay does not stream until the publication is fixed (package doc,
+	// "Publication checks").
 	ErrPublicationMismatch = errors.New("publication does not cover outbox_event")
+	// ErrRelationMismatch: a pgoutput Relation message of
+	// public.outbox_event lacks a column the relay reads (a migration
+	// renamed or dropped it). Not fatal: Relay.Health reports it, naming
+	// the fix, and the relay does not stream past the row.
+	ErrRelationMismatch = errors.New("outbox relation lacks a column the relay reads")
 	// ErrSlotLost: the replication slot was invalidated (wal_status lost,
 	// max_slot_wal_keep_size): WAL the relay never confirmed is gone.
 	ErrSlotLost = errors.New("replication slot lost")
@@ -58,6 +66,7 @@ type Relay struct {
 	m         *metrics
 	confirmed atomic.Uint64
 	running   atomic.Bool
+	pub       pubState
 }
 
 // New validates cfg (after applying its defaults) and registers the relay's
@@ -102,10 +111,18 @@ func (r *Relay) ConfirmedLSN() pglogrepl.LSN {
 // invalid) and a row that cannot be decoded are parked (outbox.Park), not
 // retried, and the stream goes on past them.
 //
+// A publication that does not deliver outbox inserts (ErrPublicationMismatch,
+// at start or found by the periodic check) or an outbox Relation message
+// without a column the relay reads (ErrRelationMismatch) does not end Run:
+// the session ends without a further status update, Health reports the
+// mismatch with its fix, and Run checks again every SlotSampleInterval,
+// opening a session only once the publication delivers inserts again
+// (package doc, "Publication checks").
+//
 // Run returns only the fatal errors, which need a person: ErrSlotLost,
-// ErrSlotMismatch, ErrPublicationMismatch, ErrInvalidRow for a tuple
-// without a readable outbox id, and an injected fault (wrapping
-// fault.ErrInjected: a simulated crash; no further status update is sent).
+// ErrSlotMismatch, ErrInvalidRow for a tuple without a readable outbox id,
+// and an injected fault (wrapping fault.ErrInjected: a simulated crash; no
+// further status update is sent).
 func (r *Relay) Run(ctx context.Context) error {
 	if !r.running.CompareAndSwap(false, true) {
 		return ErrAlreadyRunning
@@ -116,6 +133,16 @@ func (r *Relay) Run(ctx context.Context) error {
 		err := r.runSession(ctx)
 		if ctx.Err() != nil || err == nil {
 			return err
+		}
+		if me := (*mismatchError)(nil); errors.As(err, &me) {
+			// Not a restart: a publication mismatch is waited out by the
+			// next session's open; only a session can meet a stream
+			// finding again.
+			attempt = 0
+			if me.stream && !backoff.Wait(ctx, r.cfg.SlotSampleInterval) {
+				return nil
+			}
+			continue
 		}
 		if fatal(err) {
 			return err
@@ -140,7 +167,7 @@ const healthySession = time.Minute
 
 // fatal reports the errors that end Run: restarting cannot fix them.
 func fatal(err error) bool {
-	for _, e := range []error{ErrSlotLost, ErrSlotMismatch, ErrPublicationMismatch, ErrInvalidRow, fault.ErrInjected} {
+	for _, e := range []error{ErrSlotLost, ErrSlotMismatch, ErrInvalidRow, fault.ErrInjected} {
 		if errors.Is(err, e) {
 			return true
 		}
@@ -220,9 +247,13 @@ type session struct {
 	// a shutdown lets in-flight records finish.
 	produceCtx context.Context
 
-	relations    map[uint32]*relation
+	relations map[uint32]*relation
+	// checkNow asks the monitor for a publication check (an outbox
+	// Relation message arrived).
+	checkNow     chan struct{}
 	inTxn        bool
 	txnSeq       uint64
+	txnCommitLSN pglogrepl.LSN // of the transaction being received (Begin's final LSN)
 	serverWALEnd pglogrepl.LSN
 	// keepaliveEnd is the highest WAL position of a primary keepalive: the
 	// walsender's sent position (sentPtr), everything before which it has
@@ -239,7 +270,7 @@ type session struct {
 func (r *Relay) open(ctx context.Context) (_ *session, err error) {
 	cfg := &r.cfg
 	s := &session{r: r, cfg: cfg, log: r.log, m: r.m, relations: map[uint32]*relation{},
-		sem: make(chan struct{}, cfg.MaxBufferedRecords)}
+		sem: make(chan struct{}, cfg.MaxBufferedRecords), checkNow: make(chan struct{}, 1)}
 	defer func() {
 		if err != nil {
 			s.close()
@@ -256,17 +287,8 @@ func (r *Relay) open(ctx context.Context) (_ *session, err error) {
 	}
 	s.store = &store{pool: s.pool}
 
-	created, err := s.store.ensurePublication(ctx, cfg.PublicationName)
-	if errors.Is(err, ErrPublicationMismatch) && cfg.RepairPublication {
-		s.log.WarnContext(ctx, "the publication no longer covered the outbox; repairing it (RepairPublication); the reconciler republishes the rows written meanwhile",
-			slog.String("publication", cfg.PublicationName), slog.String("error", err.Error()))
-		err = s.store.repairPublication(ctx, cfg.PublicationName)
-	}
-	if err != nil {
+	if err := s.awaitPublication(ctx); err != nil {
 		return nil, err
-	}
-	if created {
-		s.log.InfoContext(ctx, "created publication", slog.String("publication", cfg.PublicationName))
 	}
 
 	replCfg, err := pgconn.ParseConfig(cfg.DatabaseURL)
@@ -346,6 +368,7 @@ func (r *Relay) open(ctx context.Context) (_ *session, err error) {
 	if si, err = s.store.slot(ctx, cfg.SlotName); err != nil {
 		return nil, err
 	}
+	r.clearStreamBefore(ctx, si.confirmed)
 	s.tr = newTracker(si.confirmed)
 	r.confirmed.Store(uint64(si.confirmed))
 	s.m.confirmedLSN.Set(float64(si.confirmed))
@@ -508,7 +531,11 @@ func (s *session) handle(ctx context.Context, msg pgproto3.BackendMessage) error
 			return s.handleWAL(ctx, xld.WALData)
 		}
 	case *pgproto3.ErrorResponse:
-		return fmt.Errorf("replication stream of slot %s: %w", s.cfg.SlotName, pgconn.ErrorResponseToPgError(msg))
+		pgErr := pgconn.ErrorResponseToPgError(msg)
+		if isPublicationGone(pgErr) {
+			return s.publicationGone(ctx, pgErr)
+		}
+		return fmt.Errorf("replication stream of slot %s: %w", s.cfg.SlotName, pgErr)
 	case *pgproto3.CopyDone:
 		return fmt.Errorf("replication stream of slot %s ended by the server", s.cfg.SlotName)
 	}
@@ -529,16 +556,13 @@ func (s *session) handleWAL(ctx context.Context, data []byte) error {
 	}
 	switch m := lm.(type) {
 	case *pglogrepl.RelationMessage:
-		rel, err := newRelation(m)
-		if err != nil {
-			return err
-		}
-		s.relations[m.RelationID] = rel
+		return s.handleRelation(ctx, m)
 	case *pglogrepl.BeginMessage:
 		if s.inTxn {
 			return fmt.Errorf("pgoutput: Begin of xid %d inside a transaction", m.Xid)
 		}
 		s.txnSeq = s.tr.begin(m.CommitTime, m.Xid)
+		s.txnCommitLSN = m.FinalLSN
 		s.inTxn = true
 	case *pglogrepl.InsertMessage:
 		if !s.inTxn {

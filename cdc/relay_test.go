@@ -652,63 +652,353 @@ func TestRelaySlotActive(t *testing.T) {
 	}
 }
 
-func TestRelayPublicationMismatch(t *testing.T) {
+// A publication that does not deliver outbox inserts at start (as after a
+// migration that recreated outbox_event, or publish without insert) keeps
+// the relay from streaming — no slot is created — without ending Run: it
+// reports the mismatch (Health naming the fix, the mismatch gauge and
+// counter) and checks again every SlotSampleInterval; once the publication
+// is fixed it streams (issue 13).
+func TestRelayPublicationMismatchAtStart(t *testing.T) {
 	t.Parallel()
-	b := setup(t)
-	// As after a migration that recreated outbox_event: the publication
-	// exists but covers another table only.
-	if _, err := b.db.Pool.Exec(context.Background(), "CREATE PUBLICATION "+b.pub+" FOR TABLE task"); err != nil {
-		t.Fatal(err)
-	}
-	rr := b.start(t, b.config())
-	if err := rr.wait(t, 10*time.Second); !errors.Is(err, ErrPublicationMismatch) {
-		t.Fatalf("Run = %v, want ErrPublicationMismatch", err)
-	}
-	if _, _, exists := b.slotState(t); exists {
-		t.Fatal("slot created although the publication is wrong")
+	for _, tc := range []struct {
+		name, create, fix, reason, wantFix string
+	}{
+		{"not covered", "FOR TABLE task", "ADD TABLE public.outbox_event", mismatchNotCovered, "ADD TABLE public.outbox_event"},
+		{"no insert", "FOR TABLE outbox_event WITH (publish = 'update')", "SET (publish = 'insert')", mismatchNoInsert, "SET (publish = 'insert')"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			b := setup(t)
+			ctx := context.Background()
+			if _, err := b.db.Pool.Exec(ctx, "CREATE PUBLICATION "+b.pub+" "+tc.create); err != nil {
+				t.Fatal(err)
+			}
+			reg := prometheus.NewRegistry()
+			cfg := b.config()
+			cfg.Registerer = reg
+			cfg.SlotSampleInterval = 100 * time.Millisecond
+			rr := b.start(t, cfg)
+			testenv.Eventually(t, 10*time.Second, "mismatch reported", func() bool { return rr.relay.Health() != nil })
+			err := rr.relay.Health()
+			if !errors.Is(err, ErrPublicationMismatch) || !strings.Contains(err.Error(), "ALTER PUBLICATION "+b.pub+" "+tc.wantFix) {
+				t.Fatalf("Health = %v, want ErrPublicationMismatch naming ALTER PUBLICATION %s %s", err, b.pub, tc.wantFix)
+			}
+			if got := testenv.MetricSum(t, reg, "converge_relay_publication_mismatch", map[string]string{"reason": tc.reason}); got != 1 {
+				t.Fatalf("publication_mismatch{reason=%s} = %v, want 1", tc.reason, got)
+			}
+			time.Sleep(300 * time.Millisecond) // several checks: counted once
+			if got := testenv.MetricSum(t, reg, "converge_relay_publication_mismatches_total", map[string]string{"reason": tc.reason}); got != 1 {
+				t.Fatalf("publication_mismatches_total{reason=%s} = %v, want 1", tc.reason, got)
+			}
+			select {
+			case err := <-rr.done:
+				t.Fatalf("Run returned %v; it must wait for the publication", err)
+			default:
+			}
+			if _, _, exists := b.slotState(t); exists {
+				t.Fatal("slot created although the publication is wrong")
+			}
+
+			if _, err := b.db.Pool.Exec(ctx, "ALTER PUBLICATION "+b.pub+" "+tc.fix); err != nil {
+				t.Fatal(err)
+			}
+			b.waitStreaming(t, rr)
+			if err := rr.relay.Health(); err != nil {
+				t.Fatalf("Health after the fix = %v", err)
+			}
+			if got := testenv.MetricSum(t, reg, "converge_relay_publication_mismatch", nil); got != 0 {
+				t.Fatalf("publication_mismatch after the fix = %v, want 0", got)
+			}
+			b.insertTx(t, b.event(t, "task-fixed", 1))
+			testenv.Eventually(t, 10*time.Second, "row published after the fix", func() bool { return b.unpublished(t) == 0 })
+		})
 	}
 }
 
 // A publication that stops covering the outbox while the relay streams
-// (ALTER PUBLICATION ... DROP TABLE) is found by the periodic check: Run
-// ends with ErrPublicationMismatch naming the fix, and the slot does not
-// advance past the rows written meanwhile (issue 13).
+// (ALTER PUBLICATION ... DROP TABLE) is found by the periodic check: the
+// relay stops streaming, reports the mismatch naming the fix, and the slot
+// stays where it was while rows are written; Run goes on. pgoutput leaves
+// those rows out of the slot's stream for good (they are decoded with the
+// catalog of their commit), so after ALTER PUBLICATION ... ADD TABLE the
+// relay streams the rows written from then on and the rows of the gap stay
+// unpublished, for the reconciler to republish (consumers/reconciler
+// TestPublicationRepairedRowsReachTheTopic) (issue 13).
 func TestRelayPublicationDroppedWhileStreaming(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
+	ctx := context.Background()
+	reg := prometheus.NewRegistry()
 	cfg := b.config()
+	cfg.Registerer = reg
+	cfg.SlotSampleInterval = 100 * time.Millisecond
+	cfg.HeartbeatInterval = 50 * time.Millisecond
+	rr := b.start(t, cfg)
+	b.waitStreaming(t, rr)
+	before := b.event(t, "task-before", 1)
+	b.insertTx(t, before)
+	testenv.Eventually(t, 10*time.Second, "row before the drop published", func() bool { return b.unpublished(t) == 0 })
+	if got := testenv.MetricSum(t, reg, "converge_relay_publication_mismatch", nil); got != 0 {
+		t.Fatalf("publication_mismatch while fine = %v, want 0", got)
+	}
+
+	if _, err := b.db.Pool.Exec(ctx, "ALTER PUBLICATION "+b.pub+" DROP TABLE outbox_event"); err != nil {
+		t.Fatal(err)
+	}
+	testenv.Eventually(t, 10*time.Second, "mismatch reported and streaming stopped", func() bool {
+		return rr.relay.Health() != nil && testenv.MetricSum(t, reg, "converge_relay_streaming", nil) == 0
+	})
+	if err := rr.relay.Health(); !errors.Is(err, ErrPublicationMismatch) || !strings.Contains(err.Error(), "ALTER PUBLICATION "+b.pub+" ADD TABLE public.outbox_event") {
+		t.Fatalf("Health = %v, want ErrPublicationMismatch naming the fix", err)
+	}
+	if got := testenv.MetricSum(t, reg, "converge_relay_publication_mismatch", map[string]string{"reason": mismatchNotCovered}); got != 1 {
+		t.Fatalf("publication_mismatch{reason=not_covered} = %v, want 1", got)
+	}
+	b.waitReleased(t)
+	held, _, _ := b.slotState(t)
+	lagBefore := testenv.MetricSum(t, reg, "converge_relay_slot_lag_bytes", nil)
+	gap := []outboxEvent{b.event(t, "task-gap", 1), b.event(t, "task-gap", 2)}
+	b.insertTx(t, gap[0])
+	b.insertTx(t, gap[1])
+	// The slot keeps WAL meanwhile, and its gauges say so.
+	testenv.Eventually(t, 10*time.Second, "slot lag sampled while waiting", func() bool {
+		return testenv.MetricSum(t, reg, "converge_relay_slot_lag_bytes", nil) > lagBefore
+	})
+	time.Sleep(500 * time.Millisecond) // several checks, heartbeat intervals and status intervals
+	if now, active, _ := b.slotState(t); now != held || active {
+		t.Fatalf("slot while mismatched: confirmed %s (was %s), active %v; want it held and not streamed", now, held, active)
+	}
+	select {
+	case err := <-rr.done:
+		t.Fatalf("Run returned %v; it must wait for the publication", err)
+	default:
+	}
+
+	if _, err := b.db.Pool.Exec(ctx, "ALTER PUBLICATION "+b.pub+" ADD TABLE outbox_event"); err != nil {
+		t.Fatal(err)
+	}
+	testenv.Eventually(t, 10*time.Second, "relay healthy and streaming again", func() bool {
+		return rr.relay.Health() == nil && testenv.MetricSum(t, reg, "converge_relay_streaming", nil) == 1
+	})
+	after := b.event(t, "task-after", 1)
+	b.insertTx(t, after)
+	testenv.Eventually(t, 10*time.Second, "row after the fix published", func() bool { return b.unpublished(t) == len(gap) })
+	for _, e := range gap {
+		var published bool
+		if err := b.db.Pool.QueryRow(ctx, `SELECT published_at IS NOT NULL FROM outbox_event WHERE outbox_id = $1`, e.id).Scan(&published); err != nil || published {
+			t.Fatalf("gap row %s published %v (%v); pgoutput left it out of the stream", e.id, published, err)
+		}
+	}
+	if got := testenv.MetricSum(t, reg, "converge_relay_publication_mismatches_total", nil); got != 1 {
+		t.Fatalf("publication_mismatches_total = %v, want 1", got)
+	}
+	if got := testenv.MetricSum(t, reg, "converge_relay_restarts_total", nil); got != 0 {
+		t.Fatalf("restarts_total = %v; a mismatch is not a session restart", got)
+	}
+}
+
+// A Relation message of the outbox makes the relay check its publication
+// at once, not only every SlotSampleInterval (here an hour): a row whose
+// transaction was open while outbox_event was dropped from the publication
+// is still streamed, with its Relation message, and the check that follows
+// finds the mismatch.
+func TestRelayChecksPublicationOnRelationMessage(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ctx := context.Background()
+	cfg := b.config()
+	cfg.SlotSampleInterval = time.Hour
+	rr := b.start(t, cfg)
+	b.waitStreaming(t, rr)
+	tx, err := b.db.Pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tx.Rollback(ctx)
+	e := b.event(t, "task-held", 1)
+	if _, err := tx.Exec(ctx, `INSERT INTO outbox_event (outbox_id, aggregate_id, aggregate_version, event_type, payload, payload_sha256) VALUES ($1, $2, $3, $4, $5, $6)`,
+		e.id, e.taskID, e.version, e.typ, string(e.payload), e.sha); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := b.db.Pool.Exec(ctx, "ALTER PUBLICATION "+b.pub+" DROP TABLE outbox_event"); err != nil {
+		t.Fatal(err)
+	}
+	if err := tx.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	testenv.Eventually(t, 10*time.Second, "mismatch found after the Relation message", func() bool {
+		return errors.Is(rr.relay.Health(), ErrPublicationMismatch)
+	})
+}
+
+// A publication dropped while the relay streams is created again when the
+// relay opens its next session, but PostgreSQL (before 18) fails on every
+// change written while it did not exist ("publication ... does not
+// exist"): the relay reports that as a mismatch naming the fix instead of
+// restarting for ever, the slot stays put, Run goes on; once the slot was
+// moved past that WAL the relay is healthy and streams again.
+func TestRelayPublicationDroppedAndRecreated(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ctx := context.Background()
+	reg := prometheus.NewRegistry()
+	cfg := b.config()
+	cfg.Registerer = reg
 	cfg.SlotSampleInterval = 100 * time.Millisecond
 	rr := b.start(t, cfg)
 	b.waitStreaming(t, rr)
-	before, _, _ := b.slotState(t)
-	if _, err := b.db.Pool.Exec(context.Background(), "ALTER PUBLICATION "+b.pub+" DROP TABLE outbox_event"); err != nil {
+	if _, err := b.db.Pool.Exec(ctx, "DROP PUBLICATION "+b.pub); err != nil {
 		t.Fatal(err)
 	}
-	err := rr.wait(t, 10*time.Second)
-	if !errors.Is(err, ErrPublicationMismatch) || !strings.Contains(err.Error(), "ADD TABLE") {
-		t.Fatalf("Run = %v, want ErrPublicationMismatch naming the fix", err)
+	gap := b.event(t, "task-gap", 1)
+	b.insertTx(t, gap)
+	testenv.Eventually(t, 10*time.Second, "mismatch reported", func() bool {
+		err := rr.relay.Health()
+		return errors.Is(err, ErrPublicationMismatch) && strings.Contains(err.Error(), "pg_replication_slot_advance")
+	})
+	if got := testenv.MetricSum(t, reg, "converge_relay_publication_mismatch", map[string]string{"reason": mismatchMissing}); got != 1 {
+		t.Fatalf("publication_mismatch{reason=missing} = %v, want 1", got)
 	}
-	b.waitReleased(t)
-	if after, _, _ := b.slotState(t); after < before {
-		t.Fatalf("slot moved back: %s < %s", after, before)
+	held, _, _ := b.slotState(t)
+	time.Sleep(500 * time.Millisecond) // several sessions meet the WAL
+	if now, _, _ := b.slotState(t); now != held {
+		t.Fatalf("slot moved from %s to %s", held, now)
+	}
+	if got := testenv.MetricSum(t, reg, "converge_relay_restarts_total", nil); got != 0 {
+		t.Fatalf("restarts_total = %v; a mismatch is not a session restart", got)
+	}
+	if err := rr.relay.Health(); !errors.Is(err, ErrPublicationMismatch) {
+		t.Fatalf("Health = %v after several sessions, want the mismatch still reported", err)
+	}
+
+	testenv.Eventually(t, 10*time.Second, "slot advanced past the WAL written without the publication", func() bool {
+		_, err := b.db.Pool.Exec(ctx, `SELECT pg_replication_slot_advance($1, pg_current_wal_lsn())`, b.slot)
+		return err == nil // fails while a session holds the slot
+	})
+	testenv.Eventually(t, 10*time.Second, "relay healthy again", func() bool { return rr.relay.Health() == nil })
+	after := b.event(t, "task-after", 1)
+	b.insertTx(t, after)
+	testenv.Eventually(t, 10*time.Second, "row after the fix published", func() bool { return b.unpublished(t) == 1 })
+	var published bool
+	if err := b.db.Pool.QueryRow(ctx, `SELECT published_at IS NOT NULL FROM outbox_event WHERE outbox_id = $1`, gap.id).Scan(&published); err != nil || published {
+		t.Fatalf("gap row published %v (%v): want it left to the reconciler", published, err)
+	}
+	select {
+	case err := <-rr.done:
+		t.Fatalf("Run returned %v; it must go on", err)
+	default:
+	}
+}
+
+// A Relation message of outbox_event without a column the relay reads (a
+// migration renamed payload_sha256) stops the stream before the row: the
+// relay reports the mismatch naming the column and the fix, the slot does
+// not pass the row, and Run goes on trying. Once the column is back and the
+// slot was moved past the rows written without it, the relay is healthy
+// again and streams.
+func TestRelayOutboxRelationWithoutColumn(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ctx := context.Background()
+	reg := prometheus.NewRegistry()
+	cfg := b.config()
+	cfg.Registerer = reg
+	cfg.SlotSampleInterval = 100 * time.Millisecond
+	rr := b.start(t, cfg)
+	b.waitStreaming(t, rr)
+	b.insertTx(t, b.event(t, "task-ok", 1))
+	testenv.Eventually(t, 10*time.Second, "first row published", func() bool { return b.unpublished(t) == 0 })
+
+	exec := func(q string, args ...any) {
+		t.Helper()
+		if _, err := b.db.Pool.Exec(ctx, q, args...); err != nil {
+			t.Fatal(err)
+		}
+	}
+	exec(`ALTER TABLE outbox_event RENAME COLUMN payload_sha256 TO payload_hash`)
+	e := b.event(t, "task-renamed", 1)
+	exec(`INSERT INTO outbox_event (outbox_id, aggregate_id, aggregate_version, event_type, payload, payload_hash) VALUES ($1, $2, $3, $4, $5, $6)`,
+		e.id, e.taskID, e.version, e.typ, string(e.payload), e.sha)
+	testenv.Eventually(t, 10*time.Second, "relation mismatch reported", func() bool { return rr.relay.Health() != nil })
+	err := rr.relay.Health()
+	if !errors.Is(err, ErrRelationMismatch) || !strings.Contains(err.Error(), "payload_sha256") || !strings.Contains(err.Error(), "pg_replication_slot_advance") {
+		t.Fatalf("Health = %v, want ErrRelationMismatch naming payload_sha256 and the fix", err)
+	}
+	if got := testenv.MetricSum(t, reg, "converge_relay_publication_mismatch", map[string]string{"reason": mismatchColumns}); got != 1 {
+		t.Fatalf("publication_mismatch{reason=columns} = %v, want 1", got)
+	}
+	held, _, _ := b.slotState(t)
+	time.Sleep(500 * time.Millisecond) // several sessions meet the Relation message
+	if now, _, _ := b.slotState(t); now != held {
+		t.Fatalf("slot moved from %s to %s past a row it cannot decode", held, now)
+	}
+	if got := testenv.MetricSum(t, reg, "converge_relay_publication_mismatches_total", map[string]string{"reason": mismatchColumns}); got != 1 {
+		t.Fatalf("publication_mismatches_total{reason=columns} = %v, want 1 (one finding, however many sessions)", got)
+	}
+	if got := testenv.MetricSum(t, reg, "converge_relay_restarts_total", nil); got != 0 {
+		t.Fatalf("restarts_total = %v; a mismatch is not a session restart", got)
+	}
+	select {
+	case err := <-rr.done:
+		t.Fatalf("Run returned %v; it must go on", err)
+	default:
+	}
+
+	// The fix of the runbook: restore the column, move the slot past the
+	// rows written without it (the reconciler republishes them).
+	exec(`ALTER TABLE outbox_event RENAME COLUMN payload_hash TO payload_sha256`)
+	testenv.Eventually(t, 10*time.Second, "slot advanced past the rows written without the column", func() bool {
+		_, err := b.db.Pool.Exec(ctx, `SELECT pg_replication_slot_advance($1, pg_current_wal_lsn())`, b.slot)
+		return err == nil // fails while a session holds the slot
+	})
+	testenv.Eventually(t, 10*time.Second, "relay healthy again", func() bool { return rr.relay.Health() == nil })
+	b.waitStreaming(t, rr)
+	restored := b.event(t, "task-restored", 1)
+	b.insertTx(t, restored)
+	testenv.Eventually(t, 10*time.Second, "row after the fix published", func() bool {
+		var published bool
+		err := b.db.Pool.QueryRow(ctx, `SELECT published_at IS NOT NULL FROM outbox_event WHERE outbox_id = $1`, restored.id).Scan(&published)
+		return err == nil && published
+	})
+	if n := b.unpublished(t); n != 1 {
+		t.Fatalf("%d rows unpublished, want 1: the row written without the column, left to the reconciler", n)
+	}
+	if got := testenv.MetricSum(t, reg, "converge_relay_publication_mismatch", nil); got != 0 {
+		t.Fatalf("publication_mismatch after the fix = %v, want 0", got)
 	}
 }
 
 // With RepairPublication (converge dev) a publication that no longer
-// covers the outbox at start is altered back and the relay streams.
+// covers the outbox at start is altered back and the relay streams; one
+// that stops covering it while the relay streams is altered back when the
+// relay opens its next session. Both mismatches are counted.
 func TestRelayRepairsPublicationWhenAsked(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
-	if _, err := b.db.Pool.Exec(context.Background(), "CREATE PUBLICATION "+b.pub+" FOR TABLE task WITH (publish = 'update')"); err != nil {
+	ctx := context.Background()
+	if _, err := b.db.Pool.Exec(ctx, "CREATE PUBLICATION "+b.pub+" FOR TABLE task WITH (publish = 'update')"); err != nil {
 		t.Fatal(err)
 	}
+	reg := prometheus.NewRegistry()
 	cfg := b.config()
 	cfg.RepairPublication = true
+	cfg.Registerer = reg
+	cfg.SlotSampleInterval = 100 * time.Millisecond
 	rr := b.start(t, cfg)
 	b.waitStreaming(t, rr)
 	ev := b.event(t, "task-repaired", 1)
 	b.insertTx(t, ev)
 	testenv.Eventually(t, 10*time.Second, "row published after the repair", func() bool { return b.unpublished(t) == 0 })
+
+	if _, err := b.db.Pool.Exec(ctx, "ALTER PUBLICATION "+b.pub+" DROP TABLE outbox_event"); err != nil {
+		t.Fatal(err)
+	}
+	testenv.Eventually(t, 10*time.Second, "mismatch while streaming found and repaired", func() bool {
+		return testenv.MetricSum(t, reg, "converge_relay_publication_mismatches_total", map[string]string{"reason": mismatchNotCovered}) == 2 &&
+			rr.relay.Health() == nil && testenv.MetricSum(t, reg, "converge_relay_streaming", nil) == 1
+	})
+	b.insertTx(t, b.event(t, "task-repaired-again", 1))
+	testenv.Eventually(t, 10*time.Second, "row published after the second repair", func() bool { return b.unpublished(t) == 0 })
 }
 
 func TestCheckSlot(t *testing.T) {

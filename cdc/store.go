@@ -24,6 +24,9 @@ const (
 	// pgObjectInUse is SQLSTATE 55006: "replication slot ... is active for
 	// PID n".
 	pgObjectInUse = "55006"
+	// pgUndefinedObject is SQLSTATE 42704: the walsender's "publication
+	// ... does not exist".
+	pgUndefinedObject = "42704"
 )
 
 // store runs the relay's statements on the normal (non-replication) pool.
@@ -35,8 +38,7 @@ type store struct {
 // inserts only when it is missing, and otherwise verifies that it still
 // publishes inserts of public.outbox_event (a migration that dropped and
 // recreated the table leaves it covering nothing). It reports whether it
-// created the publication. Errors wrap ErrPublicationMismatch when the
-// existing publication does not cover the table.
+// created the publication. A mismatch is checkPublication's.
 func (s *store) ensurePublication(ctx context.Context, name string) (created bool, err error) {
 	exists, err := s.publicationExists(ctx, name)
 	if err != nil {
@@ -80,10 +82,13 @@ func (s *store) repairPublication(ctx context.Context, name string) error {
 }
 
 // checkPublication verifies that publication name covers
-// public.outbox_event and publishes inserts (ErrPublicationMismatch
-// otherwise, with the fix). The relay checks it at start and every
-// SlotSampleInterval while it streams: a publication that stops covering
-// the outbox sends nothing more, and nothing else would show it.
+// public.outbox_event and publishes inserts. A mismatch is a
+// *mismatchError wrapping ErrPublicationMismatch whose text names the fix
+// (reason missing, not_covered or no_insert); any other error is a failed
+// check. The relay checks at start, every SlotSampleInterval while it
+// streams and after each Relation message of the outbox: a publication
+// that stops covering the outbox sends nothing more, and nothing else would
+// show it.
 func (s *store) checkPublication(ctx context.Context, name string) error {
 	var pubInsert, covers bool
 	err := s.pool.QueryRow(ctx, `
@@ -92,17 +97,20 @@ SELECT p.pubinsert,
                WHERE t.pubname = p.pubname AND t.schemaname = $2 AND t.tablename = $3)
 FROM pg_publication p WHERE p.pubname = $1`, name, outboxSchema, outboxTable).Scan(&pubInsert, &covers)
 	if errors.Is(err, pgx.ErrNoRows) {
-		return fmt.Errorf("%w: publication %s no longer exists (the relay creates it at start: restart it)", ErrPublicationMismatch, name)
+		return &mismatchError{sentinel: ErrPublicationMismatch, reason: mismatchMissing,
+			msg: fmt.Sprintf("publication %s does not exist (the relay creates it again when it opens its next session; the reconciler republishes the rows written meanwhile)", name)}
 	}
 	if err != nil {
 		return fmt.Errorf("verify publication %s: %w", name, err)
 	}
 	if !covers {
-		return fmt.Errorf("%w: publication %s does not cover %s.%s (was the table dropped and recreated? run ALTER PUBLICATION %s ADD TABLE %s.%s; the reconciler republishes the rows written meanwhile)",
-			ErrPublicationMismatch, name, outboxSchema, outboxTable, name, outboxSchema, outboxTable)
+		return &mismatchError{sentinel: ErrPublicationMismatch, reason: mismatchNotCovered,
+			msg: fmt.Sprintf("publication %s does not cover %s.%s (was the table dropped from it, or dropped and recreated? run ALTER PUBLICATION %s ADD TABLE %s.%s; the reconciler republishes the rows written meanwhile)",
+				name, outboxSchema, outboxTable, name, outboxSchema, outboxTable)}
 	}
 	if !pubInsert {
-		return fmt.Errorf("%w: publication %s does not publish inserts (run ALTER PUBLICATION %s SET (publish = 'insert'))", ErrPublicationMismatch, name, name)
+		return &mismatchError{sentinel: ErrPublicationMismatch, reason: mismatchNoInsert,
+			msg: fmt.Sprintf("publication %s does not publish inserts (run ALTER PUBLICATION %s SET (publish = 'insert'); the reconciler republishes the rows written meanwhile)", name, name)}
 	}
 	return nil
 }

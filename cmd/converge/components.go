@@ -33,9 +33,10 @@ import (
 	"github.com/converge-run/converge/services/api"
 )
 
-// MetricsAddr is where a non-API component serves /metrics and /healthz.
+// MetricsAddr is where a non-API component serves /metrics, /healthz and
+// /readyz.
 type MetricsAddr struct {
-	MetricsAddr string `env:"CONVERGE_METRICS_ADDR" default:"127.0.0.1:9464" help:"Listen address of /metrics and /healthz for relay, worker, projector and reconciler."`
+	MetricsAddr string `env:"CONVERGE_METRICS_ADDR" default:"127.0.0.1:9464" help:"Listen address of /metrics, /healthz and /readyz for relay, worker, projector and reconciler."`
 }
 
 func newRegistry() *prometheus.Registry {
@@ -44,11 +45,26 @@ func newRegistry() *prometheus.Registry {
 	return reg
 }
 
-// serveWith runs fn and a /metrics server until ctx ends or either fails.
-func serveWith(ctx context.Context, addr string, reg *prometheus.Registry, fn func(context.Context) error) error {
+// serveWith runs fn and a server of /metrics, /healthz (the process is
+// alive: 200) and /readyz until ctx ends or either fails. /readyz answers
+// 200 "ok" while ready is nil or returns nil, else 503 with the error's
+// text (the relay's Health: a publication that does not deliver outbox
+// inserts, with its fix).
+func serveWith(ctx context.Context, addr string, reg *prometheus.Registry, ready func() error, fn func(context.Context) error) error {
 	mux := http.NewServeMux()
 	mux.Handle("GET /metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{Registry: reg}))
 	mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, _ *http.Request) { w.Write([]byte("ok\n")) })
+	mux.HandleFunc("GET /readyz", func(w http.ResponseWriter, _ *http.Request) {
+		if ready != nil {
+			if err := ready(); err != nil {
+				w.Header().Set("Content-Type", "text/plain; charset=utf-8")
+				w.WriteHeader(http.StatusServiceUnavailable)
+				fmt.Fprintln(w, err.Error())
+				return
+			}
+		}
+		w.Write([]byte("ok\n"))
+	})
 	ln, err := net.Listen("tcp", addr)
 	if err != nil {
 		return fmt.Errorf("metrics listen %s: %w", addr, err)
@@ -200,7 +216,7 @@ func (c *RelayCmd) Run(env *runEnv) error {
 	if err != nil {
 		return err
 	}
-	return serveWith(env.ctx, c.MetricsAddr.MetricsAddr, reg, r.Run)
+	return serveWith(env.ctx, c.MetricsAddr.MetricsAddr, reg, r.Health, r.Run)
 }
 
 // WorkerCmd runs the worker consumer group.
@@ -229,7 +245,7 @@ func (c *WorkerCmd) Run(env *runEnv) error {
 	if err != nil {
 		return err
 	}
-	return serveWith(env.ctx, c.MetricsAddr.MetricsAddr, reg, w.Run)
+	return serveWith(env.ctx, c.MetricsAddr.MetricsAddr, reg, nil, w.Run)
 }
 
 // ProjectorCmd runs the Redis task-view projector.
@@ -252,7 +268,7 @@ func (c *ProjectorCmd) Run(env *runEnv) error {
 	if err != nil {
 		return err
 	}
-	return serveWith(env.ctx, c.MetricsAddr.MetricsAddr, reg, p.Run)
+	return serveWith(env.ctx, c.MetricsAddr.MetricsAddr, reg, nil, p.Run)
 }
 
 // ReconcilerCmd runs the reconciler.
@@ -304,7 +320,7 @@ func (c *ReconcilerCmd) Run(env *runEnv) error {
 	}
 	if len(c.KafkaBrokers) == 0 {
 		env.log.Warn("no Kafka brokers: consumer-group lag is not sampled")
-		return serveWith(env.ctx, c.MetricsAddr.MetricsAddr, reg, r.Run)
+		return serveWith(env.ctx, c.MetricsAddr.MetricsAddr, reg, nil, r.Run)
 	}
 	// Consumer-group lag of the whole deployment is sampled here, once.
 	lag, err := kafkametrics.NewLagSampler(kafkametrics.LagConfig{Brokers: c.KafkaBrokers, AllGroups: true,
@@ -317,7 +333,7 @@ func (c *ReconcilerCmd) Run(env *runEnv) error {
 	if err != nil {
 		return err
 	}
-	return serveWith(env.ctx, c.MetricsAddr.MetricsAddr, reg, func(ctx context.Context) error {
+	return serveWith(env.ctx, c.MetricsAddr.MetricsAddr, reg, nil, func(ctx context.Context) error {
 		g, gctx := errgroup.WithContext(ctx)
 		g.Go(func() error { return r.Run(gctx) })
 		g.Go(func() error { return lag.Run(gctx) })

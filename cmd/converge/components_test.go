@@ -130,3 +130,64 @@ func TestAPICommandServesDeadLetters(t *testing.T) {
 		}
 	})
 }
+
+// `converge relay` whose publication does not cover the outbox keeps
+// running: GET /readyz answers 503 with the ALTER PUBLICATION to run, the
+// mismatch gauge is 1, /healthz stays 200; once the publication is fixed
+// /readyz answers 200 (issue 13).
+func TestRelayCommandReportsPublicationMismatch(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	db, kafka := testenv.NewDB(t), testenv.NewKafka(t)
+	pub := "p_" + db.Name
+	if _, err := db.Pool.Exec(ctx, "CREATE PUBLICATION "+pub+" FOR TABLE task"); err != nil {
+		t.Fatal(err)
+	}
+	c := RelayCmd{Services: Services{DatabaseURL: db.URL, KafkaBrokers: kafka.Brokers},
+		Pipeline:    Pipeline{Topic: kafka.Topic, TopicPartitions: testenv.Partitions, SlotName: "s_" + db.Name, PublicationName: pub},
+		MetricsAddr: MetricsAddr{MetricsAddr: "127.0.0.1:" + strconv.Itoa(testenv.FreePort(t))}, HeartbeatInterval: time.Second, MarkConcurrency: 1}
+	rctx, cancel := context.WithCancel(ctx)
+	done := make(chan error, 1)
+	go func() { done <- c.Run(&runEnv{ctx: rctx, log: slog.New(slog.NewTextHandler(io.Discard, nil))}) }()
+	t.Cleanup(func() {
+		cancel()
+		select {
+		case err := <-done:
+			if err != nil {
+				t.Errorf("converge relay: %v", err)
+			}
+		case <-time.After(20 * time.Second):
+			t.Error("converge relay did not stop")
+		}
+	})
+	base := "http://" + c.MetricsAddr.MetricsAddr
+	get := func(path string) (int, string) {
+		resp, err := http.Get(base + path)
+		if err != nil {
+			return 0, err.Error()
+		}
+		defer resp.Body.Close()
+		body, _ := io.ReadAll(resp.Body)
+		return resp.StatusCode, string(body)
+	}
+	testenv.Eventually(t, 20*time.Second, "relay reports the mismatch", func() bool {
+		st, _ := get("/readyz")
+		return st == http.StatusServiceUnavailable
+	})
+	if _, body := get("/readyz"); !strings.Contains(body, "ALTER PUBLICATION "+pub+" ADD TABLE public.outbox_event") {
+		t.Fatalf("/readyz body %q does not name the fix", body)
+	}
+	if st, _ := get("/healthz"); st != http.StatusOK {
+		t.Fatalf("/healthz = %d while mismatched; the process is alive", st)
+	}
+	if _, body := get("/metrics"); !strings.Contains(body, `converge_relay_publication_mismatch{reason="not_covered"} 1`) {
+		t.Fatal("/metrics lacks converge_relay_publication_mismatch{reason=\"not_covered\"} 1")
+	}
+	if _, err := db.Pool.Exec(ctx, "ALTER PUBLICATION "+pub+" ADD TABLE public.outbox_event"); err != nil {
+		t.Fatal(err)
+	}
+	testenv.Eventually(t, 30*time.Second, "relay ready after the fix", func() bool {
+		st, body := get("/readyz")
+		return st == http.StatusOK && body == "ok\n"
+	})
+}

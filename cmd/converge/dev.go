@@ -152,7 +152,9 @@ func (c *DevCmd) Run(env *runEnv) error {
 	}
 	cfg := pipeline.Config{
 		// The embedded PostgreSQL stops with dev, so a publication altered
-		// by hand could not be fixed before the relay checks it again.
+		// by hand could not be fixed before the relay checks it again at
+		// the next start; while dev runs, the relay repairs it when it opens
+		// its session after finding the mismatch.
 		RepairPublication: true,
 		DatabaseURL:       dbURL, Brokers: brokers, RedisURL: redisURL, ArtifactDir: artifactDir,
 		Topic: c.Topic, Partitions: c.TopicPartitions, SlotName: c.SlotName, PublicationName: c.PublicationName,

@@ -2,6 +2,7 @@ package reconciler
 
 import (
 	"context"
+	"errors"
 	"testing"
 	"time"
 
@@ -196,6 +197,108 @@ VALUES ('lost', 'task-a', 1, 'TaskCreated', $1, $2, now() - interval '1 hour')`,
 	if s.PublishedAt != nil || s.ParkedAt != nil || s.Attempts != 1 || s.LastErrorCode != cdc.CodeRepublishFailed || s.LastError == "" {
 		t.Fatalf("row after the failed republication = %+v; want unpublished, 1 attempt, %s", s, cdc.CodeRepublishFailed)
 	}
+}
+
+// Issue 13, the publication case end to end: outbox_event is dropped from
+// the relay's publication while it streams, rows are written, the
+// publication is fixed (ALTER PUBLICATION ... ADD TABLE). The relay stops
+// streaming while the publication is wrong and resumes after the fix by
+// itself (Run never returns); pgoutput left the rows of the gap out of the
+// slot's stream, so they stay unpublished — never marked without being
+// produced — until a reconciler pass republishes them: every row reaches
+// the topic with its event id, and every row marked published is in it.
+func TestPublicationRepairedRowsReachTheTopic(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	kafka := testenv.NewKafka(t)
+	producer := newProducer(t, kafka)
+	b := setup(t, Config{Producer: producer, RepublishAfter: 2 * time.Second, Topic: kafka.Topic})
+	pub := "p_" + b.db.Name
+	r, err := cdc.New(cdc.Config{DatabaseURL: b.db.URL, Brokers: kafka.Brokers, Topic: kafka.Topic, SlotName: "s_" + b.db.Name, PublicationName: pub,
+		FlushInterval: 20 * time.Millisecond, StatusInterval: 100 * time.Millisecond, SlotSampleInterval: 100 * time.Millisecond, Logger: b.r.log})
+	if err != nil {
+		t.Fatal(err)
+	}
+	rctx, cancel := context.WithCancel(ctx)
+	done := make(chan error, 1)
+	go func() { done <- r.Run(rctx) }()
+	defer func() {
+		cancel()
+		if err := <-done; err != nil {
+			t.Errorf("relay: %v", err)
+		}
+	}()
+	testenv.Eventually(t, 10*time.Second, "relay streaming", func() bool { return r.ConfirmedLSN() != 0 })
+	exec := func(q string, args ...any) {
+		t.Helper()
+		if _, err := b.db.Pool.Exec(ctx, q, args...); err != nil {
+			t.Fatal(err)
+		}
+	}
+	insert := func(id string) {
+		t.Helper()
+		payload := `{"id":"` + id + `"}`
+		exec(`INSERT INTO outbox_event (outbox_id, aggregate_id, aggregate_version, event_type, payload, payload_sha256)
+VALUES ($1, $1, 1, 'TaskCreated', $2, $3)`, id, payload, sum([]byte(payload)))
+	}
+	published := func(id string) bool {
+		var p bool
+		return b.db.Pool.QueryRow(ctx, `SELECT published_at IS NOT NULL FROM outbox_event WHERE outbox_id = $1`, id).Scan(&p) == nil && p
+	}
+
+	insert("before-drop")
+	testenv.Eventually(t, 10*time.Second, "row before the drop published by the relay", func() bool { return published("before-drop") })
+	exec(`ALTER PUBLICATION ` + pub + ` DROP TABLE outbox_event`)
+	testenv.Eventually(t, 10*time.Second, "relay reports the mismatch", func() bool { return errors.Is(r.Health(), cdc.ErrPublicationMismatch) })
+	insert("gap-1")
+	insert("gap-2")
+	exec(`ALTER PUBLICATION ` + pub + ` ADD TABLE outbox_event`)
+	testenv.Eventually(t, 10*time.Second, "relay healthy again", func() bool { return r.Health() == nil })
+	insert("after-fix")
+	testenv.Eventually(t, 10*time.Second, "row after the fix published by the relay", func() bool { return published("after-fix") })
+	for _, id := range []string{"gap-1", "gap-2"} {
+		if published(id) {
+			t.Fatalf("%s marked published, but the slot never streamed it and no one republished it", id)
+		}
+	}
+	select {
+	case err := <-done:
+		t.Fatalf("relay returned %v during the mismatch", err)
+	default:
+	}
+
+	time.Sleep(2 * time.Second) // older than RepublishAfter
+	res, err := b.r.Pass(ctx)
+	if err != nil || res.OutboxRepublished != 2 {
+		t.Fatalf("pass = %+v, %v; want the 2 rows of the gap republished", res, err)
+	}
+	ids := []string{"before-drop", "gap-1", "gap-2", "after-fix"}
+	seen := map[string]bool{}
+	for _, rec := range readRecords(t, kafka, len(ids)) {
+		for _, h := range rec.Headers {
+			if h.Key == taskevent.HeaderEventID {
+				seen[string(h.Value)] = true
+			}
+		}
+	}
+	for _, id := range ids {
+		if !seen[id] || !published(id) {
+			t.Errorf("row %s: in the topic %v, marked published %v; want both", id, seen[id], published(id))
+		}
+	}
+	var markedNotProduced int
+	if err := b.db.Pool.QueryRow(ctx, `SELECT count(*) FROM outbox_event WHERE published_at IS NOT NULL AND NOT (outbox_id = ANY($1))`,
+		keys(seen)).Scan(&markedNotProduced); err != nil || markedNotProduced != 0 {
+		t.Fatalf("%d rows marked published without a record in the topic (%v)", markedNotProduced, err)
+	}
+}
+
+func keys(m map[string]bool) []string {
+	out := make([]string, 0, len(m))
+	for k := range m {
+		out = append(out, k)
+	}
+	return out
 }
 
 // newProducer is an acks=all producer on kafka, closed when t ends.

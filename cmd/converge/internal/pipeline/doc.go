@@ -10,9 +10,11 @@
 // is restarted after 0.5 s doubling to 30 s, with jitter, while the others
 // keep running; the API keeps serving (503 DATABASE_UNAVAILABLE while
 // PostgreSQL is down). Only a fatal error stops the process with its
-// message: the relay's (a lost or mismatched slot, a publication that no
-// longer covers the outbox; it restarts its own sessions otherwise), an
-// injected crash (fault.ErrInjected), the API's listener.
+// message: the relay's (a lost or mismatched slot; it restarts its own
+// sessions otherwise, and waits for a publication that does not deliver
+// outbox inserts to be fixed without stopping: with RepairPublication, as
+// `converge dev` sets it, it repairs the publication when it opens its next
+// session), an injected crash (fault.ErrInjected), the API's listener.
 //
 // # Metrics
 //

@@ -65,6 +65,8 @@ var documentedMetrics = []documentedMetric{
 	{doc: "cdc", name: "converge_relay_outbox_rows_parked_total", labels: []string{"code"}, onEvent: true},
 	{doc: "cdc", name: "converge_relay_restarts_total", labels: []string{"reason"}},
 	{doc: "cdc", name: "converge_relay_streaming"},
+	{doc: "cdc", name: "converge_relay_publication_mismatch", labels: []string{"reason"}},
+	{doc: "cdc", name: "converge_relay_publication_mismatches_total", labels: []string{"reason"}},
 	// cmd/converge/internal/pipeline
 	{doc: "cmd/converge/internal/pipeline", name: "converge_component_restarts_total", labels: []string{"component"}},
 	// consumers/worker

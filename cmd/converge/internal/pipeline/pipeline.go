@@ -152,9 +152,10 @@ func (c *Config) Validate() error {
 // cancelled; then it shuts the components down (the relay sends its final
 // status update, consumers commit) and returns nil. A component that fails
 // is restarted with backoff (converge_component_restarts_total) while the
-// others keep running; a fatal error (the relay's: lost slot, publication
-// mismatch; an injected crash; the API's listener) stops all of them and is
-// returned.
+// others keep running; a fatal error (the relay's: lost or mismatched
+// slot; an injected crash; the API's listener) stops all of them and is
+// returned. A publication mismatch is not one: the relay repairs it
+// (RepairPublication) or waits for it to be fixed.
 func Run(ctx context.Context, cfg Config) error {
 	cfg.setDefaults()
 	if err := cfg.Validate(); err != nil {
@@ -278,8 +279,9 @@ func Run(ctx context.Context, cfg Config) error {
 			return nil
 		})
 	}
-	// The relay restarts its own sessions; what its Run returns needs a
-	// person (lost slot, publication mismatch).
+	// The relay restarts its own sessions and waits out a publication
+	// mismatch; what its Run returns needs a person (lost or mismatched
+	// slot).
 	run("relay", func(error) bool { return true }, relay.Run)
 	run("worker", nil, wrk.Run)
 	run("projector", nil, proj.Run)
