@@ -278,6 +278,7 @@ type ReconcilerCmd struct {
 	MetricsAddr
 	LagInterval     time.Duration `env:"CONVERGE_LAG_SAMPLE_INTERVAL" default:"10s" help:"Interval of the consumer-group lag sample the reconciler exports (every group of the cluster; needs --kafka-brokers)."`
 	OutboxRetention time.Duration `name:"outbox-retention" env:"CONVERGE_OUTBOX_RETENTION" default:"168h" help:"How long a published outbox row is kept before the retention scan removes it."`
+	TaskRetention   time.Duration `name:"task-retention" env:"CONVERGE_TASK_RETENTION" default:"720h" help:"How long a terminal task is kept after its last update before the retention scan removes it with its artifact and every row of it (at least 24h and at least the outbox retention)."`
 }
 
 // Run reconciles until interrupted.
@@ -296,6 +297,7 @@ func (c *ReconcilerCmd) Run(env *runEnv) error {
 		return fmt.Errorf("CONVERGE_OUTBOX_RETENTION %s: want at least 1h", c.OutboxRetention)
 	}
 	rcfg := reconciler.Config{Pool: pool, ArtifactStore: store, Logger: env.log, Registerer: reg, OutboxRetention: c.OutboxRetention,
+		TaskRetention: c.TaskRetention, Faults: env.faults,
 		Brokers: c.KafkaBrokers, Topic: c.Topic, Cache: taskview.CacheOptions{Faults: env.faults}}
 	if c.RedisURL != "" {
 		rdb, err := openRedis(c.RedisURL)

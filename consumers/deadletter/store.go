@@ -223,3 +223,19 @@ ORDER BY dead_letter_id LIMIT $2`, code, limit)
 	}
 	return pgx.CollectRows(rows, pgx.RowTo[int64])
 }
+
+// DeleteOfTask removes the dead letters of task taskID that no longer wait
+// for anyone — resolved, or replayed (a replay that failed again was
+// recorded as a new dead letter) — and returns how many: the retention of
+// the task (issue 13), which keeps a task while one of its dead letters is
+// parked or refused (task.Hold). A dead letter of a removed task could
+// only re-publish a record about a task that is gone, and its value holds
+// the task's data, so it goes with the task. Parked and refused ones are
+// never removed.
+func DeleteOfTask(ctx context.Context, q dbpool.Querier, taskID string) (int64, error) {
+	tag, err := q.Exec(ctx, `DELETE FROM dead_letter WHERE task_id = $1 AND state IN ('resolved', 'replayed')`, taskID)
+	if err != nil {
+		return 0, fmt.Errorf("delete dead letters of task %s: %w", taskID, err)
+	}
+	return tag.RowsAffected(), nil
+}

@@ -66,6 +66,24 @@
 //     database's is replaced by the database snapshot (taskview.Cache.Put,
 //     whose Lua compare-and-set never regresses a view). Absent views stay
 //     absent.
+//   - Retention (issue 13, seed 3.3): idempotency records past expires_at
+//     whose task is settled (idempotency.Purge); outbox rows published, or
+//     parked and decided, past OutboxRetention, with their inbox rows of
+//     every consumer that are not processing (one transaction); terminal
+//     tasks last updated more than TaskRetention ago (task.Expired: a
+//     cursor on (updated_at, task_id) walks past the tasks kept). A task is
+//     kept while task.Hold names a reason (an idempotency record names it,
+//     an event unpublished, a dead letter parked or refused, an effect not
+//     settled) or an inbox row of its events is processing. Otherwise its
+//     artifacts are deleted first, each under its own artifact.delete
+//     ledger entry (ledger.DeleteArtifact: ledger row, store Delete,
+//     observe gone, verified; a crash between two steps is resumed with the
+//     same token, fault points retention.after-delete-planned and
+//     retention.after-artifact-delete), then one transaction removes, in
+//     the project's lock order, its resolved and replayed dead letters,
+//     inbox rows, effects, outbox rows, input and the task, after checking
+//     Hold again under the locks; then its Redis view is removed (a
+//     failure counts as an error; the view then expires with its TTL).
 //   - Dead letters: parked or refused dead letters whose task has
 //     completed since (by another route) are resolved — nothing is left to
 //     replay (deadletter.Store.ResolveCompleted, "dead_letter_resolved") —
@@ -88,7 +106,9 @@
 //   - Work per pass is bounded: each scan reads at most BatchSize rows,
 //     oldest first.
 //   - The reconciler never writes to the store except to hide an object
-//     whose effect is compensation_required, and moves a task only through
+//     whose effect is compensation_required and to delete the objects of a
+//     task removed by retention (each under its own ledger entry), and
+//     moves a task only through
 //     the worker (a re-drive event): on the redelivery of the task's
 //     record the worker finds the repaired ledger row (verified: completes;
 //     planned: writes with the same token; compensation_required or
@@ -96,7 +116,7 @@
 //
 // # Metrics
 //
-//	converge_reconciler_actions_total{kind}          counter   actions, by kind: verified, planned, compensation_required, superseded, compensated, compensation_observed, skipped (lost compare-and-set), error, inbox_released, task_redriven, idempotency_resolved, cache_repaired, dead_letter_recorded, dead_letter_resolved, outbox_republished, idempotency_expired, outbox_purged
+//	converge_reconciler_actions_total{kind}          counter   actions, by kind: verified, planned, compensation_required, superseded, compensated, compensation_observed, skipped (lost compare-and-set), error, inbox_released, task_redriven, idempotency_resolved, cache_repaired, dead_letter_recorded, dead_letter_resolved, outbox_republished, idempotency_expired, outbox_purged, inbox_purged, artifact_deleted, task_purged
 //	converge_reconciler_passes_total{result}         counter   passes, by result: ok, error (a scan failed)
 //	converge_reconciler_pass_seconds                 histogram duration of one pass
 //	converge_deadletter_unresolved                   gauge     dead letters in state parked or refused (they need a person)

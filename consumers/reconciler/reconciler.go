@@ -15,10 +15,13 @@ import (
 
 	"github.com/converge-run/converge/internal/artifact"
 	"github.com/converge-run/converge/internal/dbpool"
+	"github.com/converge-run/converge/internal/fault"
 	"github.com/converge-run/converge/internal/ledger"
 	"github.com/converge-run/converge/internal/outbox"
+	"github.com/converge-run/converge/internal/task"
 	"github.com/converge-run/converge/internal/taskevent"
 	"github.com/converge-run/converge/projections/taskview"
+	"github.com/converge-run/converge/services/api/idempotency"
 )
 
 // CodeArtifactVerificationFailed is the effect error code of an artifact
@@ -75,6 +78,17 @@ const (
 	// ActionOutboxPurged: a published outbox row older than
 	// OutboxRetention was removed.
 	ActionOutboxPurged = "outbox_purged"
+	// ActionInboxPurged: an inbox row (completed or failed) of a message
+	// whose outbox row or task was removed by retention was removed.
+	ActionInboxPurged = "inbox_purged"
+	// ActionArtifactDeleted: an artifact of a task past TaskRetention was
+	// removed from the store under its own artifact.delete ledger entry,
+	// verified by observing it gone (ledger.DeleteArtifact).
+	ActionArtifactDeleted = "artifact_deleted"
+	// ActionTaskPurged: a settled task past TaskRetention was removed with
+	// its input, effects, outbox and inbox rows and dead letters, in one
+	// transaction, after its artifacts were deleted.
+	ActionTaskPurged = "task_purged"
 	// ActionOutboxRepublished: an outbox row unpublished past
 	// RepublishAfter was produced again by the reconciler (Config.Producer)
 	// and marked published.
@@ -162,6 +176,20 @@ type Config struct {
 	// BatchSize per pass). Defaults to 7 days (168h), the default retention
 	// of a Kafka topic: after it the event is gone from the broker too.
 	OutboxRetention time.Duration
+	// TaskRetention is how long a terminal task is kept after its last
+	// update before a pass removes it with its artifacts and every row of
+	// it (issue 13, seed 3.3; at most BatchSize tasks examined per pass),
+	// once nothing still needs it (task.Hold: no idempotency record names
+	// it, every event published or decided, no dead letter parked or
+	// refused, every effect settled, no inbox row processing). Defaults to
+	// 30 days (720h). Validate refuses a window shorter than the idempotency
+	// window (idempotency.DefaultTTL, 24h: a task outlives its keys) or
+	// than OutboxRetention (the task's inbox rows must outlive its records
+	// in Kafka, whose retention OutboxRetention follows).
+	TaskRetention time.Duration
+	// Faults are the armed fault points (fault.RetentionAfterDeletePlanned,
+	// fault.RetentionAfterArtifactDelete). Defaults to nil: none.
+	Faults *fault.Set
 	// RepublishAfter is the age of an unpublished outbox row past which
 	// Producer republishes it. Far above the relay's normal delay, so that
 	// a republication is the exception; a row published twice is a
@@ -209,21 +237,32 @@ func (c *Config) setDefaults() {
 	if c.OutboxRetention <= 0 {
 		c.OutboxRetention = 7 * 24 * time.Hour
 	}
+	if c.TaskRetention <= 0 {
+		c.TaskRetention = DefaultTaskRetention
+	}
 	if c.RepublishAfter <= 0 {
 		c.RepublishAfter = 5 * time.Minute
 	}
 }
 
+// DefaultTaskRetention is Config.TaskRetention's default: 30 days.
+const DefaultTaskRetention = 30 * 24 * time.Hour
+
 // DefaultDeadLetterGroup is the consumer group of the dead-letter intake.
 const DefaultDeadLetterGroup = "converge-reconciler-dlq"
 
-// Validate reports a missing field.
+// Validate reports a missing field, or a TaskRetention (after defaults)
+// shorter than the idempotency window or than OutboxRetention.
 func (c *Config) Validate() error {
 	switch {
 	case c.Pool == nil && c.DatabaseURL == "":
 		return errors.New("reconciler: one of Pool and DatabaseURL is required")
 	case c.ArtifactStore == nil:
 		return errors.New("reconciler: ArtifactStore is required")
+	case c.TaskRetention > 0 && c.TaskRetention < idempotency.DefaultTTL:
+		return fmt.Errorf("reconciler: TaskRetention %s is shorter than the idempotency window %s: a key must never outlive its task", c.TaskRetention, idempotency.DefaultTTL)
+	case c.TaskRetention > 0 && c.TaskRetention < c.OutboxRetention:
+		return fmt.Errorf("reconciler: TaskRetention %s is shorter than OutboxRetention %s: a task's inbox rows must outlive its events in Kafka", c.TaskRetention, c.OutboxRetention)
 	}
 	return nil
 }
@@ -243,6 +282,9 @@ type Reconciler struct {
 	backlog outbox.Backlog
 	// lastSweep is when the artifact store's leftovers were last removed.
 	lastSweep time.Time
+	// retentionCursor is where the next pass's walk over expired terminal
+	// tasks starts (past the tasks kept so far).
+	retentionCursor task.Cursor
 
 	// beforeRepair, when set (tests), runs after an effect was read and
 	// observed and before its compare-and-set.
@@ -339,9 +381,11 @@ type Result struct {
 	// OutboxUnpublished is the number of outbox rows unpublished for longer
 	// than OutboxThreshold.
 	OutboxUnpublished int
-	// IdempotencyExpired and OutboxPurged count the rows the retention
-	// scan removed.
-	IdempotencyExpired, OutboxPurged int
+	// IdempotencyExpired, OutboxPurged and InboxPurged count the rows the
+	// retention scan removed; TasksPurged the tasks it removed (each with
+	// its rows), ArtifactsDeleted the artifacts it deleted from the store,
+	// TasksKept the expired tasks it examined and kept (task.Hold).
+	IdempotencyExpired, OutboxPurged, InboxPurged, TasksPurged, ArtifactsDeleted, TasksKept int
 	// LeftoversRemoved counts temporary files of crashed artifact writes
 	// the pass removed (artifact.Store.RemoveLeftovers).
 	LeftoversRemoved int
@@ -538,7 +582,7 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 	m := &metrics{
 		actions: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "converge_reconciler_actions_total",
-			Help: "Reconciler actions, by kind: effects (verified, planned, compensation_required, superseded, compensated, compensation_observed, skipped, error), inbox_released, task_redriven, idempotency_resolved, cache_repaired, dead_letter_recorded, dead_letter_resolved.",
+			Help: "Reconciler actions, by kind: effects (verified, planned, compensation_required, superseded, compensated, compensation_observed, skipped, error), inbox_released, task_redriven, idempotency_resolved, cache_repaired, dead_letter_recorded, dead_letter_resolved, outbox_republished; retention: idempotency_expired, outbox_purged, inbox_purged, artifact_deleted, task_purged.",
 		}, []string{"kind"}),
 		passes: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "converge_reconciler_passes_total",
@@ -567,7 +611,8 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 		}),
 	}
 	for _, k := range []string{ActionVerified, ActionPlanned, ActionCompensationRequired, ActionCompensated, ActionSkipped, ActionError,
-		ActionCompensationObserved, ActionInboxReleased, ActionTaskRedriven, ActionIdempotencyResolved, ActionCacheRepaired, ActionDeadLetterRecorded, ActionDeadLetterResolved, ActionSuperseded, ActionOutboxRepublished, ActionIdempotencyExpired, ActionOutboxPurged} {
+		ActionCompensationObserved, ActionInboxReleased, ActionTaskRedriven, ActionIdempotencyResolved, ActionCacheRepaired, ActionDeadLetterRecorded, ActionDeadLetterResolved, ActionSuperseded, ActionOutboxRepublished, ActionIdempotencyExpired, ActionOutboxPurged,
+		ActionInboxPurged, ActionArtifactDeleted, ActionTaskPurged} {
 		m.actions.WithLabelValues(k)
 	}
 	for _, r := range []string{"ok", "error"} {

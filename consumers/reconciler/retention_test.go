@@ -14,7 +14,8 @@ import (
 // only when it is past expires_at AND its task is settled (terminal, every
 // outbox event published or decided, no effect started/unknown/
 // compensation_required), or when it belongs to a failed request; and a
-// published outbox row only past OutboxRetention. Everything else —
+// published outbox row only past OutboxRetention, with its inbox rows that
+// are not processing. Everything else —
 // inside the window, task not terminal, event unpublished, effect unknown,
 // parked and undecided, in_progress — stays.
 func TestRetentionRemovesOnlySettledExpiredRows(t *testing.T) {
@@ -58,6 +59,12 @@ VALUES ('old-published', 'x1', 1, 'TaskCreated', '{}', $1, `+old+`, now()),
 VALUES ('old-parked', 'x3', 1, 'TaskCreated', '{}', $1, `+old+`, now(), 'MESSAGE_TOO_LARGE'),
        ('old-discarded', 'x4', 1, 'TaskCreated', '{}', $1, `+old+`, now(), 'MESSAGE_TOO_LARGE')`, fp)
 	exec(`UPDATE outbox_event SET decision = 'discarded', decided_at = now(), decided_by = 'ops', decision_reason = 'test' WHERE outbox_id = 'old-discarded'`)
+	// Inbox rows of those messages: of a removed outbox row they go too
+	// (both consumers), unless processing; of a kept one they stay.
+	exec(`INSERT INTO inbox_message (consumer_name, message_id, payload_sha256, state, completed_at)
+VALUES ('converge-worker', 'old-published', $1, 'completed', now()), ('other', 'old-published', $1, 'failed', now()),
+       ('converge-worker', 'old-discarded', $1, 'processing', NULL), ('converge-worker', 'young-published', $1, 'completed', now()),
+       ('converge-worker', 'old-parked', $1, 'failed', now())`, fp)
 
 	gone := settledTask(`{"k":"gone"}`)
 	record("expired-settled", "succeeded", gone, "-1 minute")
@@ -80,7 +87,7 @@ VALUES ('old-parked', 'x3', 1, 'TaskCreated', '{}', $1, `+old+`, now(), 'MESSAGE
 	exec(`UPDATE outbox_event SET published_at = now() WHERE aggregate_id = $1`, c.Task.TaskID)
 	record("effect-unknown", "succeeded", c.Task.TaskID, "-1 minute")
 
-	var expired, purged int
+	var expired, purged, inboxPurged int
 	testenv.Eventually(t, 20*time.Second, "retention done (the watermark passes the rows once no older transaction runs)", func() bool {
 		res, err := b.r.Pass(ctx)
 		if err != nil {
@@ -88,13 +95,29 @@ VALUES ('old-parked', 'x3', 1, 'TaskCreated', '{}', $1, `+old+`, now(), 'MESSAGE
 		}
 		expired += res.IdempotencyExpired
 		purged += res.OutboxPurged
+		inboxPurged += res.InboxPurged
 		return expired >= 2 && purged >= 2
 	})
-	if expired != 2 || purged != 2 {
-		t.Fatalf("removed %d idempotency records and %d outbox rows; want 2 and 2", expired, purged)
+	if expired != 2 || purged != 2 || inboxPurged != 2 {
+		t.Fatalf("removed %d idempotency records, %d outbox rows and %d inbox rows; want 2, 2 and 2", expired, purged, inboxPurged)
+	}
+	var inboxLeft []string
+	rows, err := b.db.Pool.Query(ctx, `SELECT message_id || '/' || consumer_name FROM inbox_message ORDER BY 1`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for rows.Next() {
+		var k string
+		if err := rows.Scan(&k); err != nil {
+			t.Fatal(err)
+		}
+		inboxLeft = append(inboxLeft, k)
+	}
+	if want := "old-discarded/converge-worker old-parked/converge-worker young-published/converge-worker"; strings.Join(inboxLeft, " ") != want {
+		t.Fatalf("inbox rows kept: %v; want %s", inboxLeft, want)
 	}
 	var keys []string
-	rows, err := b.db.Pool.Query(ctx, `SELECT idempotency_key FROM idempotency_record ORDER BY 1`)
+	rows, err = b.db.Pool.Query(ctx, `SELECT idempotency_key FROM idempotency_record ORDER BY 1`)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -12,6 +12,7 @@ import (
 	"github.com/converge-run/converge/consumers/deadletter"
 	"github.com/converge-run/converge/internal/artifact"
 	"github.com/converge-run/converge/internal/inbox"
+	"github.com/converge-run/converge/internal/ledger"
 	"github.com/converge-run/converge/internal/outbox"
 	"github.com/converge-run/converge/internal/task"
 	"github.com/converge-run/converge/internal/taskevent"
@@ -44,11 +45,16 @@ func (r *Reconciler) scans(ctx context.Context, res *Result) error {
 	return errors.Join(errs...)
 }
 
-// scanRetention removes what is kept no longer (issue 13, seed 3.3): at
-// most BatchSize idempotency records past expires_at whose task is settled
-// (idempotency.Purge), and at most BatchSize published outbox rows older
-// than OutboxRetention (outbox.Backlog.PurgePublished). Tasks, their
-// inputs, effects and artifacts are kept (not yet covered).
+// scanRetention removes what is kept no longer (issue 13, seed 3.3), each
+// step bounded by BatchSize:
+//
+//  1. idempotency records past expires_at whose task is settled
+//     (idempotency.Purge);
+//  2. outbox rows published (or parked and decided) more than
+//     OutboxRetention ago, with their inbox rows of every consumer that are
+//     not processing, in one transaction (purgeOutbox): the event is gone
+//     from Kafka too, so no delivery can need its inbox row any more;
+//  3. terminal tasks last updated more than TaskRetention ago (purgeTasks).
 func (r *Reconciler) scanRetention(ctx context.Context, res *Result) error {
 	n, err := idempotency.Purge(ctx, r.pool, r.cfg.BatchSize)
 	if err != nil {
@@ -56,16 +62,137 @@ func (r *Reconciler) scanRetention(ctx context.Context, res *Result) error {
 	}
 	r.m.actions.WithLabelValues(ActionIdempotencyExpired).Add(float64(n))
 	res.IdempotencyExpired += int(n)
-	m, err := r.backlog.PurgePublished(ctx, r.pool, r.cfg.OutboxRetention, r.cfg.BatchSize)
+	ids, err := r.backlog.Purgeable(ctx, r.pool, r.cfg.OutboxRetention, r.cfg.BatchSize)
+	if err != nil {
+		return err
+	}
+	in, m, err := purgeOutbox(ctx, r.pool, ids)
 	if err != nil {
 		return err
 	}
 	r.m.actions.WithLabelValues(ActionOutboxPurged).Add(float64(m))
+	r.m.actions.WithLabelValues(ActionInboxPurged).Add(float64(in))
 	res.OutboxPurged += int(m)
-	if n > 0 || m > 0 {
-		r.log.InfoContext(ctx, "retention", slog.Int64("idempotency_records", n), slog.Int64("outbox_rows", m))
+	res.InboxPurged += int(in)
+	if n > 0 || m > 0 || in > 0 {
+		r.log.InfoContext(ctx, "retention", slog.Int64("idempotency_records", n), slog.Int64("outbox_rows", m), slog.Int64("inbox_rows", in))
+	}
+	return r.purgeTasks(ctx, res)
+}
+
+// purgeTasks examines at most BatchSize terminal tasks last updated more
+// than TaskRetention ago (task.Expired: oldest first, from a cursor past
+// the tasks kept by earlier passes, back to the start once a pass reaches
+// the end) and removes those nothing needs any more (purgeTask).
+func (r *Reconciler) purgeTasks(ctx context.Context, res *Result) error {
+	ids, next, err := task.Expired(ctx, r.pool, r.cfg.TaskRetention, r.retentionCursor, r.cfg.BatchSize)
+	if err != nil {
+		return err
+	}
+	if len(ids) < r.cfg.BatchSize {
+		r.retentionCursor = task.Cursor{}
+	} else {
+		r.retentionCursor = next
+	}
+	for _, id := range ids {
+		r.purgeTask(ctx, res, id)
 	}
 	return nil
+}
+
+// purgeTask removes task id past TaskRetention when nothing needs it any
+// more (task.Hold, and no inbox row of its events processing):
+//
+//  1. each artifact of it that may be in the store is deleted under its own
+//     artifact.delete ledger entry, written before the file is removed and
+//     verified by observing the store hold nothing under the put's token
+//     (ledger.DeleteArtifact); a crash between any two steps leaves the
+//     deletion started, and the next pass resumes it with the same token;
+//  2. once every deletion is verified, one transaction removes its dead
+//     letters (resolved or replayed), inbox rows, effects, outbox rows,
+//     input and the task, after checking Hold again under the locks
+//     (removeTask);
+//  3. its Redis view is removed (best effort: a failure is counted as an
+//     error and the view expires with its TTL).
+//
+// Kept tasks are counted in TasksKept and examined again on a later walk.
+func (r *Reconciler) purgeTask(ctx context.Context, res *Result, id string) {
+	log := r.log.With(slog.String("task_id", id))
+	hold, found, err := task.Hold(ctx, r.pool, id, r.cfg.TaskRetention)
+	if err == nil && found && (hold == "" || hold == task.HoldArtifact) {
+		var busy bool
+		if busy, err = r.inboxBusy(ctx, id); busy {
+			hold = holdInboxProcessing
+		}
+	}
+	switch {
+	case err != nil:
+		log.WarnContext(ctx, "task retention", slog.Any("err", err))
+		r.act(res, ActionError, nil)
+		return
+	case !found:
+		return // removed meanwhile (another reconciler)
+	case hold != "" && hold != task.HoldArtifact:
+		log.DebugContext(ctx, "expired task kept", slog.String("reason", hold))
+		res.TasksKept++
+		return
+	}
+	if hold == task.HoldArtifact {
+		puts, err := ledger.Undeleted(ctx, r.pool, id)
+		if err != nil {
+			log.WarnContext(ctx, "task retention: read its artifacts", slog.Any("err", err))
+			r.act(res, ActionError, nil)
+			return
+		}
+		for _, p := range puts {
+			d, err := ledger.DeleteArtifact(ctx, r.pool, r.store, r.cfg.Faults, p)
+			if err != nil {
+				log.WarnContext(ctx, "task retention: delete artifact; resumed next pass", slog.String("token", p.Token), slog.Any("err", err))
+				r.act(res, ActionError, nil)
+				return
+			}
+			if d.Verified {
+				log.InfoContext(ctx, "artifact deleted (task retention)", slog.String("token", p.Token), slog.String("effect_id", d.DeleteID))
+				r.act(res, ActionArtifactDeleted, &res.ArtifactsDeleted)
+			}
+		}
+	}
+	rm, err := removeTask(ctx, r.pool, id, r.cfg.TaskRetention)
+	switch {
+	case err != nil:
+		log.WarnContext(ctx, "task retention: remove task", slog.Any("err", err))
+		r.act(res, ActionError, nil)
+		return
+	case rm.hold != "":
+		log.InfoContext(ctx, "expired task kept: it changed since it was read", slog.String("reason", rm.hold))
+		res.TasksKept++
+		return
+	}
+	r.m.actions.WithLabelValues(ActionInboxPurged).Add(float64(rm.inbox))
+	res.InboxPurged += int(rm.inbox)
+	log.InfoContext(ctx, "task removed (retention)", slog.Int64("effects", rm.effects), slog.Int64("outbox_rows", rm.outbox),
+		slog.Int64("inbox_rows", rm.inbox), slog.Int64("dead_letters", rm.deadLetters), slog.Duration("older_than", r.cfg.TaskRetention))
+	r.act(res, ActionTaskPurged, &res.TasksPurged)
+	if r.cache != nil {
+		if err := r.cache.Invalidate(ctx, id); err != nil {
+			log.WarnContext(ctx, "task retention: remove the task's view; it expires with its TTL", slog.Any("err", err))
+			r.act(res, ActionError, nil)
+		}
+	}
+}
+
+// holdInboxProcessing: an inbox row of one of the task's events is
+// processing (inbox.AnyProcessing); the task is kept.
+const holdInboxProcessing = "inbox_processing"
+
+// inboxBusy reports whether an inbox row of one of task id's events is
+// processing.
+func (r *Reconciler) inboxBusy(ctx context.Context, id string) (bool, error) {
+	msgs, err := outbox.IDsOfTask(ctx, r.pool, id)
+	if err != nil {
+		return false, err
+	}
+	return inbox.AnyProcessing(ctx, r.pool, msgs)
 }
 
 // leftoverSweepInterval is how often a pass removes the artifact store's

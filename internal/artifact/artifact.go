@@ -22,6 +22,10 @@
 // the writer intended, so read-back verification (Observe) detects stored
 // bytes that differ from it.
 //
+// Hide moves an object to hidden/ (a compensation); Delete removes an
+// object, readable or hidden, for good (the retention of its task), and
+// Gone verifies that nothing is left under a token.
+//
 // Head, Open and Observe observe an object by token (the "HEAD
 // artifact/effect-42" of seed section 7), which is how unknown outcomes are
 // resolved.
@@ -460,6 +464,49 @@ func (s *Store) hideFile(name string) error {
 		return nil
 	}
 	return err
+}
+
+// Delete removes the object of token for good, readable or hidden:
+// objects/<token>.obj and hidden/<token>.obj, then fsyncs both
+// directories, so a removal it reported survives a crash of the machine.
+// Deleting an absent object is not an error (the call is idempotent: a
+// deletion retried after a crash finds it done). Only the retention of
+// whole tasks calls it, under its own ledger entry (ledger.DeleteArtifact,
+// kind artifact.delete); Gone verifies it.
+func (s *Store) Delete(token string) error {
+	if !tokenRE.MatchString(token) {
+		return fmt.Errorf("%w: %q", ErrInvalidToken, token)
+	}
+	for _, dir := range []string{"objects", "hidden"} {
+		err := os.Remove(s.path(dir, token, objExt))
+		if err != nil && !errors.Is(err, fs.ErrNotExist) {
+			return fmt.Errorf("artifact delete %s: %w", token, err)
+		}
+	}
+	for _, dir := range []string{"objects", "hidden"} {
+		if err := syncDir(filepath.Join(s.root, dir)); err != nil {
+			return fmt.Errorf("artifact delete %s: %w", token, err)
+		}
+	}
+	return nil
+}
+
+// Gone reports whether the store holds nothing under token, neither a
+// readable nor a hidden object: the read-back verification of Delete.
+func (s *Store) Gone(token string) (bool, error) {
+	if !tokenRE.MatchString(token) {
+		return false, fmt.Errorf("%w: %q", ErrInvalidToken, token)
+	}
+	for _, dir := range []string{"objects", "hidden"} {
+		_, err := os.Lstat(s.path(dir, token, objExt))
+		switch {
+		case err == nil:
+			return false, nil
+		case !errors.Is(err, fs.ErrNotExist):
+			return false, fmt.Errorf("artifact observe %s: %w", token, err)
+		}
+	}
+	return true, nil
 }
 
 // Token returns the idempotency token of the artifact-writing effect of a

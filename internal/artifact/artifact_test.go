@@ -967,3 +967,48 @@ func TestRemoveLeftovers(t *testing.T) {
 		t.Fatalf("left in tmp: %v", names)
 	}
 }
+
+// Delete removes a readable and a hidden object for good, touches no other
+// token (not even one its token is a prefix of), and is idempotent; Gone
+// reports the removal.
+func TestDelete(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	for _, tok := range []string{"task-a.attempt-1", "task-a.attempt-2", "task-a.attempt-10", "task-b.attempt-1"} {
+		if _, err := b.store.Put(tok, "t", 1, []byte("payload of "+tok)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := b.store.Hide("task-a.attempt-2"); err != nil {
+		t.Fatal(err)
+	}
+	for _, tok := range []string{"task-a.attempt-1", "task-a.attempt-2"} {
+		if gone, err := b.store.Gone(tok); err != nil || gone {
+			t.Fatalf("Gone(%s) before Delete = %v, %v; want false", tok, gone, err)
+		}
+		if err := b.store.Delete(tok); err != nil {
+			t.Fatalf("Delete(%s): %v", tok, err)
+		}
+		if gone, err := b.store.Gone(tok); err != nil || !gone {
+			t.Fatalf("Gone(%s) after Delete = %v, %v; want true", tok, gone, err)
+		}
+		if err := b.store.Delete(tok); err != nil {
+			t.Fatalf("second Delete(%s): %v", tok, err)
+		}
+	}
+	if err := b.store.Delete("never-existed"); err != nil {
+		t.Errorf("Delete of absent: %v", err)
+	}
+	if got, want := dirNames(t, b.store, "objects"), []string{"task-a.attempt-10.obj", "task-b.attempt-1.obj"}; !slices.Equal(got, want) {
+		t.Errorf("objects = %v, want %v", got, want)
+	}
+	if got := dirNames(t, b.store, "hidden"); len(got) != 0 {
+		t.Errorf("hidden = %v, want none", got)
+	}
+	if err := b.store.Delete("../escape"); !errors.Is(err, artifact.ErrInvalidToken) {
+		t.Errorf("Delete(../escape) = %v, want ErrInvalidToken", err)
+	}
+	if _, err := b.store.Gone("../escape"); !errors.Is(err, artifact.ErrInvalidToken) {
+		t.Errorf("Gone(../escape) = %v, want ErrInvalidToken", err)
+	}
+}

@@ -109,6 +109,14 @@ const (
 	// compensation) but the caller sees a timeout (seed 14, "compensation
 	// times out").
 	ArtifactHideTimeoutAfterCommit = "artifact.hide-timeout-after-commit"
+	// RetentionAfterDeletePlanned: the retention of a task wrote the
+	// artifact.delete ledger row of an artifact; the file is not removed
+	// yet. Keys: task id.
+	RetentionAfterDeletePlanned = "retention.after-delete-planned"
+	// RetentionAfterArtifactDelete: the retention of a task removed an
+	// artifact's file; the artifact.delete effect is not verified yet.
+	// Keys: task id.
+	RetentionAfterArtifactDelete = "retention.after-artifact-delete"
 )
 
 var known = map[string]bool{
@@ -123,6 +131,8 @@ var known = map[string]bool{
 	CacheWriteError:                true,
 	WorkerProcessError:             true,
 	ArtifactHideTimeoutAfterCommit: true,
+	RetentionAfterDeletePlanned:    true,
+	RetentionAfterArtifactDelete:   true,
 }
 
 // Names returns the known fault point names, sorted.

@@ -25,6 +25,8 @@ var allPoints = []string{
 	fault.CacheWriteError,
 	fault.WorkerProcessError,
 	fault.ArtifactHideTimeoutAfterCommit,
+	fault.RetentionAfterDeletePlanned,
+	fault.RetentionAfterArtifactDelete,
 }
 
 // hits calls s.Hit(name) n times and returns the actions.

@@ -24,4 +24,7 @@
 //   - Every transaction that touches a message locks rows in the order
 //     inbox, task, effect, outbox (Lock first), so concurrent deliveries and
 //     replays never deadlock.
+//   - Rows are removed only when not Processing (DeleteMessages): with
+//     their outbox rows past the outbox window, or with their task past the
+//     task window (issue 13 retention; the reconciler decides when).
 package inbox

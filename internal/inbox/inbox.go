@@ -364,3 +364,50 @@ FROM inbox_conflict ORDER BY seen_at DESC, consumer_name, message_id LIMIT $1`, 
 	}
 	return cs, nil
 }
+
+// sqlConsumers lists the consumer names of inbox_message by a loose scan of
+// its primary key (one index probe per consumer, however many rows): the
+// retention statements below find a message's rows of every consumer
+// through the primary key (consumer_name, message_id) without an index on
+// message_id, which every Register would have to write.
+const sqlConsumers = `
+WITH RECURSIVE consumers(name) AS (
+  (SELECT consumer_name FROM inbox_message ORDER BY consumer_name LIMIT 1)
+  UNION ALL
+  SELECT (SELECT i.consumer_name FROM inbox_message i WHERE i.consumer_name > c.name ORDER BY i.consumer_name LIMIT 1)
+  FROM consumers c WHERE c.name IS NOT NULL)`
+
+// DeleteMessages removes the rows of every consumer for the messages ids
+// that are not Processing (Completed or Failed: their outcome is durable)
+// and returns how many: retention (issue 13) once the messages can no
+// longer be delivered — their outbox rows are past the outbox window, or
+// their task past the task window. A Processing row is never removed.
+func DeleteMessages(ctx context.Context, q dbpool.Querier, ids []string) (int64, error) {
+	if len(ids) == 0 {
+		return 0, nil
+	}
+	tag, err := q.Exec(ctx, sqlConsumers+`
+DELETE FROM inbox_message m USING consumers c, unnest($1::text[]) AS id(message_id)
+WHERE m.consumer_name = c.name AND m.message_id = id.message_id AND m.state <> 'processing'`, ids)
+	if err != nil {
+		return 0, fmt.Errorf("delete inbox rows of %d messages: %w", len(ids), err)
+	}
+	return tag.RowsAffected(), nil
+}
+
+// AnyProcessing reports whether a consumer has one of the messages ids in
+// state Processing (a delivery whose outcome is not durable yet): the
+// retention of their task waits.
+func AnyProcessing(ctx context.Context, q dbpool.Querier, ids []string) (bool, error) {
+	if len(ids) == 0 {
+		return false, nil
+	}
+	var found bool
+	err := q.QueryRow(ctx, sqlConsumers+`
+SELECT EXISTS (SELECT 1 FROM consumers c, unnest($1::text[]) AS id(message_id), inbox_message m
+               WHERE m.consumer_name = c.name AND m.message_id = id.message_id AND m.state = 'processing')`, ids).Scan(&found)
+	if err != nil {
+		return false, fmt.Errorf("read inbox rows of %d messages: %w", len(ids), err)
+	}
+	return found, nil
+}

@@ -22,6 +22,12 @@
 //   - A compensation is a new effect with its own ledger row, not a
 //     rollback (Compensate): observed first, hidden only when present,
 //     verified by observing the object gone.
+//   - Retention removes an artifact through the ledger too (DeleteArtifact):
+//     an artifact.delete effect per artifact.put, token DeleteToken
+//     ("delete-for-<effect_id>"), written before the store removes the
+//     object (readable or hidden), verified by observing the store hold
+//     nothing under the put's token; only then do the task's effects go
+//     (DeleteOfTask), with the task.
 //   - Every transition is a compare-and-set on the state read (MarkUnknown,
 //     MarkPlanned, MarkVerified, RequireCompensation, MarkFailed,
 //     MarkCompensated): a repair computed from a stale read changes nothing.

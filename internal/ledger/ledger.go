@@ -23,6 +23,10 @@ const (
 	// KindArtifactHide hides an artifact that must not be served: the
 	// compensation of an artifact.put (seed 8).
 	KindArtifactHide Kind = "artifact.hide"
+	// KindArtifactDelete removes an artifact.put's object (readable or
+	// hidden) for good: the retention of a whole task (issue 13, seed 3.3;
+	// DeleteArtifact).
+	KindArtifactDelete Kind = "artifact.delete"
 )
 
 // State is effect_ledger.state (seed 7).
@@ -80,6 +84,11 @@ func PutToken(taskID string, attempt int) string { return artifact.Token(taskID,
 // effect effectID: "compensation-for-<effect_id>" (seed 8).
 func CompensationToken(effectID string) string { return "compensation-for-" + effectID }
 
+// DeleteToken is the token (and effect id) of the deletion of the object of
+// artifact.put effect putEffectID: "delete-for-<effect_id>" (retention,
+// DeleteArtifact). One put, one deletion token, whoever computes it.
+func DeleteToken(putEffectID string) string { return "delete-for-" + putEffectID }
+
 // NewPut is the ledger row of the artifact.put of a task attempt whose
 // artifact (the request) has the given SHA-256 and size, in state started:
 // written before the store is called (seed 7).
@@ -96,6 +105,16 @@ func NewCompensation(e Effect, observedSHA256 string, observedSize int64) Effect
 	token := CompensationToken(e.EffectID)
 	return Effect{EffectID: token, TaskID: e.TaskID, Attempt: e.Attempt, Kind: KindArtifactHide, Token: token,
 		TargetIdentity: e.TargetIdentity, State: Started, RequestSHA256: observedSHA256, RequestSize: observedSize}
+}
+
+// NewDelete is the ledger row of the deletion of put's object: kind
+// artifact.delete, token DeleteToken(put.EffectID), same task, attempt and
+// target, the request being the object the put wrote (its request SHA-256
+// and size), state started: written before the store is called (seed 7).
+func NewDelete(put Effect) Effect {
+	token := DeleteToken(put.EffectID)
+	return Effect{EffectID: token, TaskID: put.TaskID, Attempt: put.Attempt, Kind: KindArtifactDelete, Token: token,
+		TargetIdentity: put.TargetIdentity, State: Started, RequestSHA256: put.RequestSHA256, RequestSize: put.RequestSize}
 }
 
 // Columns are the effect columns scanEffect reads, in its order.

@@ -28,4 +28,8 @@
 //     last error code and text) and settled for the relay; a retryable
 //     failure is counted on the row (RecordFailure). An operator decides on
 //     a parked row once (Decide: republished or discarded, by, reason).
+//   - Rows are removed only when published, or parked and decided (issue
+//     13 retention): past the outbox window (Backlog.Purgeable,
+//     DeletePurgeable), or with their task past the task window
+//     (DeleteOfTask). An unpublished or undecided row is never removed.
 package outbox

@@ -174,21 +174,65 @@ ORDER BY created_xid, created_at, outbox_id LIMIT $3`, strconv.FormatUint(b.low.
 	return out, nil
 }
 
-// PurgePublished removes at most limit outbox rows created more than
+// Purgeable returns the ids of at most limit outbox rows created more than
 // olderThan ago that are published, or parked and decided, and below the
 // watermark (issue 13 retention: the oldest first, through
-// outbox_event_created_xid_idx; xids grow with time, so the scan starts
-// at the oldest rows). Unpublished rows, and parked rows no one decided on,
-// are never removed. It returns how many it removed.
-func (b *Backlog) PurgePublished(ctx context.Context, q dbpool.Querier, olderThan time.Duration, limit int) (int64, error) {
-	tag, err := q.Exec(ctx, `
-DELETE FROM outbox_event WHERE outbox_id IN (
-  SELECT outbox_id FROM outbox_event
-  WHERE created_xid < $1::text::xid8 AND created_at < now() - make_interval(secs => $2)
-    AND (published_at IS NOT NULL OR decision IS NOT NULL)
-  ORDER BY created_xid LIMIT $3)`, strconv.FormatUint(b.low.Load(), 10), olderThan.Seconds(), limit)
+// outbox_event_created_xid_idx; xids grow with time, so the scan starts at
+// the oldest rows). Unpublished rows, and parked rows no one decided on,
+// are never among them. The reconciler removes their inbox rows
+// (inbox.DeleteMessages), then the rows (DeletePurgeable), in one
+// transaction.
+func (b *Backlog) Purgeable(ctx context.Context, q dbpool.Querier, olderThan time.Duration, limit int) ([]string, error) {
+	rows, err := q.Query(ctx, `
+SELECT outbox_id FROM outbox_event
+WHERE created_xid < $1::text::xid8 AND created_at < now() - make_interval(secs => $2)
+  AND (published_at IS NOT NULL OR decision IS NOT NULL)
+ORDER BY created_xid LIMIT $3`, strconv.FormatUint(b.low.Load(), 10), olderThan.Seconds(), limit)
 	if err != nil {
-		return 0, fmt.Errorf("purge published outbox rows: %w", err)
+		return nil, fmt.Errorf("select purgeable outbox rows: %w", err)
+	}
+	ids, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	if err != nil {
+		return nil, fmt.Errorf("read purgeable outbox rows: %w", err)
+	}
+	return ids, nil
+}
+
+// DeletePurgeable removes the rows of ids that are published, or parked and
+// decided (a row of ids in any other state stays), and returns how many.
+func DeletePurgeable(ctx context.Context, q dbpool.Querier, ids []string) (int64, error) {
+	if len(ids) == 0 {
+		return 0, nil
+	}
+	tag, err := q.Exec(ctx, `DELETE FROM outbox_event WHERE outbox_id = ANY($1) AND (published_at IS NOT NULL OR decision IS NOT NULL)`, ids)
+	if err != nil {
+		return 0, fmt.Errorf("delete %d outbox rows: %w", len(ids), err)
+	}
+	return tag.RowsAffected(), nil
+}
+
+// IDsOfTask returns the ids of the outbox rows of task taskID (the message
+// ids of its events), through the unique (aggregate_id, ...) index.
+func IDsOfTask(ctx context.Context, q dbpool.Querier, taskID string) ([]string, error) {
+	rows, err := q.Query(ctx, `SELECT outbox_id FROM outbox_event WHERE aggregate_id = $1 ORDER BY created_xid`, taskID)
+	if err != nil {
+		return nil, fmt.Errorf("select outbox rows of task %s: %w", taskID, err)
+	}
+	ids, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	if err != nil {
+		return nil, fmt.Errorf("read outbox rows of task %s: %w", taskID, err)
+	}
+	return ids, nil
+}
+
+// DeleteOfTask removes the outbox rows of task taskID that are published, or
+// parked and decided, and returns how many: the task's removal by
+// retention, which first checked that no other row of it is left
+// (task.Hold).
+func DeleteOfTask(ctx context.Context, q dbpool.Querier, taskID string) (int64, error) {
+	tag, err := q.Exec(ctx, `DELETE FROM outbox_event WHERE aggregate_id = $1 AND (published_at IS NOT NULL OR decision IS NOT NULL)`, taskID)
+	if err != nil {
+		return 0, fmt.Errorf("delete outbox rows of task %s: %w", taskID, err)
 	}
 	return tag.RowsAffected(), nil
 }

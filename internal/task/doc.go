@@ -25,6 +25,10 @@
 //     transaction (QueueCreate).
 //   - Versions stay below 2^53 (a CHECK constraint), so they survive JSON
 //     and Lua doubles.
+//   - A task is removed only by retention (issue 13, seed 3.3: Expired,
+//     Hold, Delete): terminal, past the task window, once Hold finds
+//     nothing that still needs it; the reconciler removes the rows of the
+//     other aggregates through their owners first, in one transaction.
 //   - A task not found may be one whose creating transaction is not visible
 //     to this session yet (consumers/worker, ErrNotYetVisible).
 //

@@ -11,6 +11,7 @@ import (
 	"net/http"
 	"strconv"
 
+	"github.com/converge-run/converge/internal/artifact"
 	"github.com/converge-run/converge/internal/ledger"
 	"github.com/converge-run/converge/internal/taskevent"
 )
@@ -25,9 +26,11 @@ import (
 // "<sha256 hex>", Repr-Digest sha-256=:<base64>: (RFC 9530) and
 // X-Artifact-Sha256 <hex>; 404 TASK_NOT_FOUND; 409 ARTIFACT_NOT_READY
 // (queued, running, compensating; member task_status); 409 TASK_FAILED
-// (failed, compensated; members task_status and terminal_error_code); 503
-// ARTIFACT_UNAVAILABLE when the verified object is missing or does not
-// match.
+// (failed, compensated; members task_status and terminal_error_code); 410
+// ARTIFACT_EXPIRED when retention deleted the artifact (an artifact.delete
+// effect is recorded for it; the task's rows are removed next, and then the
+// answer is 404 TASK_NOT_FOUND); 503 ARTIFACT_UNAVAILABLE when the verified
+// object is missing or does not match.
 func (s *Server) handleGetArtifact(w http.ResponseWriter, r *http.Request) {
 	id := taskIDOf(r)
 	if !taskIDRE.MatchString(id) {
@@ -76,6 +79,15 @@ func (s *Server) handleGetArtifact(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	f, meta, err := s.cfg.ArtifactStore.Open(token)
+	if errors.Is(err, artifact.ErrNotFound) {
+		// Only on this failure path: a task past the retention window whose
+		// artifact was deleted is 410, not a store fault.
+		if deleted, derr := s.store.artifactDeleted(ctx, token); derr == nil && deleted {
+			s.writeError(w, r, &Error{Code: CodeArtifactExpired, Err: err,
+				Detail: fmt.Sprintf("task %s is past the retention window; its artifact was deleted and the task is being removed", id)})
+			return
+		}
+	}
 	if err != nil {
 		s.writeError(w, r, &Error{Code: CodeArtifactUnavailable, Detail: "the artifact could not be read from the store", Err: err})
 		return

@@ -94,7 +94,11 @@
 // GET /v1/tasks/{id}/artifact serves a completed task's artifact, located
 // by the task's latest verified artifact.put effect, only after hashing the
 // stored bytes and finding task.artifact_sha256: unverified bytes are never
-// served (503 ARTIFACT_UNAVAILABLE instead).
+// served (503 ARTIFACT_UNAVAILABLE instead). An artifact the reconciler's
+// task retention deleted (an artifact.delete effect is recorded for it,
+// ledger.ArtifactDeleted, read only when the store does not find the
+// object) is 410 ARTIFACT_EXPIRED; once the task's rows are removed too,
+// the task and its artifact are 404 TASK_NOT_FOUND.
 //
 // # Fault points
 //

@@ -48,8 +48,11 @@ const (
 	CodeVersionMismatch         = "VERSION_MISMATCH"
 	CodeTaskNotCancellable      = "TASK_NOT_CANCELLABLE"
 	CodeTaskCancelled           = "TASK_CANCELLED"
-	CodeOverloaded              = "OVERLOADED"
-	CodeRequestTimeout          = "REQUEST_TIMEOUT"
+	// CodeArtifactExpired: the task is past the task retention window and
+	// its artifact was deleted (the task's rows follow in the same pass).
+	CodeArtifactExpired = "ARTIFACT_EXPIRED"
+	CodeOverloaded      = "OVERLOADED"
+	CodeRequestTimeout  = "REQUEST_TIMEOUT"
 	// CodeClientClosedRequest is recorded (status 499, nginx's convention)
 	// when the client went away before the answer: its cancelled context,
 	// not the database, ended the request. Nobody receives it.
@@ -102,6 +105,7 @@ var kinds = map[string]problemKind{
 	CodeVersionMismatch:           {http.StatusPreconditionFailed, "Task version does not match"},
 	CodeTaskNotCancellable:        {http.StatusConflict, "Task cannot be cancelled"},
 	CodeTaskCancelled:             {http.StatusConflict, "Task cancelled: no artifact"},
+	CodeArtifactExpired:           {http.StatusGone, "Artifact removed by retention"},
 	CodeOverloaded:                {http.StatusServiceUnavailable, "Overloaded"},
 	CodeRequestTimeout:            {http.StatusRequestTimeout, "Request body not received in time"},
 	CodeClientClosedRequest:       {StatusClientClosedRequest, "Client closed the request"},

@@ -23,6 +23,7 @@ import (
 	"github.com/converge-run/converge/internal/taskevent"
 	"github.com/converge-run/converge/internal/tenant"
 	"github.com/converge-run/converge/projections/taskview"
+	"github.com/converge-run/converge/services/api/idempotency"
 )
 
 // Config configures a Server.
@@ -44,7 +45,9 @@ type Config struct {
 	MaxBodyBytes int64
 	// IdempotencyTTL is how long an idempotency record is kept
 	// (idempotency_record.expires_at = creation + IdempotencyTTL); it must
-	// cover the clients' retry window (seed 3.3). Defaults to 24h.
+	// cover the clients' retry window (seed 3.3). Defaults to
+	// idempotency.DefaultTTL (24h); the reconciler's TaskRetention must be
+	// at least as long.
 	IdempotencyTTL time.Duration
 	// IdempotencyLease is the locked_until of an in_progress record
 	// (creation + IdempotencyLease). Defaults to 30s.
@@ -120,7 +123,7 @@ func (c *Config) setDefaults() {
 		c.MaxBodyBytes = 8 << 20
 	}
 	if c.IdempotencyTTL == 0 {
-		c.IdempotencyTTL = 24 * time.Hour
+		c.IdempotencyTTL = idempotency.DefaultTTL
 	}
 	if c.IdempotencyLease == 0 {
 		c.IdempotencyLease = 30 * time.Second

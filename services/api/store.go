@@ -153,6 +153,12 @@ func (s *store) verifiedArtifactToken(ctx context.Context, taskID string) (strin
 	return ledger.VerifiedArtifactToken(ctx, s.pool, taskID)
 }
 
+// artifactDeleted reports whether the artifact of put token token has a
+// deletion recorded (retention, ledger.ArtifactDeleted).
+func (s *store) artifactDeleted(ctx context.Context, token string) (bool, error) {
+	return ledger.ArtifactDeleted(ctx, s.pool, token)
+}
+
 // ping checks that PostgreSQL answers.
 func (s *store) ping(ctx context.Context) error {
 	if err := s.pool.Ping(ctx); err != nil {

@@ -41,6 +41,13 @@ import (
 // operation: tenant.CreateScope for the API's creates (issue 12; before
 // tenants existed every record had the scope "public:create-document-task").
 
+// DefaultTTL is the retention window of a record by default (the API's
+// IdempotencyTTL, published in README and OpenAPI): expires_at = creation +
+// DefaultTTL. A task is kept at least as long (the reconciler's
+// TaskRetention refuses a shorter window), so a key never outlives its
+// task.
+const DefaultTTL = 24 * time.Hour
+
 // State is idempotency_record.state.
 type State string
 

@@ -231,7 +231,7 @@ func Run(ctx context.Context, cfg Config) error {
 	defer producer.Close()
 	rcfg := cfg.Reconciler
 	rcfg.Pool, rcfg.ArtifactStore, rcfg.Brokers, rcfg.Topic, rcfg.Redis = pool, store, cfg.Brokers, cfg.Topic, rdb
-	rcfg.Logger, rcfg.Registerer, rcfg.Cache.Faults = log.With("component", "reconciler"), reg, cfg.Faults
+	rcfg.Logger, rcfg.Registerer, rcfg.Cache.Faults, rcfg.Faults = log.With("component", "reconciler"), reg, cfg.Faults, cfg.Faults
 	rcfg.Producer = producer
 	rec, err := reconciler.New(rcfg)
 	if err != nil {

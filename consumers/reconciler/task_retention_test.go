@@ -1,0 +1,476 @@
+package reconciler
+
+import (
+	"context"
+	"crypto/sha256"
+	"encoding/hex"
+	"slices"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/converge-run/converge/internal/artifact"
+	"github.com/converge-run/converge/internal/fault"
+	"github.com/converge-run/converge/internal/inbox"
+	"github.com/converge-run/converge/internal/ledger"
+	"github.com/converge-run/converge/internal/outbox"
+	"github.com/converge-run/converge/internal/task"
+	"github.com/converge-run/converge/internal/taskevent"
+	"github.com/converge-run/converge/internal/testenv"
+)
+
+// The consumers whose inbox rows the tests write: retention removes the
+// rows of every consumer of a message.
+var consumers = []string{"converge-worker", "other-consumer"}
+
+// settled is a completed task as the pipeline leaves it: artifact stored
+// under its verified artifact.put (attempt 1), both events published, each
+// consumer's inbox row of each event completed.
+type settled struct {
+	id, token string
+	outbox    []string
+}
+
+func (b *testBundle) exec(t *testing.T, q string, args ...any) {
+	t.Helper()
+	if _, err := b.db.Pool.Exec(context.Background(), q, args...); err != nil {
+		t.Fatalf("%s: %v", q, err)
+	}
+}
+
+// settledTask creates a settled task whose artifact is doc's bytes; with
+// aged, its last update is 31 days old (past the default TaskRetention).
+func (b *testBundle) settledTask(t *testing.T, doc string, aged bool) settled {
+	t.Helper()
+	ctx := context.Background()
+	data := []byte(doc)
+	c := testenv.MustCreateTask(t, b.db.Pool, data)
+	running := testenv.MustStartTask(t, b.db.Pool, c.Task.TaskID)
+	put := testenv.MustPlanEffect(t, b.db.Pool, running, ledger.Verified, data, 0)
+	if _, err := b.store.Put(put.Token, put.TaskID, put.Attempt, data); err != nil {
+		t.Fatal(err)
+	}
+	done, err := task.CompleteIfRunning(ctx, b.db.Pool, running.TaskID, running.Version, put.RequestSHA256, put.RequestSize)
+	if err != nil || !done.Applied {
+		t.Fatalf("complete: %v %v", done, err)
+	}
+	ev, err := outbox.Insert(ctx, b.db.Pool, taskevent.TypeTaskCompleted, done.Task)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return b.settle(t, settled{id: c.Task.TaskID, token: put.Token, outbox: []string{c.Event.EventID, ev.EventID}}, aged)
+}
+
+// failedTask creates a task failed with error code X (no artifact), its
+// events published and consumed, its last update 31 days old.
+func (b *testBundle) failedTask(t *testing.T, doc string) settled {
+	t.Helper()
+	ctx := context.Background()
+	c := testenv.MustCreateTask(t, b.db.Pool, []byte(doc))
+	running := testenv.MustStartTask(t, b.db.Pool, c.Task.TaskID)
+	failed, err := task.FailIfRunning(ctx, b.db.Pool, running.TaskID, running.Version, "X")
+	if err != nil || !failed.Applied {
+		t.Fatalf("fail: %v %v", failed, err)
+	}
+	ev, err := outbox.Insert(ctx, b.db.Pool, taskevent.TypeTaskFailed, failed.Task)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return b.settle(t, settled{id: c.Task.TaskID, outbox: []string{c.Event.EventID, ev.EventID}}, true)
+}
+
+// settle publishes s's events and completes each consumer's inbox row of
+// each; with aged, it ages the task.
+func (b *testBundle) settle(t *testing.T, s settled, aged bool) settled {
+	t.Helper()
+	b.exec(t, `UPDATE outbox_event SET published_at = now() WHERE aggregate_id = $1`, s.id)
+	for _, msg := range s.outbox {
+		for _, cons := range consumers {
+			b.inboxRow(t, cons, msg, inbox.Completed)
+		}
+	}
+	if aged {
+		b.age(t, s.id)
+	}
+	return s
+}
+
+// age moves task id's creation and last update 31 days back.
+func (b *testBundle) age(t *testing.T, id string) {
+	t.Helper()
+	b.exec(t, `UPDATE task SET created_at = now() - interval '31 days', updated_at = now() - interval '31 days' WHERE task_id = $1`, id)
+}
+
+func (b *testBundle) inboxRow(t *testing.T, consumer, msg string, state inbox.State) {
+	t.Helper()
+	ctx := context.Background()
+	if _, err := inbox.Register(ctx, b.db.Pool, consumer, msg, strings.Repeat("a", 64), inbox.Lease{Owner: "test", For: time.Minute}); err != nil {
+		t.Fatal(err)
+	}
+	if state != inbox.Processing {
+		if ok, err := inbox.Finish(ctx, b.db.Pool, consumer, msg, state, map[string]string{"test": "yes"}); err != nil || !ok {
+			t.Fatalf("finish inbox row: %v %v", ok, err)
+		}
+	}
+}
+
+func (b *testBundle) deadLetter(t *testing.T, taskID, state string, offset int) {
+	t.Helper()
+	b.exec(t, `
+INSERT INTO dead_letter (origin_topic, origin_partition, origin_offset, consumer_group, task_id, error_class, error_code,
+  attempts, processor_version, first_failure_at, last_failure_at, dlq_partition, dlq_offset, state, last_replay_at)
+VALUES ('t', 0, $2, 'converge-worker', $1, 'deterministic', 'X', 1, 'test', now(), now(), 0, $2, $3,
+        CASE WHEN $3 = 'parked' THEN NULL ELSE now() END)`, taskID, offset, state)
+}
+
+// rows counts what is left of task s in every table retention removes.
+func (b *testBundle) rows(t *testing.T, s settled) map[string]int {
+	t.Helper()
+	out := map[string]int{}
+	for table, q := range map[string]string{
+		"task":         `SELECT count(*) FROM task WHERE task_id = $1`,
+		"task_input":   `SELECT count(*) FROM task_input WHERE task_id = $1`,
+		"effect":       `SELECT count(*) FROM effect_ledger WHERE task_id = $1`,
+		"outbox":       `SELECT count(*) FROM outbox_event WHERE aggregate_id = $1`,
+		"dead_letter":  `SELECT count(*) FROM dead_letter WHERE task_id = $1`,
+		"idempotency":  `SELECT count(*) FROM idempotency_record WHERE task_id = $1`,
+		"inbox":        `SELECT count(*) FROM inbox_message WHERE message_id = ANY($1)`,
+		"inbox_all_of": `SELECT count(DISTINCT consumer_name) FROM inbox_message WHERE message_id = ANY($1)`,
+	} {
+		var n int
+		var arg any = s.id
+		if strings.Contains(table, "inbox") {
+			arg = s.outbox
+		}
+		if err := b.db.Pool.QueryRow(context.Background(), q, arg).Scan(&n); err != nil {
+			t.Fatalf("%s: %v", table, err)
+		}
+		out[table] = n
+	}
+	return out
+}
+
+func (b *testBundle) gone(t *testing.T, token string) bool {
+	t.Helper()
+	g, err := b.store.Gone(token)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return g
+}
+
+func (b *testBundle) idempotencyRecord(t *testing.T, key, taskID, expires string) {
+	t.Helper()
+	b.exec(t, `INSERT INTO idempotency_record (scope, idempotency_key, request_fingerprint, state, task_id, response_status, response_body, locked_until, expires_at)
+VALUES ('s', $1, repeat('f', 64), 'succeeded', $2, 202, '{}'::jsonb, now(), now() + $3::interval)`, key, taskID, expires)
+}
+
+// The whole lifecycle (issue 13, seed 3.3): a settled task past the task
+// window loses its artifacts first — the verified one of attempt 2 and
+// the hidden one of a compensated attempt 1, each through its own
+// artifact.delete ledger entry — then, in one pass, its expired
+// idempotency record, every row of it (input, effects, outbox rows, the
+// inbox rows of both consumers, its resolved and replayed dead letters)
+// and the task. A
+// young task's artifact, whose token the old one's is a prefix of, is not
+// touched.
+func TestRetentionRemovesSettledTaskAndArtifacts(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	b := setup(t, Config{})
+	old := b.settledTask(t, `{"k":"old"}`, false)
+
+	// Attempt 1 was superseded and compensated (object hidden, hide
+	// verified); attempt 2 is the verified one.
+	b.exec(t, `UPDATE effect_ledger SET attempt = 2, effect_id = $2, idempotency_token = $2, target_identity = 'artifact://' || $2 WHERE task_id = $1`,
+		old.id, ledger.PutToken(old.id, 2))
+	if err := b.store.Delete(old.token); err != nil {
+		t.Fatal(err)
+	}
+	v2 := ledger.PutToken(old.id, 2)
+	if _, err := b.store.Put(v2, old.id, 2, []byte(`{"k":"old"}`)); err != nil {
+		t.Fatal(err)
+	}
+	first := []byte(`{"k":"old","attempt":1}`)
+	sum := sha256.Sum256(first)
+	p1, _, err := ledger.Plan(ctx, b.db.Pool, ledger.NewPut(old.id, 1, hex.EncodeToString(sum[:]), int64(len(first))))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := b.store.Put(p1.Token, old.id, 1, first); err != nil {
+		t.Fatal(err)
+	}
+	b.exec(t, `UPDATE effect_ledger SET state = 'compensation_required' WHERE effect_id = $1`, p1.EffectID)
+	p1.State = ledger.CompensationRequired
+	if c, err := ledger.Compensate(ctx, b.db.Pool, b.store, p1, p1.RequestSize); err != nil || !c.Applied {
+		t.Fatalf("compensate: %+v %v", c, err)
+	}
+	b.deadLetter(t, old.id, "resolved", 1)
+	b.deadLetter(t, old.id, "replayed", 2)
+	b.idempotencyRecord(t, "old-key", old.id, "-1 minute")
+	b.age(t, old.id)
+
+	young := b.settledTask(t, `{"k":"young"}`, false)
+
+	if left := b.rows(t, old); left["inbox_all_of"] != len(consumers) || left["effect"] != 3 {
+		t.Fatalf("before: %v", left)
+	}
+	res, err := b.r.Pass(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if res.TasksPurged != 1 || res.ArtifactsDeleted != 2 || res.IdempotencyExpired != 1 || res.InboxPurged != 4 {
+		t.Fatalf("pass: %+v; want 1 task purged, 2 artifacts deleted, 1 record expired, 4 inbox rows", res)
+	}
+	for table, n := range b.rows(t, old) {
+		if n != 0 {
+			t.Errorf("%s: %d rows of the removed task left", table, n)
+		}
+	}
+	for _, tok := range []string{p1.Token, v2} {
+		if !b.gone(t, tok) {
+			t.Errorf("artifact %s still in the store", tok)
+		}
+	}
+	if _, err := b.store.Head(young.token); err != nil {
+		t.Errorf("the young task's artifact: %v", err)
+	}
+	if left := b.rows(t, young); left["task"] != 1 || left["inbox"] != 4 || left["effect"] != 1 {
+		t.Errorf("young task's rows: %v", left)
+	}
+	if got, want := b.actions(ActionTaskPurged), 1.0; got != want {
+		t.Errorf("task_purged = %v, want %v", got, want)
+	}
+	if got, want := b.actions(ActionArtifactDeleted), 2.0; got != want {
+		t.Errorf("artifact_deleted = %v, want %v", got, want)
+	}
+	again, err := b.r.Pass(ctx)
+	if err != nil || again.TasksPurged != 0 || again.ArtifactsDeleted != 0 {
+		t.Fatalf("second pass: %+v %v", again, err)
+	}
+}
+
+// A task inside the window, not terminal, with an unpublished event, an
+// undecided dead letter, an unresolved effect, an inbox row processing or
+// a live idempotency record is never removed, nor is its artifact touched.
+// Each is kept for its own reason (task.Hold), and once the reason goes,
+// the next pass removes it.
+func TestRetentionKeepsTasksSomethingNeeds(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	b := setup(t, Config{})
+
+	type keep struct {
+		name, reason string
+		s            settled
+		release      func() // removes the reason
+	}
+	var cases []keep
+	add := func(name, reason string, place func(s settled), release func(s settled)) {
+		var s settled
+		if strings.Contains(name, "dead-letter") {
+			// A failed task: a replay of its dead letter could re-open it.
+			// (A completed task's parked dead letters are resolved by the
+			// pass itself, deadletter.Store.ResolveCompleted.)
+			s = b.failedTask(t, `{"k":"`+name+`"}`)
+		} else {
+			s = b.settledTask(t, `{"k":"`+name+`"}`, true)
+		}
+		place(s)
+		cases = append(cases, keep{name: name, reason: reason, s: s, release: func() { release(s) }})
+	}
+	add("inside-window", task.HoldInsideWindow,
+		func(s settled) {
+			b.exec(t, `UPDATE task SET updated_at = now() - interval '29 days' WHERE task_id = $1`, s.id)
+		},
+		func(s settled) { b.age(t, s.id) })
+	add("unpublished-event", task.HoldUnpublishedEvent,
+		func(s settled) {
+			b.exec(t, `UPDATE outbox_event SET published_at = NULL WHERE outbox_id = $1`, s.outbox[1])
+		},
+		func(s settled) {
+			b.exec(t, `UPDATE outbox_event SET published_at = now() WHERE outbox_id = $1`, s.outbox[1])
+		})
+	add("parked-dead-letter", task.HoldDeadLetter,
+		func(s settled) { b.deadLetter(t, s.id, "parked", 10) },
+		func(s settled) {
+			b.exec(t, `UPDATE dead_letter SET state = 'resolved', last_replay_at = now() WHERE task_id = $1`, s.id)
+		})
+	add("refused-dead-letter", task.HoldDeadLetter,
+		func(s settled) { b.deadLetter(t, s.id, "refused", 11) },
+		func(s settled) { b.exec(t, `UPDATE dead_letter SET state = 'resolved' WHERE task_id = $1`, s.id) })
+	add("unknown-effect", task.HoldEffect,
+		func(s settled) {
+			if _, _, err := ledger.Plan(ctx, b.db.Pool, ledger.NewPut(s.id, 2, strings.Repeat("b", 64), 1)); err != nil {
+				t.Fatal(err)
+			}
+			b.exec(t, `UPDATE effect_ledger SET state = 'unknown' WHERE effect_id = $1`, ledger.PutToken(s.id, 2))
+		},
+		func(s settled) {
+			b.exec(t, `UPDATE effect_ledger SET state = 'planned' WHERE effect_id = $1`, ledger.PutToken(s.id, 2))
+			b.exec(t, `UPDATE effect_ledger SET state = 'failed' WHERE effect_id = $1`, ledger.PutToken(s.id, 2))
+		})
+	add("inbox-processing", holdInboxProcessing,
+		func(s settled) {
+			b.exec(t, `UPDATE inbox_message SET state = 'processing', completed_at = NULL WHERE consumer_name = $1 AND message_id = $2`,
+				consumers[1], s.outbox[1])
+		},
+		func(s settled) {
+			b.exec(t, `UPDATE inbox_message SET state = 'completed', completed_at = now() WHERE message_id = $1`, s.outbox[1])
+		})
+	add("live-idempotency-record", task.HoldIdempotencyRecord,
+		func(s settled) { b.idempotencyRecord(t, "live-"+s.id, s.id, "1 hour") },
+		func(s settled) {
+			b.exec(t, `UPDATE idempotency_record SET expires_at = now() - interval '1 minute' WHERE task_id = $1`, s.id)
+		})
+
+	// Not terminal: a running task last updated 31 days ago (the re-drive
+	// scan's business, not retention's).
+	c := testenv.MustCreateTask(t, b.db.Pool, []byte(`{"k":"running"}`))
+	running := testenv.MustStartTask(t, b.db.Pool, c.Task.TaskID)
+	b.age(t, running.TaskID)
+	if reason, _, err := task.Hold(ctx, b.db.Pool, running.TaskID, DefaultTaskRetention); err != nil || reason != task.HoldNotTerminal {
+		t.Fatalf("running task: hold %q, %v", reason, err)
+	}
+
+	for _, k := range cases {
+		reason, _, err := task.Hold(ctx, b.db.Pool, k.s.id, DefaultTaskRetention)
+		if k.reason == holdInboxProcessing {
+			if reason != task.HoldArtifact {
+				t.Errorf("%s: task.Hold = %q, want %q (the inbox judges its rows)", k.name, reason, task.HoldArtifact)
+			}
+		} else if err != nil || reason != k.reason {
+			t.Errorf("%s: task.Hold = %q, %v; want %q", k.name, reason, err, k.reason)
+		}
+	}
+	for range 3 {
+		res, err := b.r.Pass(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if res.TasksPurged != 0 || res.ArtifactsDeleted != 0 {
+			t.Fatalf("pass removed a task that is needed: %+v", res)
+		}
+	}
+	for _, k := range cases {
+		if left := b.rows(t, k.s); left["task"] != 1 || left["task_input"] != 1 || left["outbox"] != 2 || left["inbox"] != 4 ||
+			(k.s.token != "" && left["effect"] == 0) || (strings.Contains(k.name, "dead-letter") && left["dead_letter"] != 1) {
+			t.Errorf("%s: rows %v", k.name, left)
+		}
+		if _, err := b.store.Head(k.s.token); k.s.token != "" && err != nil {
+			t.Errorf("%s: artifact touched: %v", k.name, err)
+		}
+		var deletions int
+		if err := b.db.Pool.QueryRow(ctx, `SELECT count(*) FROM effect_ledger WHERE task_id = $1 AND effect_kind = 'artifact.delete'`, k.s.id).Scan(&deletions); err != nil || deletions != 0 {
+			t.Errorf("%s: %d deletions planned (%v)", k.name, deletions, err)
+		}
+	}
+	if left := b.rows(t, settled{id: running.TaskID}); left["task"] != 1 {
+		t.Errorf("running task removed: %v", left)
+	}
+
+	for _, k := range cases {
+		k.release()
+	}
+	purged := 0
+	testenv.Eventually(t, 10*time.Second, "every released task removed", func() bool {
+		res, err := b.r.Pass(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		purged += res.TasksPurged
+		return purged >= len(cases)
+	})
+	for _, k := range cases {
+		if left := b.rows(t, k.s); left["task"] != 0 || (k.s.token != "" && !b.gone(t, k.s.token)) {
+			t.Errorf("%s released: rows %v", k.name, left)
+		}
+	}
+	if left := b.rows(t, settled{id: running.TaskID}); left["task"] != 1 {
+		t.Errorf("running task removed: %v", left)
+	}
+}
+
+// A crash between writing the artifact.delete ledger row and removing the
+// file, or between removing it and verifying the deletion, leaves the
+// deletion started and the task in place; the next pass resumes it under
+// the same token and converges (seed 7: the ledger row first, observe
+// instead of assuming).
+func TestRetentionResumesAfterCrash(t *testing.T) {
+	t.Parallel()
+	for _, point := range []string{fault.RetentionAfterDeletePlanned, fault.RetentionAfterArtifactDelete} {
+		t.Run(point, func(t *testing.T) {
+			t.Parallel()
+			ctx := context.Background()
+			faults := &fault.Set{}
+			if err := faults.Arm(point, fault.ActionError, 1); err != nil {
+				t.Fatal(err)
+			}
+			b := setup(t, Config{Faults: faults})
+			s := b.settledTask(t, `{"k":"crash"}`, true)
+			other := b.settledTask(t, `{"k":"other"}`, false)
+
+			res, err := b.r.Pass(ctx)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if res.TasksPurged != 0 || res.Errors != 1 || faults.Fired(point) != 1 {
+				t.Fatalf("first pass: %+v, fired %d", res, faults.Fired(point))
+			}
+			del := testenv.RequireEffect(t, b.db.Pool, ledger.KindArtifactDelete, ledger.DeleteToken(s.token))
+			if del.State != ledger.Started || del.TaskID != s.id {
+				t.Fatalf("deletion after the crash: %+v", del)
+			}
+			if wantGone := point == fault.RetentionAfterArtifactDelete; b.gone(t, s.token) != wantGone {
+				t.Fatalf("artifact gone = %v after %s, want %v", !wantGone, point, wantGone)
+			}
+			if left := b.rows(t, s); left["task"] != 1 {
+				t.Fatalf("task removed before its deletion was verified: %v", left)
+			}
+
+			res, err = b.r.Pass(ctx)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if res.TasksPurged != 1 || res.ArtifactsDeleted != 1 || res.Errors != 0 {
+				t.Fatalf("second pass: %+v", res)
+			}
+			if left := b.rows(t, s); slices.ContainsFunc([]int{left["task"], left["effect"], left["outbox"], left["inbox"]}, func(n int) bool { return n != 0 }) {
+				t.Fatalf("rows left: %v", left)
+			}
+			if !b.gone(t, s.token) {
+				t.Fatal("artifact still in the store")
+			}
+			if _, err := b.store.Head(other.token); err != nil {
+				t.Fatalf("another task's artifact: %v", err)
+			}
+		})
+	}
+}
+
+// TaskRetention shorter than the idempotency window, or than the outbox
+// window, is refused: a key must never outlive its task, nor a task's
+// inbox rows its events in Kafka.
+func TestTaskRetentionValidated(t *testing.T) {
+	t.Parallel()
+	store, err := artifact.Open(t.TempDir(), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, cfg := range []Config{
+		{TaskRetention: 23 * time.Hour},
+		{TaskRetention: 48 * time.Hour}, // OutboxRetention defaults to 168h
+		{TaskRetention: 100 * time.Hour, OutboxRetention: 101 * time.Hour},
+	} {
+		cfg.DatabaseURL, cfg.ArtifactStore = "postgres://unused", store
+		if _, err := New(cfg); err == nil || !strings.Contains(err.Error(), "TaskRetention") {
+			t.Errorf("TaskRetention %s, OutboxRetention %s: New = %v, want refused", cfg.TaskRetention, cfg.OutboxRetention, err)
+		}
+	}
+	cfg := Config{DatabaseURL: "postgres://unused", ArtifactStore: store, TaskRetention: 24 * time.Hour, OutboxRetention: 24 * time.Hour}
+	r, err := New(cfg)
+	if err != nil {
+		t.Fatalf("24h windows: %v", err)
+	}
+	r.pool.Close()
+}

@@ -1,0 +1,155 @@
+package task
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/converge-run/converge/internal/dbpool"
+)
+
+// Retention of whole tasks (issue 13, seed 3.3). A task past the task
+// window is removed with everything of it — its input, effects, outbox and
+// inbox rows, dead letters, and first its artifacts through the ledger —
+// only once nothing can still need it. Hold states that rule, once; the
+// reconciler applies it (consumers/reconciler, scanRetention), each
+// aggregate's rows removed by its owner.
+
+// Hold reasons: why Hold keeps a task. Stable strings (logs, tests).
+const (
+	// HoldNotTerminal: the task is queued, running or compensating.
+	HoldNotTerminal = "not_terminal"
+	// HoldInsideWindow: its last update is younger than the task window.
+	HoldInsideWindow = "inside_window"
+	// HoldIdempotencyRecord: an idempotency record still names it (the key
+	// must never outlive its task: a replay would answer a task that is
+	// gone). The record goes first, after its own window
+	// (idempotency.Purge).
+	HoldIdempotencyRecord = "idempotency_record"
+	// HoldUnpublishedEvent: an outbox event of it is neither published nor
+	// parked and decided.
+	HoldUnpublishedEvent = "unpublished_event"
+	// HoldDeadLetter: a dead letter of it waits for a person (parked or
+	// refused): a replay may re-open it.
+	HoldDeadLetter = "undecided_dead_letter"
+	// HoldEffect: an artifact.put or artifact.hide of it is not settled
+	// (planned, started, unknown, completed, compensation_required): the
+	// reconciler's effect scans resolve it first.
+	HoldEffect = "unsettled_effect"
+	// HoldArtifact: only its artifacts are left — an artifact.put whose
+	// object may be in the store without a verified artifact.delete
+	// (ledger.Undeleted). Not a reason to keep the task: the reconciler
+	// deletes them (ledger.DeleteArtifact), then removes the rows.
+	HoldArtifact = "artifact_not_deleted"
+)
+
+// Cursor is a position in the retention scan's walk over terminal tasks:
+// the (updated_at, task_id) of the last task returned. The zero Cursor is
+// the start.
+type Cursor struct {
+	UpdatedAt time.Time
+	TaskID    string
+}
+
+// Expired returns the ids of at most limit terminal tasks (completed,
+// failed, compensated, cancelled) last updated more than olderThan ago and
+// after cursor after, oldest update first, and the cursor of the last one
+// (after itself when none). A caller walks the tasks it keeps by passing
+// the returned cursor, and starts again from the zero Cursor when fewer
+// than limit came back. Through task_terminal_updated_idx (migration
+// 00012), which holds terminal tasks only.
+func Expired(ctx context.Context, q dbpool.Querier, olderThan time.Duration, after Cursor, limit int) ([]string, Cursor, error) {
+	rows, err := q.Query(ctx, `
+SELECT task_id, updated_at FROM task
+WHERE status IN ('completed', 'failed', 'compensated', 'cancelled')
+  AND updated_at < now() - make_interval(secs => $1)
+  AND (updated_at, task_id) > ($2, $3)
+ORDER BY updated_at, task_id
+LIMIT $4`, olderThan.Seconds(), after.UpdatedAt, after.TaskID, limit)
+	if err != nil {
+		return nil, after, fmt.Errorf("select expired tasks: %w", err)
+	}
+	defer rows.Close()
+	var ids []string
+	next := after
+	for rows.Next() {
+		if err := rows.Scan(&next.TaskID, &next.UpdatedAt); err != nil {
+			return nil, after, fmt.Errorf("read expired tasks: %w", err)
+		}
+		ids = append(ids, next.TaskID)
+	}
+	if err := rows.Err(); err != nil {
+		return nil, after, fmt.Errorf("read expired tasks: %w", err)
+	}
+	return ids, next, nil
+}
+
+// Hold reports why task id must be kept past the task window olderThan
+// (one of the Hold* reasons, the first that applies in their order above),
+// or "" when every row of it may be removed; found is false when the task
+// does not exist. Inbox rows are the inbox's to judge (inbox.AnyProcessing
+// on the task's outbox ids). Under locks on the task's rows (Lock), the
+// answer holds until the transaction ends for everything but rows inserted
+// meanwhile, which none of converge's writers inserts for a settled task.
+func Hold(ctx context.Context, q dbpool.Querier, id string, olderThan time.Duration) (reason string, found bool, err error) {
+	var (
+		status                                         string
+		old, keyed, unpublished, deadLetter, unsettled bool
+		undeleted                                      bool
+	)
+	err = q.QueryRow(ctx, `
+SELECT t.status, t.updated_at < now() - make_interval(secs => $2),
+  EXISTS (SELECT 1 FROM idempotency_record ir WHERE ir.task_id = t.task_id),
+  EXISTS (SELECT 1 FROM outbox_event o WHERE o.aggregate_id = t.task_id AND o.published_at IS NULL AND o.decision IS NULL),
+  EXISTS (SELECT 1 FROM dead_letter d WHERE d.task_id = t.task_id AND d.state IN ('parked', 'refused')),
+  EXISTS (SELECT 1 FROM effect_ledger e WHERE e.task_id = t.task_id AND e.effect_kind IN ('artifact.put', 'artifact.hide')
+          AND e.state NOT IN ('verified', 'compensated', 'failed')),
+  EXISTS (SELECT 1 FROM effect_ledger p WHERE p.task_id = t.task_id AND p.effect_kind = 'artifact.put' AND p.state <> 'failed'
+          AND NOT EXISTS (SELECT 1 FROM effect_ledger d WHERE d.effect_kind = 'artifact.delete'
+                          AND d.idempotency_token = 'delete-for-' || p.effect_id AND d.state = 'verified'))
+FROM task t WHERE t.task_id = $1`, id, olderThan.Seconds()).
+		Scan(&status, &old, &keyed, &unpublished, &deadLetter, &unsettled, &undeleted)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return "", false, nil
+	}
+	if err != nil {
+		return "", false, fmt.Errorf("read retention of task %s: %w", id, err)
+	}
+	switch {
+	case status != "completed" && status != "failed" && status != "compensated" && status != "cancelled":
+		return HoldNotTerminal, true, nil
+	case !old:
+		return HoldInsideWindow, true, nil
+	case keyed:
+		return HoldIdempotencyRecord, true, nil
+	case unpublished:
+		return HoldUnpublishedEvent, true, nil
+	case deadLetter:
+		return HoldDeadLetter, true, nil
+	case unsettled:
+		return HoldEffect, true, nil
+	case undeleted:
+		return HoldArtifact, true, nil
+	}
+	return "", true, nil
+}
+
+// Delete removes task id at version, terminal, with its input (task_input)
+// and reports whether it did: false, removing nothing, when the task moved
+// since it was read (a compare-and-set). The caller removed every row that
+// references it first (effects, idempotency records: their foreign keys
+// refuse otherwise), in the same transaction, after Hold answered "".
+func Delete(ctx context.Context, q dbpool.Querier, id string, version int64) (bool, error) {
+	if _, err := q.Exec(ctx, `DELETE FROM task_input WHERE task_id = $1`, id); err != nil {
+		return false, fmt.Errorf("delete input of task %s: %w", id, err)
+	}
+	tag, err := q.Exec(ctx, `
+DELETE FROM task WHERE task_id = $1 AND version = $2 AND status IN ('completed', 'failed', 'compensated', 'cancelled')`, id, version)
+	if err != nil {
+		return false, fmt.Errorf("delete task %s: %w", id, err)
+	}
+	return tag.RowsAffected() == 1, nil
+}
