@@ -11,6 +11,7 @@ import (
 	"github.com/twmb/franz-go/pkg/kgo"
 
 	"github.com/converge-run/converge/internal/dbpool"
+	"github.com/converge-run/converge/internal/kafkatopic"
 	"github.com/converge-run/converge/internal/outbox"
 )
 
@@ -123,6 +124,11 @@ type Republication struct {
 type FailedRepublication struct {
 	ID  string
 	Err error
+	// Parked: the record was refused for good (kafkatopic.RefusedRecord:
+	// too large, invalid), so the row was parked with that code, as the
+	// relay parks it, for an operator to decide; otherwise the attempt was
+	// recorded and the next run tries again.
+	Parked bool
 }
 
 // RepublishUnpublished produces the outbox rows neither published nor
@@ -130,7 +136,9 @@ type FailedRepublication struct {
 // in created_xid order, which is each task's event order — with their
 // original records (RecordOf) in one ProduceSync, marks the acknowledged
 // ones published (outbox.MarkPublished) and records the failed attempts
-// (outbox.RecordFailure). These are the rows the replication slot will not
+// (outbox.RecordFailure; a record refused for good — too large, invalid:
+// kafkatopic.RefusedRecord — parks its row with that code instead, as the
+// relay would, so it is not tried again every pass). These are the rows the replication slot will not
 // deliver (issue 13: a slot lost and recreated, rows committed before the
 // slot existed, a relay down longer than olderThan). The reconciler's pass
 // runs it (Config.RepublishAfter, BatchSize) and `converge outbox
@@ -166,8 +174,16 @@ func RepublishUnpublished(ctx context.Context, producer *kgo.Client, q dbpool.Qu
 			errs = append(errs, err)
 		}
 	}
-	for _, f := range rep.Failed {
-		if _, err := outbox.RecordFailure(ctx, q, []string{f.ID}, CodeRepublishFailed, f.Err.Error()); err != nil {
+	for i := range rep.Failed {
+		f := &rep.Failed[i]
+		var err error
+		if code, refused := kafkatopic.RefusedRecord(f.Err); refused {
+			// Retrying cannot help (issue 13): park it, as the relay does.
+			f.Parked, err = outbox.Park(ctx, q, f.ID, code, f.Err.Error())
+		} else {
+			_, err = outbox.RecordFailure(ctx, q, []string{f.ID}, CodeRepublishFailed, f.Err.Error())
+		}
+		if err != nil {
 			errs = append(errs, err)
 			break
 		}

@@ -154,7 +154,11 @@ func (c *OutboxRepublishCmd) republishUnpublished(env *runEnv, producer *kgo.Cli
 		fmt.Printf("%s\t%s\n", id, "republished")
 	}
 	for _, f := range rep.Failed {
-		fmt.Printf("%s\t%s\t%v\n", f.ID, "failed", f.Err)
+		state := "failed"
+		if f.Parked {
+			state = "parked" // refused for good: `converge outbox show|discard`
+		}
+		fmt.Printf("%s\t%s\t%v\n", f.ID, state, f.Err)
 	}
 	if err != nil {
 		return err

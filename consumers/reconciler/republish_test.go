@@ -3,6 +3,7 @@ package reconciler
 import (
 	"context"
 	"errors"
+	"strings"
 	"testing"
 	"time"
 
@@ -299,6 +300,43 @@ func keys(m map[string]bool) []string {
 		out = append(out, k)
 	}
 	return out
+}
+
+// A row the slot did not deliver whose record is refused for good (here:
+// over the producer's 1 MiB limit, MESSAGE_TOO_LARGE) is parked by the
+// pass, as the relay parks it, instead of being produced again at every
+// pass; the other rows of the pass are republished.
+func TestPassParksARefusedRepublication(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	kafka := testenv.NewKafka(t)
+	b := setup(t, Config{Producer: newProducer(t, kafka), RepublishAfter: time.Minute, Topic: kafka.Topic})
+	small, huge := `{"n":1}`, `{"pad":"`+strings.Repeat("x", 2<<20)+`"}`
+	for _, r := range []struct{ id, payload string }{{"huge", huge}, {"small", small}} {
+		if _, err := b.db.Pool.Exec(ctx, `
+INSERT INTO outbox_event (outbox_id, aggregate_id, aggregate_version, event_type, payload, payload_sha256, created_at)
+VALUES ($1, $1, 1, 'TaskCreated', $2, $3, now() - interval '1 hour')`, r.id, r.payload, sum([]byte(r.payload))); err != nil {
+			t.Fatal(err)
+		}
+	}
+	res, err := b.r.Pass(ctx)
+	if err != nil || res.OutboxRepublished != 1 {
+		t.Fatalf("pass = %+v, %v; want the small row republished", res, err)
+	}
+	s, err := outbox.Get(ctx, b.db.Pool, "huge")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if s.ParkedAt == nil || s.PublishedAt != nil || s.LastErrorCode != "MESSAGE_TOO_LARGE" || s.Attempts != 1 {
+		t.Fatalf("huge row after the pass = %+v; want parked, MESSAGE_TOO_LARGE, 1 attempt", s)
+	}
+	res, err = b.r.Pass(ctx)
+	if err != nil || res.OutboxRepublished != 0 {
+		t.Fatalf("second pass = %+v, %v; want nothing republished", res, err)
+	}
+	if s, _ := outbox.Get(ctx, b.db.Pool, "huge"); s.Attempts != 1 {
+		t.Errorf("the parked row was tried again: %d attempts", s.Attempts)
+	}
 }
 
 // newProducer is an acks=all producer on kafka, closed when t ends.

@@ -341,12 +341,18 @@ func (r *Reconciler) scanOutbox(ctx context.Context, res *Result) error {
 
 // republish produces the rows the slot did not deliver with their original
 // records, in order, and marks the acknowledged ones published; a failed
-// one keeps its error on the row and is tried again at the next pass
+// one keeps its error on the row and is tried again at the next pass, one
+// refused for good (too large, invalid) is parked
 // (cdc.RepublishUnpublished, also behind `converge outbox republish
 // --unpublished`).
 func (r *Reconciler) republish(ctx context.Context, res *Result) error {
 	rep, err := cdc.RepublishUnpublished(ctx, r.cfg.Producer, r.pool, &r.backlog, r.cfg.Topic, r.cfg.RepublishAfter, r.cfg.BatchSize)
 	for _, f := range rep.Failed {
+		if f.Parked {
+			r.log.ErrorContext(ctx, "republish of an outbox row was refused for good; the row is parked (converge outbox show|republish|discard)",
+				slog.String("outbox_id", f.ID), slog.Any("err", f.Err))
+			continue
+		}
 		r.log.WarnContext(ctx, "republish of an outbox row failed; tried again next pass", slog.String("outbox_id", f.ID), slog.Any("err", f.Err))
 		r.act(res, ActionError, nil)
 	}
