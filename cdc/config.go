@@ -29,7 +29,7 @@ const (
 	DefaultDeliveryTimeout    = time.Minute
 	DefaultShutdownTimeout    = 10 * time.Second
 	DefaultRestartBackoffMin  = 500 * time.Millisecond
-	DefaultRestartBackoffMax  = 30 * time.Second
+	DefaultRestartBackoffMax  = 10 * time.Second
 	DefaultHeartbeatInterval  = 10 * time.Second
 	DefaultSlotSampleInterval = 10 * time.Second
 )
@@ -104,7 +104,10 @@ type Config struct {
 	// RestartBackoffMin and RestartBackoffMax bound the wait before Run
 	// opens a new session after one failed (exponential with jitter,
 	// package backoff; back to the minimum after a session that streamed
-	// for a minute). Default to 500ms and 30s.
+	// for a minute). Default to 500ms and 10s: a session's open is one
+	// PostgreSQL connection and one Kafka metadata request, cheap enough to
+	// try every 10 s through a long outage, and the relay streams again at
+	// most 10 s after its dependencies are back.
 	RestartBackoffMin, RestartBackoffMax time.Duration
 	// ShutdownTimeout bounds the wait for in-flight records, the last
 	// published_at update and the final status update after ctx is

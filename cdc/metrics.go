@@ -41,10 +41,11 @@ type metrics struct {
 
 // restartReasons are the values of converge_relay_restarts_total's reason
 // label, all exported from the start.
-var restartReasons = []string{reasonProduce, reasonSlotActive, reasonDatabase, reasonOther}
+var restartReasons = []string{reasonProduce, reasonKafka, reasonSlotActive, reasonDatabase, reasonOther}
 
 const (
 	reasonProduce    = "produce"     // a record failed for a retryable reason (broker down, timeout)
+	reasonKafka      = "kafka"       // the broker unreachable when a session opens (topic check)
 	reasonSlotActive = "slot_active" // another process streams from the slot
 	reasonDatabase   = "database"    // PostgreSQL: connection, replication stream, an UPDATE
 	reasonOther      = "other"

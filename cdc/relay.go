@@ -175,13 +175,23 @@ func fatal(err error) bool {
 	return false
 }
 
+// kafkaError is a session's failure to talk to the broker before it
+// streams (the topic check of open): restart reason "kafka".
+type kafkaError struct{ err error }
+
+func (e *kafkaError) Error() string { return "kafka: " + e.err.Error() }
+func (e *kafkaError) Unwrap() error { return e.err }
+
 // restartReason is the reason label of a session failure.
 func restartReason(err error) string {
 	var pe *produceError
+	var ke *kafkaError
 	var pgErr *pgconn.PgError
 	switch {
 	case errors.As(err, &pe):
 		return reasonProduce
+	case errors.As(err, &ke):
+		return reasonKafka
 	case errors.Is(err, ErrSlotActive):
 		return reasonSlotActive
 	case errors.As(err, &pgErr), pgconn.SafeToRetry(err), isDatabaseErr(err):
@@ -341,7 +351,7 @@ func (r *Relay) open(ctx context.Context) (_ *session, err error) {
 		return nil, fmt.Errorf("create kafka client: %w", err)
 	}
 	if err := kafkatopic.Ensure(ctx, s.kcl, cfg.Partitions, cfg.Topic); err != nil {
-		return nil, err
+		return nil, &kafkaError{err}
 	}
 
 	pluginArgs := []string{

@@ -1065,6 +1065,32 @@ func TestConfigValidate(t *testing.T) {
 	}
 }
 
+// TestRelayKafkaUnreachableAtOpen: a broker that cannot be reached when a
+// session opens (its topic check) does not end Run: the session restarts
+// with backoff, counted as reason "kafka" (issue 13).
+func TestRelayKafkaUnreachableAtOpen(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	cfg := b.config()
+	reg := prometheus.NewRegistry()
+	cfg.Registerer = reg
+	cfg.Brokers = []string{"127.0.0.1:1"} // nothing listens there
+	cfg.KafkaOpts = append(cfg.KafkaOpts, kgo.RetryTimeout(500*time.Millisecond), kgo.DialTimeout(200*time.Millisecond))
+	cfg.RestartBackoffMin, cfg.RestartBackoffMax = 50*time.Millisecond, 200*time.Millisecond
+	rr := b.start(t, cfg)
+	testenv.Eventually(t, 30*time.Second, "two restarts for an unreachable broker", func() bool {
+		return testenv.MetricSum(t, reg, "converge_relay_restarts_total", map[string]string{"reason": "kafka"}) >= 2
+	})
+	select {
+	case err := <-rr.done:
+		t.Fatalf("Run returned %v with the broker unreachable", err)
+	default:
+	}
+	if got := testenv.MetricSum(t, reg, "converge_relay_restarts_total", map[string]string{"reason": "other"}); got != 0 {
+		t.Errorf("restarts{reason=other} = %v, want 0", got)
+	}
+}
+
 // TestRelayProduceFailure: a record whose produce fails for a reason that
 // retrying may fix (here the broker answers TOPIC_AUTHORIZATION_FAILED, as
 // after a wrong ACL) does not end Run: the attempt is recorded on the row,
