@@ -144,7 +144,7 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 		}, []string{"code"}),
 		restarts: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "converge_relay_restarts_total",
-			Help: "Times the relay's session failed and was restarted from the slot after a backoff, by reason (produce, slot_active, database, other).",
+			Help: "Times the relay's session failed and was restarted from the slot after a backoff, by reason (produce, kafka, slot_active, database, other).",
 		}, []string{"reason"}),
 		streaming: prometheus.NewGauge(prometheus.GaugeOpts{
 			Name: "converge_relay_streaming",
