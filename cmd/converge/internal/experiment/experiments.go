@@ -11,12 +11,15 @@ import (
 	"github.com/redis/go-redis/v9"
 	"github.com/twmb/franz-go/pkg/kgo"
 
+	"github.com/converge-run/converge/cdc"
 	"github.com/converge-run/converge/cmd/converge/internal/pipeline"
 	"github.com/converge-run/converge/consumers/deadletter"
 	"github.com/converge-run/converge/consumers/worker"
 	"github.com/converge-run/converge/internal/artifact"
 	"github.com/converge-run/converge/internal/canon"
 	"github.com/converge-run/converge/internal/fault"
+	"github.com/converge-run/converge/internal/outbox"
+	"github.com/converge-run/converge/internal/task"
 	"github.com/converge-run/converge/internal/taskevent"
 	"github.com/converge-run/converge/projections/taskview"
 )
@@ -28,7 +31,7 @@ var experiments = []Experiment{
 	{"same-key-different-request", "Same idempotency key, different request: stable error, no second task", "15 experiment 4, 3", sameKey},
 	{"response-lost", "API response lost: the client retries with the same key", "13.1, 14", responseLost},
 	{"poison-replay", "Poison message: dead letter, fix, replay, completes", "13.5, 14", poisonReplay},
-	{"stale-cache", "Stale cache: the version wins, the reconciler repairs the view", "9, 13.6, 14", staleCache},
+	{"stale-cache", "Stale cache: the version wins, the reconciler repairs a view older or newer (forged) than the database", "9, 13.6, 14", staleCache},
 	{"crash-after-artifact-write", "Crash between artifact write and completion: restart completes with one artifact", "13.3, 12", crashAfterWrite},
 	{"database-outage", "PostgreSQL unreachable for 30 s under load: 503s, nothing stops, everything completes after", "14, issue 13", databaseOutage},
 	{"kafka-outage", "Kafka unreachable for 30 s under load: the API accepts, the outbox holds, nothing stops, everything completes after", "14, issue 13", kafkaOutage},
@@ -375,6 +378,59 @@ func staleCache(ctx context.Context, x *X) error {
 		"GET: %d ETag %s Cache-Status %q", resp.StatusCode, resp.Header.Get("ETag"), cs)
 	x.step("armed %s for the task, deleted the view: GET answers v2 from PostgreSQL (Cache-Status %q)", fault.CacheWriteError, cs)
 	faults.Disarm(fault.CacheWriteError)
+	return forgedEvent(ctx, x, cache, id)
+}
+
+// forgedEvent is the view "from the future" of issue 13: a TaskFailed at
+// version 999 that no transaction wrote, produced straight to the
+// (unauthenticated, dev) broker. The projector stores it — a view never
+// goes older, so it cannot tell — and the reconciler's cache scan removes
+// a view ahead of PostgreSQL (compare-and-delete on that version); the
+// next read serves the database's version again.
+func forgedEvent(ctx context.Context, x *X, cache *taskview.Cache, id string) error {
+	t, found, err := task.Get(ctx, x.pool, id)
+	if err != nil || !found {
+		return fmt.Errorf("read task %s: found=%v %w", id, found, err)
+	}
+	code := "FORGED"
+	forged := t
+	forged.Version, forged.Status, forged.TerminalErrorCode = 999, taskevent.StatusFailed, &code
+	ev, err := outbox.NewEvent(taskevent.TypeTaskFailed, forged, time.Now())
+	if err != nil {
+		return err
+	}
+	row, err := outbox.RowOf(&ev)
+	if err != nil {
+		return err
+	}
+	cl, err := kgo.NewClient(kgo.SeedBrokers(x.env.Brokers...))
+	if err != nil {
+		return err
+	}
+	defer cl.Close()
+	rec := cdc.RecordOf(outbox.Stored{ID: row.ID, TaskID: row.TaskID, Version: row.Version, Type: row.Type, TenantID: row.TenantID,
+		Payload: row.Payload, PayloadSHA256: row.PayloadSHA256}, taskevent.DefaultTopic)
+	if err := cl.ProduceSync(ctx, rec).FirstErr(); err != nil {
+		return fmt.Errorf("produce the forged event: %w", err)
+	}
+	x.step("produced a forged TaskFailed v999 for task %s straight to the broker (no transaction wrote it)", id)
+	projected := until(ctx, 20*time.Second, "forged view projected", func() bool {
+		v, ok, _ := cache.Get(ctx, id)
+		return ok && v.Version == 999
+	}) == nil
+	x.step("the projector stored the forged view: %v (it cannot tell a forged event from a new one)", projected)
+	if err := until(ctx, 30*time.Second, "forged view removed", func() bool {
+		v, ok, _ := cache.Get(ctx, id)
+		return !ok || v.Version == t.Version
+	}); err != nil {
+		return err
+	}
+	got, err := x.client().Get(ctx, id)
+	if err != nil {
+		return err
+	}
+	x.check("a view ahead of PostgreSQL is removed; reads serve the database's version", got.Version == t.Version && got.Status == t.Status,
+		"GET after the repair: %s v%d (PostgreSQL: %s v%d)", got.Status, got.Version, t.Status, t.Version)
 	return nil
 }
 
