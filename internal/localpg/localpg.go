@@ -12,6 +12,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io/fs"
 	"log/slog"
 	"net"
 	"os"
@@ -132,7 +133,9 @@ func Start(ctx context.Context, cfg Config) (*Cluster, error) {
 	if err := chown(dataDir, cred); err != nil {
 		return nil, err
 	}
-	waitForOldPostmaster(dataDir, cfg.Logger)
+	if pid := waitForOldPostmaster(dataDir, cfg.Logger); pid != 0 {
+		return nil, fmt.Errorf("a PostgreSQL of this data directory (%s) is still running as pid %d after %s: stop it (kill -INT %d) and start again", dataDir, pid, oldPostmasterWait, pid)
+	}
 	if err := portFree(cfg.Port); err != nil {
 		return nil, err
 	}
@@ -349,25 +352,41 @@ func chown(dir string, cred *syscall.Credential) error {
 
 // waitForOldPostmaster waits (at most 30 s) for a postmaster that a killed
 // parent left shutting down to exit, so the new one can take the data
-// directory's lock file.
-func waitForOldPostmaster(dataDir string, log *slog.Logger) {
+// directory's lock file. It returns the pid of one still running after
+// that, 0 when none is (no postmaster.pid, or its process is gone).
+func waitForOldPostmaster(dataDir string, log *slog.Logger) int {
 	b, err := os.ReadFile(filepath.Join(dataDir, "postmaster.pid"))
 	if err != nil {
-		return
+		return 0
 	}
 	pid, err := strconv.Atoi(strings.TrimSpace(strings.SplitN(string(b), "\n", 2)[0]))
 	if err != nil || pid <= 0 {
-		return
+		return 0
 	}
-	for i := 0; i < 300; i++ {
-		if err := syscall.Kill(pid, 0); err != nil {
-			return
+	for i := 0; i < int(oldPostmasterWait/(100*time.Millisecond)); i++ {
+		if err := syscall.Kill(pid, 0); err != nil || !isPostgres(pid) {
+			return 0
 		}
 		if i == 0 {
 			log.Info("waiting for the previous postgres to exit", "pid", pid)
 		}
 		time.Sleep(100 * time.Millisecond)
 	}
+	return pid
+}
+
+// oldPostmasterWait bounds waitForOldPostmaster (a variable for tests).
+var oldPostmasterWait = 30 * time.Second
+
+// isPostgres reports whether process pid is a PostgreSQL server process
+// (/proc/<pid>/comm; true where /proc cannot tell), not another process
+// that reused the pid of a stale postmaster.pid.
+func isPostgres(pid int) bool {
+	b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/comm")
+	if err != nil {
+		return !errors.Is(err, fs.ErrNotExist)
+	}
+	return strings.HasPrefix(strings.TrimSpace(string(b)), "postgres")
 }
 
 // checkTraversable reports, when the server runs as another user, a parent

@@ -4,8 +4,10 @@ import (
 	"context"
 	"os"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 
@@ -63,4 +65,40 @@ func TestPassword(t *testing.T) {
 		t.Fatalf("with the password: %v", err)
 	}
 	conn.Close(ctx)
+}
+
+// A second Start on the data directory of a running cluster says that its
+// PostgreSQL is still running, with its pid, instead of "port in use" or a
+// lock-file error (issue 13: a postmaster left behind by a killed parent).
+func TestStartWhileTheDataDirectoryIsServed(t *testing.T) {
+	if _, err := localpg.BinDir(); err != nil {
+		if testenv.InCI() {
+			t.Fatal(err)
+		}
+		t.Skip(err)
+	}
+	defer localpg.SetOldPostmasterWait(300 * time.Millisecond)()
+	ctx := context.Background()
+	dir, err := os.MkdirTemp("", "converge-localpg-test-")
+	if err != nil {
+		t.Fatal(err)
+	}
+	os.Chmod(dir, 0o755)
+	t.Cleanup(func() { os.RemoveAll(dir) })
+	cfg := localpg.Config{DataDir: filepath.Join(dir, "data"), Port: testenv.FreePort(t)}
+	c, err := localpg.Start(ctx, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Stop()
+	again := cfg
+	again.Port = testenv.FreePort(t)
+	c2, err := localpg.Start(ctx, again)
+	if err == nil {
+		c2.Stop()
+		t.Fatal("second Start on a served data directory succeeded")
+	}
+	if want := "still running as pid " + strconv.Itoa(c.PID()); !strings.Contains(err.Error(), want) {
+		t.Fatalf("second Start: %v; want it to say %q", err, want)
+	}
 }
