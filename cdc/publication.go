@@ -104,12 +104,18 @@ func (r *Relay) noteCatalog(ctx context.Context, err error) {
 		"the publication delivers outbox inserts again; the reconciler republishes the rows written meanwhile")
 }
 
-// noteStream records a finding of the stream met at WAL position at, or
-// nil: the stream got past where the last one was met (an outbox Relation
-// message mapped).
+// noteStream records a finding of the stream met at WAL position at (the
+// commit LSN of the transaction it was met in), or nil: an outbox Relation
+// message of the transaction committed at at mapped. A nil clears the
+// finding only from its own position on: a session that resumes from the
+// slot's confirmed position may first get transactions committed before
+// the one it cannot pass, whose Relation messages still map.
 func (r *Relay) noteStream(ctx context.Context, me *mismatchError, at pglogrepl.LSN) {
 	r.pub.mu.Lock()
 	defer r.pub.mu.Unlock()
+	if me == nil && r.pub.stream != nil && at < r.pub.streamAt {
+		return
+	}
 	if me != nil {
 		r.pub.streamAt = at
 	}
@@ -213,7 +219,7 @@ func (s *session) handleRelation(ctx context.Context, m *pglogrepl.RelationMessa
 	}
 	s.relations[m.RelationID] = rel
 	if rel.outbox {
-		s.r.noteStream(ctx, nil, 0)
+		s.r.noteStream(ctx, nil, s.txnCommitLSN)
 		select {
 		case s.checkNow <- struct{}{}:
 		default: // a check is already due
