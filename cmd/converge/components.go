@@ -296,6 +296,9 @@ func (c *ReconcilerCmd) Run(env *runEnv) error {
 	if c.OutboxRetention < time.Hour {
 		return fmt.Errorf("CONVERGE_OUTBOX_RETENTION %s: want at least 1h", c.OutboxRetention)
 	}
+	if c.TaskRetention <= 0 { // the reconciler would take a zero for its default
+		return fmt.Errorf("CONVERGE_TASK_RETENTION %s: want at least 24h and at least CONVERGE_OUTBOX_RETENTION", c.TaskRetention)
+	}
 	rcfg := reconciler.Config{Pool: pool, ArtifactStore: store, Logger: env.log, Registerer: reg, OutboxRetention: c.OutboxRetention,
 		TaskRetention: c.TaskRetention, Faults: env.faults,
 		Brokers: c.KafkaBrokers, Topic: c.Topic, Cache: taskview.CacheOptions{Faults: env.faults}}

@@ -165,7 +165,7 @@ func (c *DevCmd) Run(env *runEnv) error {
 			fmt.Printf(`
 converge is running (Ctrl-C stops it cleanly)
   API          %s   (POST /v1/tasks, GET /v1/tasks/{id}, /metrics, /healthz, /readyz)
-  admin API    http://%s   (/v1/admin/dead-letters, /v1/admin/tenants; admin token)
+  admin API    http://%s   (/v1/admin/dead-letters, /v1/admin/outbox, /v1/admin/tenants; admin token)
   PostgreSQL   %s
   Kafka        %v   (topic %s; any Kafka client can connect)
   Redis        %s

@@ -450,7 +450,7 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 		}),
 		messages: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "converge_worker_messages_total",
-			Help: "Task-event records handled by the worker, by outcome (processed, duplicate, conflict, ignored, failed, retried, dead_lettered, cancelled).",
+			Help: "Task-event records handled by the worker, by outcome (processed, duplicate, conflict, ignored, failed, retried, dead_lettered, cancelled, lease_held).",
 		}, []string{"outcome"}),
 		deadLettered: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "converge_deadletter_published_total",
