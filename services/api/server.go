@@ -60,6 +60,13 @@ type Config struct {
 	// 250ms. The Redis client must honour context deadlines
 	// (taskview.ClientOptions sets ContextTimeoutEnabled).
 	CacheTimeout time.Duration
+	// RequestTimeout bounds the work of one /v1/ request (authentication
+	// and database statements included; reading the body too): a
+	// PostgreSQL that stops answering without refusing connections (hung,
+	// SIGSTOPped, a network partition that drops packets) then answers
+	// 503 DATABASE_UNAVAILABLE after this long instead of holding the
+	// request for the whole outage (issue 13). Defaults to 10s.
+	RequestTimeout time.Duration
 	// MaxInFlightPerTenant bounds the /v1/ requests one tenant has in
 	// process at once, so that one tenant cannot take every handler (and
 	// database connection) from the others; one more is 429 RATE_LIMITED
@@ -128,6 +135,9 @@ func (c *Config) setDefaults() {
 	if c.IdempotencyLease == 0 {
 		c.IdempotencyLease = 30 * time.Second
 	}
+	if c.RequestTimeout == 0 {
+		c.RequestTimeout = 10 * time.Second
+	}
 	if c.CacheTimeout == 0 {
 		c.CacheTimeout = 250 * time.Millisecond
 	}
@@ -186,8 +196,8 @@ func (c *Config) Validate() error {
 		return fmt.Errorf("api: MaxBodyBytesInFlight %d must be at least MaxBodyBytes %d", c.MaxBodyBytesInFlight, c.MaxBodyBytes)
 	case c.IdempotencyTTL < time.Minute:
 		return fmt.Errorf("api: IdempotencyTTL %s must be at least 1m", c.IdempotencyTTL)
-	case c.IdempotencyLease <= 0 || c.ReadyTimeout <= 0 || c.ShutdownTimeout <= 0 || c.CacheTimeout <= 0:
-		return errors.New("api: IdempotencyLease, ReadyTimeout, ShutdownTimeout and CacheTimeout must be positive")
+	case c.IdempotencyLease <= 0 || c.ReadyTimeout <= 0 || c.ShutdownTimeout <= 0 || c.CacheTimeout <= 0 || c.RequestTimeout <= 0:
+		return errors.New("api: IdempotencyLease, ReadyTimeout, ShutdownTimeout, CacheTimeout and RequestTimeout must be positive")
 	case c.Gatherer == nil:
 		return errors.New("api: Gatherer required when Registerer is not a prometheus.Gatherer")
 	}
@@ -366,6 +376,9 @@ func (s *Server) serveHTTP(w http.ResponseWriter, r *http.Request, admin bool) {
 			return
 		}
 		if strings.HasPrefix(route, "/v1/") {
+			ctx, cancel := context.WithTimeout(r.Context(), s.cfg.RequestTimeout)
+			defer cancel()
+			r = r.WithContext(ctx)
 			p, err := s.authenticate(r, strings.HasPrefix(route, "/v1/admin/"))
 			if err != nil {
 				s.rejectUnread(sw, r, err)

@@ -1,0 +1,140 @@
+package api
+
+import (
+	"context"
+	"net"
+	"net/http"
+	"strconv"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/converge-run/converge/internal/tenant"
+)
+
+// stallProxy forwards TCP connections to target until stall: then it keeps
+// every connection open and forwards nothing more, as a PostgreSQL that is
+// SIGSTOPped or behind a partition that drops packets (connections are not
+// refused, they just never answer).
+type stallProxy struct {
+	ln      net.Listener
+	target  string
+	stalled atomic.Bool
+	done    chan struct{}
+	wg      sync.WaitGroup
+	mu      sync.Mutex
+	conns   []net.Conn
+	once    sync.Once
+}
+
+func newStallProxy(t *testing.T, target string) *stallProxy {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	p := &stallProxy{ln: ln, target: target, done: make(chan struct{})}
+	p.wg.Add(1)
+	go func() {
+		defer p.wg.Done()
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			up, err := net.Dial("tcp", target)
+			if err != nil {
+				c.Close()
+				continue
+			}
+			p.mu.Lock()
+			p.conns = append(p.conns, c, up)
+			p.mu.Unlock()
+			p.wg.Add(2)
+			go p.pipe(c, up)
+			go p.pipe(up, c)
+		}
+	}()
+	t.Cleanup(p.close)
+	return p
+}
+
+// close drops every connection and stops accepting (idempotent).
+func (p *stallProxy) close() {
+	p.once.Do(func() {
+		close(p.done)
+		p.ln.Close()
+		p.mu.Lock()
+		for _, c := range p.conns {
+			c.Close()
+		}
+		p.mu.Unlock()
+		p.wg.Wait()
+	})
+}
+
+func (p *stallProxy) pipe(dst, src net.Conn) {
+	defer p.wg.Done()
+	buf := make([]byte, 32<<10)
+	for {
+		n, err := src.Read(buf)
+		if n > 0 {
+			if p.stalled.Load() {
+				<-p.done // hold the bytes: nothing answers
+				return
+			}
+			if _, werr := dst.Write(buf[:n]); werr != nil {
+				return
+			}
+		}
+		if err != nil {
+			return
+		}
+	}
+}
+
+// A PostgreSQL that stops answering (connections open, nothing comes back)
+// makes a request answer 503 DATABASE_UNAVAILABLE after RequestTimeout,
+// not hang for the outage (issue 13 review: a SIGSTOPped postmaster held
+// POST and GET for 90 s).
+func TestDatabaseThatStopsAnsweringIs503(t *testing.T) {
+	t.Parallel()
+	base := setup(t) // the database, tenants and tokens
+	pcfg, err := pgxpool.ParseConfig(base.db.URL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	proxy := newStallProxy(t, net.JoinHostPort(pcfg.ConnConfig.Host, strconv.Itoa(int(pcfg.ConnConfig.Port))))
+	host, port, _ := net.SplitHostPort(proxy.ln.Addr().String())
+	pcfg.ConnConfig.Host = host
+	p, _ := strconv.Atoi(port)
+	pcfg.ConnConfig.Port = uint16(p)
+	pool, err := pgxpool.NewWithConfig(context.Background(), pcfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(pool.Close)
+	t.Cleanup(proxy.close) // before pool.Close: its connections do not answer
+	b := setup(t, func(c *Config) {
+		c.Pool, c.Auth, c.RequestTimeout = pool, tenant.NewAuthenticator(pool, 0), time.Second
+	})
+	b.db = base.db
+	b.token = base.token
+	if r := b.post(t, "stall-before", []byte(`{"document":{"a":1}}`)); r.status != http.StatusAccepted && r.status != http.StatusCreated {
+		t.Fatalf("create before the stall: %d %s", r.status, r.body)
+	}
+	proxy.stalled.Store(true)
+	start := time.Now()
+	r := b.post(t, "stall-during", []byte(`{"document":{"a":2}}`))
+	took := time.Since(start)
+	if r.status != http.StatusServiceUnavailable || r.json(t)["code"] != CodeDatabaseUnavailable {
+		t.Fatalf("create while PostgreSQL does not answer: %d %s; want 503 %s", r.status, r.body, CodeDatabaseUnavailable)
+	}
+	if took > 10*time.Second {
+		t.Errorf("the 503 took %s; RequestTimeout is 1s", took)
+	}
+	t.Logf("503 after %s", took.Round(10*time.Millisecond))
+}
