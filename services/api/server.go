@@ -454,7 +454,12 @@ func (s *Server) handleReadyz(w http.ResponseWriter, r *http.Request) {
 	if s.cfg.Redis != nil {
 		// Redis is a derived view: every endpoint works from PostgreSQL
 		// without it, so it degrades readiness, it does not remove it.
-		if err := s.cfg.Redis.Ping(ctx).Err(); err != nil {
+		// Bounded like a request's cache call, well inside ReadyTimeout: a
+		// hung Redis must not make /readyz take its whole bound.
+		rctx, rcancel := context.WithTimeout(ctx, s.cfg.CacheTimeout)
+		err := s.cfg.Redis.Ping(rctx).Err()
+		rcancel()
+		if err != nil {
 			s.log.WarnContext(ctx, "readyz: Redis did not answer; serving from PostgreSQL", slog.Any("error", err))
 			writeJSON(w, http.StatusOK, []byte(`{"status":"ready","degraded":["redis"]}`))
 			return

@@ -189,8 +189,8 @@ func TestHungRedisBoundedByDeadlines(t *testing.T) {
 	}
 	start = time.Now()
 	r = b.do(t, http.MethodGet, "/readyz", nil, nil)
-	if took := time.Since(start); r.status != http.StatusOK || fmt.Sprint(r.json(t)["degraded"]) != "[redis]" || took > 2*time.Second {
-		t.Fatalf("readyz with Redis hung: %d %s after %s; want 200 degraded within its 1s bound", r.status, r.body, took)
+	if took := time.Since(start); r.status != http.StatusOK || fmt.Sprint(r.json(t)["degraded"]) != "[redis]" || took > 900*time.Millisecond {
+		t.Fatalf("readyz with Redis hung: %d %s after %s; want 200 degraded well within its 1s bound (CacheTimeout)", r.status, r.body, took)
 	}
 }
 
