@@ -75,12 +75,12 @@ func (c *DevCmd) Run(env *runEnv) error {
 		if err != nil {
 			return err
 		}
-		pg, err := startEmbeddedPG(ctx, localpg.Config{DataDir: filepath.Join(dataDir, "pg"), Port: c.PGPort, Fsync: true, Password: pw, Logger: log}, log)
+		sup, pg, err := embeddedPostgres(ctx, localpg.Config{DataDir: filepath.Join(dataDir, "pg"), Port: c.PGPort, Fsync: true, Password: pw, Logger: log}, log)
 		if err != nil {
 			return fmt.Errorf("embedded PostgreSQL: %w", err)
 		}
-		defer pg.Stop()
-		supervised = append(supervised, pg.Component())
+		defer sup.Stop()
+		supervised = append(supervised, sup.Component())
 		if err := ensureDatabase(ctx, pg.URL("postgres"), "converge"); err != nil {
 			return err
 		}
@@ -121,11 +121,12 @@ func (c *DevCmd) Run(env *runEnv) error {
 		if err != nil {
 			return err
 		}
-		rs, err := localredis.Start(ctx, localredis.Config{Port: c.RedisPort, Dir: filepath.Join(dataDir, "redis"), Password: pw})
+		sup, rs, err := embeddedRedis(ctx, localredis.Config{Port: c.RedisPort, Dir: filepath.Join(dataDir, "redis"), Password: pw}, log)
 		if err != nil {
 			return fmt.Errorf("embedded Redis: %w", err)
 		}
-		defer rs.Stop()
+		defer sup.Stop()
+		supervised = append(supervised, sup.Component())
 		redisURL = rs.URL()
 	}
 

@@ -123,6 +123,13 @@ func (s *Server) URL() string {
 	return "redis://" + s.Addr() + "/0"
 }
 
+// Exited is closed when redis-server has exited, by Stop or otherwise (a
+// crash, kill -9).
+func (s *Server) Exited() <-chan struct{} { return s.done }
+
+// PID returns the redis-server process id.
+func (s *Server) PID() int { return s.cmd.Process.Pid }
+
 // Stop ends the server and waits for it.
 func (s *Server) Stop() {
 	if s == nil || s.cmd.Process == nil {

@@ -121,6 +121,47 @@ func TestDevSurvivesPostgresCrash(t *testing.T) {
 		t.Errorf("converge_component_restarts_total{component=\"postgres\"} = %v, want >= 1", got)
 	}
 	t.Logf("after the PostgreSQL crash: %d tasks, %d verified artifacts, %d duplicate deliveries absorbed by the inbox", tasks, verified, dupDeliveries)
+
+	// The embedded redis-server is supervised the same way: killed, it is
+	// started again (empty), and tasks keep completing.
+	rpid := redisPID(t, d.env)
+	if err := syscall.Kill(rpid, syscall.SIGKILL); err != nil {
+		t.Fatalf("kill -9 redis-server %d: %v", rpid, err)
+	}
+	testenv.Eventually(t, 60*time.Second, "redis restarted", func() bool {
+		return metricValue(t, d.apiURL+"/metrics", `converge_component_restarts_total{component="redis"}`) >= 1
+	})
+	last := create(before + after)
+	if task, err := cl.Wait(wctx, last); err != nil || task.Status != "completed" {
+		t.Fatalf("task after the Redis crash: %+v %v", task, err)
+	}
+}
+
+// redisPID finds the embedded redis-server of env's CONVERGE_DEV_REDIS_PORT
+// in /proc.
+func redisPID(t *testing.T, env []string) int {
+	t.Helper()
+	port := ""
+	for _, kv := range env {
+		if v, ok := strings.CutPrefix(kv, "CONVERGE_DEV_REDIS_PORT="); ok {
+			port = v
+		}
+	}
+	procs, _ := filepath.Glob("/proc/[0-9]*/cmdline")
+	for _, p := range procs {
+		b, err := os.ReadFile(p)
+		if err != nil {
+			continue
+		}
+		// redis-server rewrites its title to "<path> 127.0.0.1:<port>".
+		title := strings.TrimRight(strings.ReplaceAll(string(b), "\x00", " "), " ")
+		if strings.Contains(title, "redis-server") && strings.HasSuffix(title, ":"+port) {
+			pid, _ := strconv.Atoi(filepath.Base(filepath.Dir(p)))
+			return pid
+		}
+	}
+	t.Fatalf("no redis-server on port %s", port)
+	return 0
 }
 
 // metricValue reads one sample (name with its labels, as exposed) from a
