@@ -51,8 +51,10 @@ func (s *session) produceRecord(seq uint64, outboxID, eventType string, rec *kgo
 				return
 			}
 			<-s.sem
-			s.log.Error("produce outbox event failed; the relay restarts from the slot",
-				slog.String("outbox_id", outboxID), slog.String("error", err.Error()))
+			if s.produceFailed.Add(1) == 1 { // the rest of the session's failures: counted, recorded, not each logged
+				s.log.Error("produce outbox event failed; the relay restarts from the slot",
+					slog.String("outbox_id", outboxID), slog.String("error", err.Error()))
+			}
 			s.tr.fail(seq, &produceError{outboxID: outboxID, code: produceErrorCode(err), err: err})
 			return
 		}

@@ -208,7 +208,9 @@ func isDatabaseErr(err error) bool {
 }
 
 // runSession runs one session: open, stream, close. A retryable produce
-// failure is recorded on its row before the session's pool closes.
+// failure is recorded on its row — on every row whose produce failed this
+// session, not only the first (issue 13: attempts and last error per row,
+// seed 4.1) — before the session's pool closes.
 func (r *Relay) runSession(ctx context.Context) error {
 	s, err := r.open(ctx)
 	if err != nil {
@@ -225,14 +227,39 @@ func (r *Relay) runSession(ctx context.Context) error {
 	err = s.stream(ctx)
 	var pe *produceError
 	if errors.As(err, &pe) {
-		rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
-		if _, ferr := outbox.RecordFailure(rctx, s.pool, []string{pe.outboxID}, pe.code, pe.err.Error()); ferr != nil {
-			s.log.WarnContext(ctx, "could not record the failed publish attempt on its outbox row", slog.String("outbox_id", pe.outboxID),
-				slog.String("error", ferr.Error()))
-		}
-		cancel()
+		s.recordProduceFailures(ctx, pe)
 	}
 	return err
+}
+
+// recordProduceFailures records the failed attempt on every row whose
+// produce failed this session (first, the one that ended it), one UPDATE
+// per error code, with that code's first message.
+func (s *session) recordProduceFailures(ctx context.Context, first *produceError) {
+	fails := s.tr.failedProduces()
+	if len(fails) == 0 {
+		fails = []*produceError{first}
+	}
+	var codes []string
+	ids, msg := map[string][]string{}, map[string]string{}
+	for _, f := range fails {
+		if _, ok := ids[f.code]; !ok {
+			codes = append(codes, f.code)
+			msg[f.code] = f.err.Error()
+		}
+		ids[f.code] = append(ids[f.code], f.outboxID)
+	}
+	rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
+	defer cancel()
+	for _, code := range codes {
+		if _, ferr := outbox.RecordFailure(rctx, s.pool, ids[code], code, msg[code]); ferr != nil {
+			s.log.WarnContext(ctx, "could not record the failed publish attempts on their outbox rows", slog.Int("rows", len(ids[code])),
+				slog.String("first", ids[code][0]), slog.String("error", ferr.Error()))
+		}
+	}
+	if len(fails) > 1 {
+		s.log.WarnContext(ctx, "produce failed for several outbox rows; attempts recorded on each", slog.Int("rows", len(fails)))
+	}
 }
 
 // session is the state of one Run: its connections and the stream position.
@@ -253,6 +280,9 @@ type session struct {
 	// closing is set before the Kafka client is closed: failures after it
 	// are abandoned records, not produce errors.
 	closing atomic.Bool
+	// produceFailed counts the session's failed produces (only the first
+	// is logged).
+	produceFailed atomic.Int64
 	// produceCtx is the records' context: not cancelled with Run's ctx, so
 	// a shutdown lets in-flight records finish.
 	produceCtx context.Context

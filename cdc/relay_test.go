@@ -1132,7 +1132,8 @@ func TestRelayProduceFailure(t *testing.T) {
 		return resp, nil, true
 	})
 	ev := b.event(t, "task-f", 1)
-	first := b.insertTx(t, ev)
+	ev2 := b.event(t, "task-g", 1)
+	first := b.insertTx(t, ev, ev2)
 
 	ctx := context.Background()
 	testenv.Eventually(t, 20*time.Second, "two restarts after produce failures", func() bool {
@@ -1150,6 +1151,14 @@ func TestRelayProduceFailure(t *testing.T) {
 	}
 	if attempts < 1 || code != kerr.TopicAuthorizationFailed.Message {
 		t.Fatalf("row after failed attempts: publish_attempts %d, last_error_code %q; want >= 1, %s", attempts, code, kerr.TopicAuthorizationFailed.Message)
+	}
+	// Every row whose produce failed has its attempt recorded, not only
+	// the one that ended the session (issue 13 review).
+	if err := b.db.Pool.QueryRow(ctx, `SELECT publish_attempts, COALESCE(last_error_code, '') FROM outbox_event WHERE outbox_id = $1`, ev2.id).Scan(&attempts, &code); err != nil {
+		t.Fatal(err)
+	}
+	if attempts < 1 || code != kerr.TopicAuthorizationFailed.Message {
+		t.Fatalf("second row after failed attempts: publish_attempts %d, last_error_code %q; want >= 1, %s", attempts, code, kerr.TopicAuthorizationFailed.Message)
 	}
 	if c, _, _ := b.slotState(t); c > first || c < before {
 		t.Fatalf("slot confirmed_flush_lsn %s moved past the failing row (was %s, commit after %s)", c, before, first)

@@ -32,6 +32,10 @@ type tracker struct {
 	acked     []ackedRow // acknowledged by Kafka, not yet marked published
 	inFlight  int        // rows produced and not yet done
 	err       error      // first produce failure
+	// produceFailures are the records whose produce failed this session
+	// (bounded by MaxBufferedRecords: each was in flight), recorded on
+	// their rows when the session ends.
+	produceFailures []*produceError
 }
 
 // txnState is one decoded transaction.
@@ -140,6 +144,17 @@ func (t *tracker) fail(seq uint64, err error) {
 	if t.err == nil && err != nil {
 		t.err = err
 	}
+	if pe, ok := err.(*produceError); ok { //nolint:errorlint // the marker passes it unwrapped
+		t.produceFailures = append(t.produceFailures, pe)
+	}
+}
+
+// failedProduces returns the records whose produce failed this session
+// (fail with a *produceError), in the order they failed.
+func (t *tracker) failedProduces() []*produceError {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	return append([]*produceError(nil), t.produceFailures...)
 }
 
 // commit records the Commit message of transaction seq, whose end LSN (the
