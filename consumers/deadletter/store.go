@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -222,6 +223,25 @@ ORDER BY dead_letter_id LIMIT $2`, code, limit)
 		return nil, fmt.Errorf("select replayable dead letters: %w", err)
 	}
 	return pgx.CollectRows(rows, pgx.RowTo[int64])
+}
+
+// DeleteOrphans removes at most limit dead letters that no longer wait for
+// anyone (resolved, replayed) and belong to no task — none named (a record
+// without a task id), or one that does not exist (forged, never created,
+// or removed) — last updated more than olderThan ago (the task window:
+// issue 13, "nothing grows forever"), and returns how many. Parked and
+// refused ones are never removed: a person decides.
+func DeleteOrphans(ctx context.Context, q dbpool.Querier, olderThan time.Duration, limit int) (int64, error) {
+	tag, err := q.Exec(ctx, `
+DELETE FROM dead_letter WHERE dead_letter_id IN (
+  SELECT d.dead_letter_id FROM dead_letter d
+  WHERE d.state IN ('resolved', 'replayed') AND d.updated_at < now() - make_interval(secs => $1)
+    AND (d.task_id IS NULL OR NOT EXISTS (SELECT 1 FROM task t WHERE t.task_id = d.task_id))
+  ORDER BY d.dead_letter_id LIMIT $2)`, olderThan.Seconds(), limit)
+	if err != nil {
+		return 0, fmt.Errorf("delete orphan dead letters: %w", err)
+	}
+	return tag.RowsAffected(), nil
 }
 
 // DeleteOfTask removes the dead letters of task taskID that no longer wait

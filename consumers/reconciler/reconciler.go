@@ -89,6 +89,10 @@ const (
 	// its input, effects, outbox and inbox rows and dead letters, in one
 	// transaction, after its artifacts were deleted.
 	ActionTaskPurged = "task_purged"
+	// ActionDeadLetterPurged: a resolved or replayed dead letter of no
+	// existing task, last updated more than TaskRetention ago, was removed
+	// (deadletter.DeleteOrphans).
+	ActionDeadLetterPurged = "dead_letter_purged"
 	// ActionOutboxRepublished: an outbox row unpublished past
 	// RepublishAfter was produced again by the reconciler (Config.Producer)
 	// and marked published.
@@ -384,8 +388,9 @@ type Result struct {
 	// IdempotencyExpired, OutboxPurged and InboxPurged count the rows the
 	// retention scan removed; TasksPurged the tasks it removed (each with
 	// its rows), ArtifactsDeleted the artifacts it deleted from the store,
-	// TasksKept the expired tasks it examined and kept (task.Hold).
-	IdempotencyExpired, OutboxPurged, InboxPurged, TasksPurged, ArtifactsDeleted, TasksKept int
+	// TasksKept the expired tasks it examined and kept (task.Hold),
+	// DeadLettersPurged the settled dead letters of no task it removed.
+	IdempotencyExpired, OutboxPurged, InboxPurged, TasksPurged, ArtifactsDeleted, TasksKept, DeadLettersPurged int
 	// LeftoversRemoved counts temporary files of crashed artifact writes
 	// the pass removed (artifact.Store.RemoveLeftovers).
 	LeftoversRemoved int
@@ -612,7 +617,7 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 	}
 	for _, k := range []string{ActionVerified, ActionPlanned, ActionCompensationRequired, ActionCompensated, ActionSkipped, ActionError,
 		ActionCompensationObserved, ActionInboxReleased, ActionTaskRedriven, ActionIdempotencyResolved, ActionCacheRepaired, ActionDeadLetterRecorded, ActionDeadLetterResolved, ActionSuperseded, ActionOutboxRepublished, ActionIdempotencyExpired, ActionOutboxPurged,
-		ActionInboxPurged, ActionArtifactDeleted, ActionTaskPurged} {
+		ActionInboxPurged, ActionArtifactDeleted, ActionTaskPurged, ActionDeadLetterPurged} {
 		m.actions.WithLabelValues(k)
 	}
 	for _, r := range []string{"ok", "error"} {

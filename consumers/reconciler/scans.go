@@ -74,8 +74,15 @@ func (r *Reconciler) scanRetention(ctx context.Context, res *Result) error {
 	r.m.actions.WithLabelValues(ActionInboxPurged).Add(float64(in))
 	res.OutboxPurged += int(m)
 	res.InboxPurged += int(in)
-	if n > 0 || m > 0 || in > 0 {
-		r.log.InfoContext(ctx, "retention", slog.Int64("idempotency_records", n), slog.Int64("outbox_rows", m), slog.Int64("inbox_rows", in))
+	dl, err := deadletter.DeleteOrphans(ctx, r.pool, r.cfg.TaskRetention, r.cfg.BatchSize)
+	if err != nil {
+		return err
+	}
+	r.m.actions.WithLabelValues(ActionDeadLetterPurged).Add(float64(dl))
+	res.DeadLettersPurged += int(dl)
+	if n > 0 || m > 0 || in > 0 || dl > 0 {
+		r.log.InfoContext(ctx, "retention", slog.Int64("idempotency_records", n), slog.Int64("outbox_rows", m), slog.Int64("inbox_rows", in),
+			slog.Int64("orphan_dead_letters", dl))
 	}
 	return r.purgeTasks(ctx, res)
 }

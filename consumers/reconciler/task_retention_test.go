@@ -4,6 +4,7 @@ import (
 	"context"
 	"crypto/sha256"
 	"encoding/hex"
+	"fmt"
 	"slices"
 	"strings"
 	"testing"
@@ -473,4 +474,45 @@ func TestTaskRetentionValidated(t *testing.T) {
 		t.Fatalf("24h windows: %v", err)
 	}
 	r.pool.Close()
+}
+
+// Dead letters of no task (none named, or one that does not exist: a
+// poison record, a forged event) are removed once settled (resolved,
+// replayed) and older than TaskRetention; parked and refused ones, young
+// ones and those of an existing task stay (issue 13: nothing grows forever).
+func TestRetentionRemovesSettledOrphanDeadLetters(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	b := setup(t, Config{})
+	live := testenv.MustCreateTask(t, b.db.Pool, []byte(`{"k":"live"}`)).Task.TaskID
+	b.deadLetter(t, "no-such-task", "resolved", 1) // old, orphan: removed
+	b.deadLetter(t, "no-such-task", "replayed", 2) // old, orphan: removed
+	b.deadLetter(t, "no-such-task", "parked", 3)   // waits for a person
+	b.deadLetter(t, "no-such-task", "refused", 4)  // waits for a person
+	b.deadLetter(t, "young-orphan", "resolved", 5) // inside the window
+	b.deadLetter(t, live, "resolved", 6)           // its task exists: goes with it
+	b.exec(t, `INSERT INTO dead_letter (origin_topic, origin_partition, origin_offset, consumer_group, task_id, error_class, error_code,
+  attempts, processor_version, first_failure_at, last_failure_at, dlq_partition, dlq_offset, state, last_replay_at)
+VALUES ('t', 0, 7, 'converge-worker', NULL, 'deterministic', 'X', 1, 'test', now(), now(), 0, 7, 'resolved', now())`) // no task named: removed
+	b.exec(t, `UPDATE dead_letter SET updated_at = now() - interval '31 days' WHERE origin_offset <> 5`)
+	res, err := b.r.Pass(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if res.DeadLettersPurged != 3 {
+		t.Errorf("pass removed %d orphan dead letters, want 3", res.DeadLettersPurged)
+	}
+	var left []int64
+	rows, err := b.db.Pool.Query(ctx, `SELECT origin_offset FROM dead_letter ORDER BY origin_offset`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for rows.Next() {
+		var o int64
+		_ = rows.Scan(&o)
+		left = append(left, o)
+	}
+	if fmt.Sprint(left) != "[3 4 5 6]" {
+		t.Errorf("dead letters left at offsets %v, want [3 4 5 6]", left)
+	}
 }
