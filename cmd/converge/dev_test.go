@@ -204,16 +204,7 @@ func TestDevKilledMidBatch(t *testing.T) {
 		c.Close(ctx)
 		t.Fatal("the embedded PostgreSQL accepted a connection without its password")
 	}
-	conn, err := pgx.Connect(ctx, dbURL)
-	if err != nil {
-		t.Fatal(err)
-	}
-	testenv.Eventually(t, 60*time.Second, "some tasks completed", func() bool {
-		var c int
-		_ = conn.QueryRow(ctx, "SELECT count(*) FROM task WHERE status = 'completed'").Scan(&c)
-		return c >= 5
-	})
-	conn.Close(ctx)
+	waitSomeCompleted(t, dbURL, 5)
 	if err := p.cmd.Process.Signal(syscall.SIGKILL); err != nil {
 		t.Fatal(err)
 	}
@@ -242,28 +233,12 @@ func TestDevKilledMidBatch(t *testing.T) {
 			t.Errorf("task %d: %s", i, task.Status)
 		}
 	}
-	conn, err = pgx.Connect(ctx, dbURL)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer conn.Close(ctx)
-	var tasks, verified, dupDeliveries int
-	conn.QueryRow(ctx, "SELECT count(*) FROM task").Scan(&tasks)
-	conn.QueryRow(ctx, "SELECT count(*) FROM effect_ledger WHERE effect_kind='artifact.put' AND state='verified'").Scan(&verified)
-	conn.QueryRow(ctx, "SELECT coalesce(sum(deliveries - 1), 0) FROM inbox_message").Scan(&dupDeliveries)
-	if tasks != n || verified != n {
-		t.Errorf("%d tasks, %d verified artifact effects; want %d each", tasks, verified, n)
-	}
-	objs, _ := filepath.Glob(filepath.Join(dir, "data", "artifacts", "objects", "*.obj"))
-	if len(objs) != n {
-		t.Errorf("%d artifact objects in the store, want %d (one per task)", len(objs), n)
-	}
-	t.Logf("after the crash: %d tasks, %d verified artifacts, %d duplicate deliveries absorbed by the inbox", tasks, verified, dupDeliveries)
+	dupDeliveries := checkConverged(t, dbURL, filepath.Join(dir, "data"), n)
+	t.Logf("after the crash: %d tasks, one verified artifact each, %d duplicate deliveries absorbed by the inbox", n, dupDeliveries)
 
 	// A clean stop persists the slot position: the next start resumes where
 	// the relay last confirmed, not from an older position (PostgreSQL 15
 	// writes the position only for a dirty slot; see cdc.persistSlot).
-	conn.Close(ctx)
 	p2.stop(t)
 	stopped := lastMatch(t, filepath.Join(dir, "dev.log"), `msg=stopped component=relay .*confirmed_lsn=([0-9A-F]+/[0-9A-F]+)`)
 	p3 := startDev(t, bin, env, logf)
@@ -275,6 +250,49 @@ func TestDevKilledMidBatch(t *testing.T) {
 	if s == 0 || r < s {
 		t.Errorf("after a clean restart the slot resumed at %s, before the last confirmed %s", resumed, stopped)
 	}
+}
+
+// waitSomeCompleted waits until at least n tasks are completed in dev's
+// database (dbURL).
+func waitSomeCompleted(t *testing.T, dbURL string, n int) {
+	t.Helper()
+	ctx := context.Background()
+	conn, err := pgx.Connect(ctx, dbURL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close(ctx)
+	testenv.Eventually(t, 60*time.Second, "some tasks completed", func() bool {
+		var c int
+		_ = conn.QueryRow(ctx, "SELECT count(*) FROM task WHERE status = 'completed'").Scan(&c)
+		return c >= n
+	})
+}
+
+// checkConverged checks from dev's database (dbURL) and artifact
+// directory (under dataDir) that there are exactly n tasks, n verified
+// artifact effects and n artifact objects, and returns the duplicate
+// deliveries the inbox absorbed.
+func checkConverged(t *testing.T, dbURL, dataDir string, n int) (dupDeliveries int) {
+	t.Helper()
+	ctx := context.Background()
+	conn, err := pgx.Connect(ctx, dbURL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close(ctx)
+	var tasks, verified int
+	conn.QueryRow(ctx, "SELECT count(*) FROM task").Scan(&tasks)
+	conn.QueryRow(ctx, "SELECT count(*) FROM effect_ledger WHERE effect_kind='artifact.put' AND state='verified'").Scan(&verified)
+	conn.QueryRow(ctx, "SELECT coalesce(sum(deliveries - 1), 0) FROM inbox_message").Scan(&dupDeliveries)
+	if tasks != n || verified != n {
+		t.Errorf("%d tasks, %d verified artifact effects; want %d each", tasks, verified, n)
+	}
+	objs, _ := filepath.Glob(filepath.Join(dataDir, "artifacts", "objects", "*.obj"))
+	if len(objs) != n {
+		t.Errorf("%d artifact objects in the store, want %d (one per task)", len(objs), n)
+	}
+	return dupDeliveries
 }
 
 func waitHTTP(t *testing.T, url string, p *devProcess) {

@@ -14,8 +14,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/jackc/pgx/v5"
-
 	"github.com/converge-run/converge/cmd/converge/internal/submit"
 	"github.com/converge-run/converge/internal/testenv"
 )
@@ -57,16 +55,7 @@ func TestDevSurvivesPostgresCrash(t *testing.T) {
 	for i := 0; i < before; i++ {
 		ids = append(ids, create(i))
 	}
-	conn, err := pgx.Connect(ctx, d.dbURL(t))
-	if err != nil {
-		t.Fatal(err)
-	}
-	testenv.Eventually(t, 60*time.Second, "some tasks completed", func() bool {
-		var c int
-		_ = conn.QueryRow(ctx, "SELECT count(*) FROM task WHERE status = 'completed'").Scan(&c)
-		return c >= 5
-	})
-	conn.Close(ctx)
+	waitSomeCompleted(t, d.dbURL(t), 5)
 
 	pidFile, err := os.ReadFile(filepath.Join(d.dir, "data", "pg", "postmaster.pid"))
 	if err != nil {
@@ -100,27 +89,12 @@ func TestDevSurvivesPostgresCrash(t *testing.T) {
 			t.Errorf("task %d: %s", i, task.Status)
 		}
 	}
-	conn, err = pgx.Connect(ctx, d.dbURL(t))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer conn.Close(ctx)
-	var tasks, verified, dupDeliveries int
-	conn.QueryRow(ctx, "SELECT count(*) FROM task").Scan(&tasks)
-	conn.QueryRow(ctx, "SELECT count(*) FROM effect_ledger WHERE effect_kind='artifact.put' AND state='verified'").Scan(&verified)
-	conn.QueryRow(ctx, "SELECT coalesce(sum(deliveries - 1), 0) FROM inbox_message").Scan(&dupDeliveries)
 	n := before + after
-	if tasks != n || verified != n {
-		t.Errorf("%d tasks, %d verified artifact effects; want %d each", tasks, verified, n)
-	}
-	objs, _ := filepath.Glob(filepath.Join(d.dir, "data", "artifacts", "objects", "*.obj"))
-	if len(objs) != n {
-		t.Errorf("%d artifact objects, want %d (one per task)", len(objs), n)
-	}
+	dupDeliveries := checkConverged(t, d.dbURL(t), filepath.Join(d.dir, "data"), n)
 	if got := metricValue(t, d.apiURL+"/metrics", `converge_component_restarts_total{component="postgres"}`); got < 1 {
 		t.Errorf("converge_component_restarts_total{component=\"postgres\"} = %v, want >= 1", got)
 	}
-	t.Logf("after the PostgreSQL crash: %d tasks, %d verified artifacts, %d duplicate deliveries absorbed by the inbox", tasks, verified, dupDeliveries)
+	t.Logf("after the PostgreSQL crash: %d tasks, one verified artifact each, %d duplicate deliveries absorbed by the inbox", n, dupDeliveries)
 
 	// The embedded redis-server is supervised the same way: killed, it is
 	// started again (empty), and tasks keep completing.
