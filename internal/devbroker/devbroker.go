@@ -252,13 +252,8 @@ func (b *Broker) Evicted() int64 { return b.evicted.Load() }
 func (b *Broker) Stop() error {
 	b.mu.Lock()
 	defer b.mu.Unlock()
-	switch {
-	case b.closed:
-		return ErrClosed
-	case b.cfg.DataDir == "":
-		return ErrNoDataDir
-	case b.stopped:
-		return nil
+	if err := b.restartable(); err != nil || b.stopped {
+		return err
 	}
 	b.stop()
 	b.stopped = true
@@ -274,18 +269,28 @@ func (b *Broker) Stop() error {
 func (b *Broker) Restart() error {
 	b.mu.Lock()
 	defer b.mu.Unlock()
-	switch {
-	case b.closed:
-		return ErrClosed
-	case b.cfg.DataDir == "":
-		return ErrNoDataDir
-	case !b.stopped:
+	if err := b.restartable(); err != nil {
+		return err
+	}
+	if !b.stopped {
 		return ErrRunning
 	}
 	if err := b.start(b.ports); err != nil {
 		return fmt.Errorf("devbroker: restart on %v: %w", b.addrs, err)
 	}
 	b.stopped = false
+	return nil
+}
+
+// restartable reports why the broker can be neither stopped nor
+// restarted: ErrClosed, ErrNoDataDir; b.mu is held.
+func (b *Broker) restartable() error {
+	switch {
+	case b.closed:
+		return ErrClosed
+	case b.cfg.DataDir == "":
+		return ErrNoDataDir
+	}
 	return nil
 }
 
