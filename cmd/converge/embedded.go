@@ -75,7 +75,7 @@ func embeddedRedis(ctx context.Context, cfg localredis.Config, log *slog.Logger)
 		if first == nil {
 			first = s
 		}
-		return running{exited: s.Exited(), exit: func() error { return nil }, stop: s.Stop, pid: s.PID()}, nil
+		return running{exited: s.Exited(), exit: s.ExitErr, stop: s.Stop, pid: s.PID()}, nil
 	})
 	return e, first, err
 }

@@ -41,6 +41,7 @@ type Server struct {
 	cfg  Config
 	cmd  *exec.Cmd
 	done chan struct{}
+	err  error // cmd.Wait's, once done is closed
 }
 
 // Start starts redis-server and waits until it answers PING (at most 20 s).
@@ -83,7 +84,7 @@ func Start(ctx context.Context, cfg Config) (*Server, error) {
 		return nil, fmt.Errorf("start redis-server: %w", err)
 	}
 	s := &Server{cfg: cfg, cmd: cmd, done: make(chan struct{})}
-	go func() { _ = cmd.Wait(); close(s.done) }()
+	go func() { s.err = cmd.Wait(); close(s.done) }()
 	cl := redis.NewClient(&redis.Options{Addr: s.Addr(), Password: cfg.Password})
 	defer cl.Close()
 	deadline := time.Now().Add(20 * time.Second)
@@ -126,6 +127,17 @@ func (s *Server) URL() string {
 // Exited is closed when redis-server has exited, by Stop or otherwise (a
 // crash, kill -9).
 func (s *Server) Exited() <-chan struct{} { return s.done }
+
+// ExitErr is redis-server's exit status (exec.Cmd.Wait's error, such as
+// "signal: killed"; nil for a clean exit) once Exited is closed, nil before.
+func (s *Server) ExitErr() error {
+	select {
+	case <-s.done:
+		return s.err
+	default:
+		return nil
+	}
+}
 
 // PID returns the redis-server process id.
 func (s *Server) PID() int { return s.cmd.Process.Pid }
