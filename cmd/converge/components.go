@@ -172,7 +172,7 @@ func (c *APICmd) Run(env *runEnv) error {
 	if err != nil {
 		return err
 	}
-	srv, err := api.New(api.Config{Pool: pool, Redis: rdb, ArtifactStore: store, MaxBodyBytes: c.MaxBodyBytes, MaxInFlightPerTenant: c.MaxInFlight, DeadLetters: dls,
+	srv, err := api.New(api.Config{Pool: pool, Redis: rdb, ArtifactStore: store, MaxBodyBytes: c.MaxBodyBytes, MaxInFlightPerTenant: c.MaxInFlight, CreateBatchMax: c.CreateBatchMax, DeadLetters: dls,
 		OutboxProducer: producer, Topic: c.Topic, Auth: tenant.NewAuthenticator(pool, 0), Logger: env.log, Registerer: reg, Gatherer: reg, Faults: env.faults})
 	if err != nil {
 		return err

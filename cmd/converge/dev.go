@@ -159,7 +159,7 @@ func (c *DevCmd) Run(env *runEnv) error {
 		RepairPublication: true,
 		DatabaseURL:       dbURL, Brokers: brokers, RedisURL: redisURL, ArtifactDir: artifactDir,
 		Topic: c.Topic, Partitions: c.TopicPartitions, SlotName: c.SlotName, PublicationName: c.PublicationName,
-		Listener: ln, AdminListener: adminLn, MaxBodyBytes: c.MaxBodyBytes, MaxInFlightPerTenant: c.MaxInFlight, Faults: env.faults, Logger: log, Registry: reg,
+		Listener: ln, AdminListener: adminLn, MaxBodyBytes: c.MaxBodyBytes, MaxInFlightPerTenant: c.MaxInFlight, CreateBatchMax: c.CreateBatchMax, Faults: env.faults, Logger: log, Registry: reg,
 		Worker:     worker.Config{VisibilityTimeout: c.WorkerVisibilityTimeout},
 		Supervised: supervised,
 		Ready: func(addr string) {

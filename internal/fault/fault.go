@@ -92,6 +92,11 @@ const (
 	// APIAfterCommitResponseLost: the create transaction committed, the
 	// response is not sent (the connection is closed).
 	APIAfterCommitResponseLost = "api.after-commit-response-lost"
+	// APICreateGroupAbort: a create transaction of several requests (the
+	// API's group commit) inserted their idempotency records and fails
+	// before its COMMIT: nothing of it is committed, and each request runs
+	// alone.
+	APICreateGroupAbort = "api.create-group-abort"
 	// RelayPublishConfirmLost: Kafka acknowledged a record but the relay
 	// sees a produce error (the publisher confirm is lost): Run fails and a
 	// restart republishes from the slot (seed 13.2, experiment 1).
@@ -127,6 +132,7 @@ var known = map[string]bool{
 	ArtifactPutTimeoutAfterCommit:  true,
 	ArtifactCorruptAfterWrite:      true,
 	APIAfterCommitResponseLost:     true,
+	APICreateGroupAbort:            true,
 	RelayPublishConfirmLost:        true,
 	CacheWriteError:                true,
 	WorkerProcessError:             true,

@@ -21,6 +21,7 @@ var allPoints = []string{
 	fault.ArtifactPutTimeoutAfterCommit,
 	fault.ArtifactCorruptAfterWrite,
 	fault.APIAfterCommitResponseLost,
+	fault.APICreateGroupAbort,
 	fault.RelayPublishConfirmLost,
 	fault.CacheWriteError,
 	fault.WorkerProcessError,

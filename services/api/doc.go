@@ -57,6 +57,17 @@
 //   - same fingerprint, no stored response yet: 409
 //     IDEMPOTENCY_REQUEST_IN_PROGRESS with Retry-After: 1.
 //
+// Group commit (issue 11; coalesce.go): requests that reach the create
+// transaction while CreateTransactions (2) such transactions are running
+// queue up, and the next transaction takes up to CreateBatchMax (32) of
+// them: each request's statements as above, one BEGIN and one COMMIT for
+// all, records inserted in (scope, key) order. Each request still gets the
+// outcome it would have had alone: a key recorded before, or used twice in
+// the group, is the loser's case above, answered after the group's
+// transaction ended; any other failure (a quota with nothing left, a
+// guard, a lost connection) rolls the whole group back and every request
+// of it runs in its own transaction. A lone request runs alone.
+//
 // Records are kept IdempotencyTTL (expires_at); a record is honoured until
 // it is deleted, so expiry must only be acted on by a retention job that
 // also checks the task is terminal and its outbox published (seed 3.3).
@@ -106,12 +117,17 @@
 // the handler aborts the connection instead of answering (seed 13.1); a
 // retry with the same key gets the first response.
 //
+// fault.APICreateGroupAbort: a group create transaction fails after its
+// records were inserted, before COMMIT: nothing is committed and each of
+// its requests runs alone.
+//
 // # Metrics
 //
 //	converge_api_requests_total{route,method,code}        counter    requests answered; route is the mux pattern's path
 //	                                                                 ("unmatched" otherwise), code the status or "aborted"
 //	converge_api_request_duration_seconds{route,method}   histogram  request latency in seconds
 //	converge_api_idempotency_total{outcome}               counter    created|replayed|key_reused|in_progress
+//	converge_api_create_batch_size                        histogram  create requests per create transaction (1 = alone)
 //	converge_cache_requests_total{result}                 counter    task view lookups: hit|miss|error
 //	converge_cache_stale_writes_rejected_total            counter    back-fills refused by the version CAS
 //	                                                                 (registered by package taskview)

@@ -72,6 +72,15 @@ type Config struct {
 	// database connection) from the others; one more is 429 RATE_LIMITED
 	// with Retry-After. Defaults to 64.
 	MaxInFlightPerTenant int
+	// CreateBatchMax is the most create requests one create transaction
+	// takes (group commit, issue 11): requests that arrive while
+	// CreateTransactions transactions are running wait and are created
+	// together in the next one, each with its own outcome (coalesce.go).
+	// Defaults to 32; 1 creates every task in its own transaction.
+	CreateBatchMax int
+	// CreateTransactions is the most create transactions running at once
+	// when CreateBatchMax > 1. Defaults to 2.
+	CreateTransactions int
 	// MaxBodyBytesInFlight bounds the create-request bodies being read or
 	// held at once, in bytes (each counted at its Content-Length, or at
 	// MaxBodyBytes when it has none), so that many large bodies cannot take
@@ -138,6 +147,12 @@ func (c *Config) setDefaults() {
 	if c.RequestTimeout == 0 {
 		c.RequestTimeout = 10 * time.Second
 	}
+	if c.CreateBatchMax == 0 {
+		c.CreateBatchMax = 32
+	}
+	if c.CreateTransactions == 0 {
+		c.CreateTransactions = 2
+	}
 	if c.CacheTimeout == 0 {
 		c.CacheTimeout = 250 * time.Millisecond
 	}
@@ -190,6 +205,8 @@ func (c *Config) Validate() error {
 		return errors.New("api: Auth required")
 	case c.MaxBodyBytes < 1:
 		return fmt.Errorf("api: MaxBodyBytes %d must be positive", c.MaxBodyBytes)
+	case c.CreateBatchMax < 1 || c.CreateTransactions < 1:
+		return fmt.Errorf("api: CreateBatchMax %d and CreateTransactions %d must be positive", c.CreateBatchMax, c.CreateTransactions)
 	case c.MaxInFlightPerTenant < 1:
 		return fmt.Errorf("api: MaxInFlightPerTenant %d must be positive", c.MaxInFlightPerTenant)
 	case c.MaxBodyBytesInFlight < c.MaxBodyBytes:
@@ -237,6 +254,10 @@ func New(cfg Config) (*Server, error) {
 		return nil, fmt.Errorf("api metrics: %w", err)
 	}
 	s.metrics = m
+	if cfg.CreateBatchMax > 1 {
+		s.store.coalesce = &coalescer{store: s.store, maxBatch: cfg.CreateBatchMax, maxTx: cfg.CreateTransactions,
+			timeout: cfg.RequestTimeout, faults: cfg.Faults, sizes: m.createBatch}
+	}
 	s.mux.HandleFunc("POST /v1/tasks", s.handleCreate)
 	s.mux.HandleFunc("GET /v1/tasks/{id}", s.handleGetTask)
 	s.mux.HandleFunc("GET /v1/tasks/{id}/artifact", s.handleGetArtifact)
@@ -543,6 +564,7 @@ func methodLabel(m string) string {
 type metrics struct {
 	requests    *prometheus.CounterVec
 	duration    *prometheus.HistogramVec
+	createBatch prometheus.Histogram
 	idempotency *prometheus.CounterVec
 	cache       *prometheus.CounterVec
 }
@@ -571,12 +593,17 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 			Name: "converge_api_idempotency_total",
 			Help: "POST /v1/tasks idempotency outcomes: created (new task), replayed (first response returned again), key_reused (same key, different request), in_progress, quota_exhausted (429, nothing written).",
 		}, []string{"outcome"}),
+		createBatch: prometheus.NewHistogram(prometheus.HistogramOpts{
+			Name:    "converge_api_create_batch_size",
+			Help:    "Create requests per create transaction (group commit; 1 = alone).",
+			Buckets: []float64{1, 2, 4, 8, 16, 32, 64},
+		}),
 		cache: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "converge_cache_requests_total",
 			Help: "Task view lookups of the API's cache-aside read: hit, miss, or error (Redis failed; PostgreSQL answered).",
 		}, []string{"result"}),
 	}
-	for _, c := range []prometheus.Collector{m.requests, m.duration, m.idempotency, m.cache} {
+	for _, c := range []prometheus.Collector{m.requests, m.duration, m.createBatch, m.idempotency, m.cache} {
 		if err := reg.Register(c); err != nil {
 			return nil, err
 		}

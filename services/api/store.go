@@ -29,7 +29,19 @@ var (
 // store runs the API's transactions on the aggregates' owners (packages
 // idempotency, task, outbox, ledger).
 type store struct {
-	pool *pgxpool.Pool
+	pool     *pgxpool.Pool
+	coalesce *coalescer // nil: every create in its own transaction
+}
+
+// createTask runs the create transaction of seed section 3.1 for one
+// request: in a group transaction with the concurrent ones when the store
+// coalesces creates (coalesce.go), else alone (createOne). The outcomes are
+// those of createOne.
+func (s *store) createTask(ctx context.Context, k idempotency.Key, p tenant.Principal, build func(now time.Time) (*newTask, error)) (*newTask, error) {
+	if s.coalesce == nil {
+		return s.createOne(ctx, k, p, build)
+	}
+	return s.coalesce.do(&createReq{ctx: ctx, k: k, p: p, build: build, done: make(chan createResult, 1)})
 }
 
 // newTask is everything the create transaction writes besides the
@@ -43,7 +55,8 @@ type newTask struct {
 	Response      []byte // canonical JSON of the 202 body
 }
 
-// createTask runs the create transaction of seed section 3.1. The
+// createOne runs the create transaction of seed section 3.1 for one
+// request. The
 // idempotency record is inserted FIRST, state in_progress, with ON CONFLICT
 // DO NOTHING: its primary key decides between concurrent first uses (a
 // concurrent inserter waits for the winner's commit or rollback). Only the
@@ -62,7 +75,7 @@ type newTask struct {
 // the rest of its batch, COMMIT included; the transaction is then rolled
 // back. A connection whose rollback fails is closed, never returned to the
 // pool mid-transaction.
-func (s *store) createTask(ctx context.Context, k idempotency.Key, p tenant.Principal, build func(now time.Time) (*newTask, error)) (*newTask, error) {
+func (s *store) createOne(ctx context.Context, k idempotency.Key, p tenant.Principal, build func(now time.Time) (*newTask, error)) (*newTask, error) {
 	conn, err := s.pool.Acquire(ctx)
 	if err != nil {
 		return nil, fmt.Errorf("acquire connection: %w", err)

@@ -25,6 +25,7 @@ package idempotency
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"strconv"
 	"time"
@@ -74,13 +75,31 @@ type Key struct {
 // returns pgx.ErrNoRows when the key is recorded already (ON CONFLICT DO
 // NOTHING: nothing was written).
 func QueueBegin(b *pgx.Batch, k Key, created *time.Time) {
-	b.Queue(`
+	b.Queue(sqlBegin, k.Scope, k.Key, k.Fingerprint, k.Lease.Milliseconds(), k.TTL.Milliseconds()).
+		QueryRow(func(row pgx.Row) error { return row.Scan(created) })
+}
+
+// QueueBeginOutcome is QueueBegin for one of several records inserted in
+// the same transaction (the API's group commit of creates): a key recorded
+// already is not an error but won = false, so the batch's other statements
+// are read on; won = true and created set when the record was inserted.
+func QueueBeginOutcome(b *pgx.Batch, k Key, created *time.Time, won *bool) {
+	b.Queue(sqlBegin, k.Scope, k.Key, k.Fingerprint, k.Lease.Milliseconds(), k.TTL.Milliseconds()).
+		QueryRow(func(row pgx.Row) error {
+			err := row.Scan(created)
+			*won = err == nil
+			if errors.Is(err, pgx.ErrNoRows) {
+				return nil
+			}
+			return err
+		})
+}
+
+const sqlBegin = `
 INSERT INTO idempotency_record (scope, idempotency_key, request_fingerprint, state, locked_until, created_at, expires_at)
 VALUES ($1, $2, $3, 'in_progress', now() + $4 * interval '1 millisecond', now(), now() + $5 * interval '1 millisecond')
 ON CONFLICT (scope, idempotency_key) DO NOTHING
-RETURNING created_at`, k.Scope, k.Key, k.Fingerprint, k.Lease.Milliseconds(), k.TTL.Milliseconds()).
-		QueryRow(func(row pgx.Row) error { return row.Scan(created) })
-}
+RETURNING created_at`
 
 // sqlComplete completes the record to succeeded with its task and response
 // and fails (division by zero, SQLSTATE 22012) when no record of this key is

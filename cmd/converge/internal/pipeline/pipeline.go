@@ -59,6 +59,9 @@ type Config struct {
 	MaxBodyBytes int64
 	// MaxInFlightPerTenant of the API. Defaults to the API's default.
 	MaxInFlightPerTenant int
+	// CreateBatchMax of the API (group commit of creates). Defaults to the
+	// API's default.
+	CreateBatchMax int
 	// Faults armed in every component. Defaults to none.
 	Faults *fault.Set
 	// Logger defaults to slog.Default().
@@ -243,7 +246,7 @@ func Run(ctx context.Context, cfg Config) error {
 		return err
 	}
 	srv, err := api.New(api.Config{
-		Pool: pool, Redis: rdb, ArtifactStore: store, MaxBodyBytes: cfg.MaxBodyBytes, MaxInFlightPerTenant: cfg.MaxInFlightPerTenant, DeadLetters: dls,
+		Pool: pool, Redis: rdb, ArtifactStore: store, MaxBodyBytes: cfg.MaxBodyBytes, MaxInFlightPerTenant: cfg.MaxInFlightPerTenant, CreateBatchMax: cfg.CreateBatchMax, DeadLetters: dls,
 		OutboxProducer: producer, Topic: cfg.Topic,
 		Auth:   tenant.NewAuthenticator(pool, 0),
 		Logger: log.With("component", "api"), Registerer: reg, Gatherer: reg, Faults: cfg.Faults,

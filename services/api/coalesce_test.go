@@ -1,0 +1,332 @@
+package api
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net/http"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/converge-run/converge/internal/canon"
+	"github.com/converge-run/converge/internal/fault"
+	"github.com/converge-run/converge/internal/tenant"
+	"github.com/converge-run/converge/services/api/idempotency"
+)
+
+// groupReq builds a create request of tenant p with key and a document
+// whose content is doc (so equal docs are equal fingerprints).
+func groupReq(p tenant.Principal, key, doc string) *createReq {
+	canonical := []byte(`{"d":"` + doc + `"}`)
+	inputSHA := canon.SHA256Hex(canonical)
+	k := idempotency.Key{Scope: tenant.CreateScope(p.TenantID), Key: key, Fingerprint: Fingerprint(inputSHA, OutputFormatJCS),
+		TTL: time.Hour, Lease: time.Minute}
+	req := &createRequest{Document: canonical, OutputFormat: OutputFormatJCS}
+	return &createReq{ctx: context.Background(), k: k, p: p, done: make(chan createResult, 1),
+		build: func(now time.Time) (*newTask, error) {
+			return buildTask(now, p.TenantID, req, inputSHA, int64(len(canonical)))
+		}}
+}
+
+// runGroup runs group as one group transaction (or its fallback) and
+// returns each request's outcome.
+func runGroup(s *store, faults *fault.Set, group []*createReq) []createResult {
+	c := &coalescer{store: s, maxBatch: len(group), maxTx: 1, timeout: 10 * time.Second, faults: faults,
+		sizes: prometheus.NewHistogram(prometheus.HistogramOpts{Name: "x"})}
+	c.run(group)
+	out := make([]createResult, len(group))
+	for i, r := range group {
+		out[i] = <-r.done
+	}
+	return out
+}
+
+// xminsOf returns how many distinct transactions inserted the tasks of res.
+func xminsOf(t *testing.T, b *testBundle, res ...createResult) int {
+	t.Helper()
+	var ids []string
+	for _, r := range res {
+		if r.n != nil {
+			ids = append(ids, r.n.Task.TaskID)
+		}
+	}
+	var n int
+	if err := b.db.Pool.QueryRow(context.Background(), `SELECT count(DISTINCT xmin::text) FROM task WHERE task_id = ANY($1)`, ids).Scan(&n); err != nil {
+		t.Fatal(err)
+	}
+	return n
+}
+
+// TestCreateGroupOutcomes: requests created in one group transaction get
+// each the outcome it would have had alone: new keys a task each (all in
+// one transaction, each with its record succeeded and one TaskCreated
+// outbox row); a key recorded before, and the second use of a key within
+// the group (same request or not), errKeyTaken after the group committed;
+// the same key in another tenant's scope is another intent.
+func TestCreateGroupOutcomes(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ctx := context.Background()
+	s := &store{pool: b.db.Pool}
+	other, _ := b.addTenant(t, "team-b", false, nil)
+	pa := tenant.Principal{TenantID: b.tenant.ID}
+	pb := tenant.Principal{TenantID: other.ID}
+
+	old := groupReq(pa, "old", "x")
+	if _, err := s.createOne(ctx, old.k, old.p, old.build); err != nil {
+		t.Fatal(err)
+	}
+	group := []*createReq{
+		groupReq(pa, "k3", "3"), groupReq(pa, "k1", "1"), groupReq(pa, "k2", "2"),
+		groupReq(pa, "dup", "d"), groupReq(pa, "dup", "d"), // the same request twice
+		groupReq(pa, "reused", "r1"), groupReq(pa, "reused", "r2"), // another request, same key
+		groupReq(pa, "old", "x"),
+		groupReq(pb, "k1", "1"), // tenant b's k1
+	}
+	res := runGroup(s, nil, group)
+	wantCreated := []int{0, 1, 2, 3, 5, 8}
+	wantTaken := []int{4, 6, 7}
+	var created []createResult
+	for _, i := range wantCreated {
+		if res[i].err != nil || res[i].n == nil {
+			t.Fatalf("request %d (%s): %v, want created", i, group[i].k.Key, res[i].err)
+		}
+		created = append(created, res[i])
+	}
+	for _, i := range wantTaken {
+		if !errors.Is(res[i].err, errKeyTaken) {
+			t.Fatalf("request %d (%s): %v, want errKeyTaken", i, group[i].k.Key, res[i].err)
+		}
+	}
+	if n := xminsOf(t, b, created...); n != 1 {
+		t.Fatalf("the group's tasks were inserted by %d transactions, want 1", n)
+	}
+	for _, i := range wantCreated {
+		r := group[i]
+		rec, err := idempotency.Get(ctx, b.db.Pool, r.k.Scope, r.k.Key)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if rec.State != idempotency.Succeeded || rec.TaskID == nil || *rec.TaskID != res[i].n.Task.TaskID || rec.Fingerprint != r.k.Fingerprint {
+			t.Fatalf("record of %s: %+v, want succeeded with task %s", r.k.Key, rec, res[i].n.Task.TaskID)
+		}
+		var events int
+		if err := b.db.Pool.QueryRow(ctx, `SELECT count(*) FROM outbox_event WHERE aggregate_id = $1 AND event_type = 'TaskCreated'`, res[i].n.Task.TaskID).Scan(&events); err != nil || events != 1 {
+			t.Fatalf("TaskCreated rows of %s: %d (%v), want 1", r.k.Key, events, err)
+		}
+	}
+	if got := b.count(t, "task"); got != 1+len(wantCreated) {
+		t.Fatalf("%d tasks, want %d", got, 1+len(wantCreated))
+	}
+}
+
+// TestCreateGroupFailureRunsEachAlone: when the group transaction fails —
+// here a quota that covers one of its two requests, and an injected abort
+// (fault api.create-group-abort) — nothing of it is committed and each
+// request runs alone: every outcome is the one it would have had alone,
+// whatever the others' were.
+func TestCreateGroupFailureRunsEachAlone(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	s := &store{pool: b.db.Pool}
+	one := int64(1)
+	quoted, _ := b.addTenant(t, "quoted", false, &one)
+	pq := tenant.Principal{TenantID: quoted.ID, HasQuota: true}
+	pa := tenant.Principal{TenantID: b.tenant.ID}
+
+	res := runGroup(s, nil, []*createReq{groupReq(pq, "q1", "1"), groupReq(pq, "q2", "2"), groupReq(pa, "a1", "1")})
+	var quotaErrs, created int
+	for i, r := range res[:2] {
+		switch {
+		case errors.Is(r.err, tenant.ErrQuotaExhausted):
+			quotaErrs++
+		case r.err == nil:
+			created++
+		default:
+			t.Fatalf("quota request %d: %v", i, r.err)
+		}
+	}
+	if quotaErrs != 1 || created != 1 {
+		t.Fatalf("quota of one, two requests: %d created, %d exhausted; want 1 and 1", created, quotaErrs)
+	}
+	if res[2].err != nil {
+		t.Fatalf("the other tenant's request: %v, want created", res[2].err)
+	}
+
+	faults, err := fault.Parse(fault.APICreateGroupAbort + "=error@1")
+	if err != nil {
+		t.Fatal(err)
+	}
+	res = runGroup(s, faults, []*createReq{groupReq(pa, "f1", "1"), groupReq(pa, "f2", "2"), groupReq(pa, "f3", "3")})
+	for i, r := range res {
+		if r.err != nil {
+			t.Fatalf("request %d after the aborted group: %v, want created alone", i, r.err)
+		}
+	}
+	if n := xminsOf(t, b, res...); n != 3 {
+		t.Fatalf("tasks inserted by %d transactions, want 3 (each alone)", n)
+	}
+	if got := b.count(t, "idempotency_record WHERE state <> 'succeeded'"); got != 0 {
+		t.Fatalf("%d records not succeeded, want 0", got)
+	}
+}
+
+// TestConcurrentCreatesThroughTheGroupCommit: many concurrent POST
+// /v1/tasks, with repeated keys, through the API's group commit (one
+// transaction at a time, so requests queue): each new key is 202 with its
+// own task, the repeats of a key replay that task, a key reused with
+// another document is 422 (for whichever of its requests came second), and every task has exactly one record and one
+// TaskCreated row.
+func TestConcurrentCreatesThroughTheGroupCommit(t *testing.T) {
+	t.Parallel()
+	b := setup(t, func(c *Config) { c.CreateTransactions, c.MaxInFlightPerTenant = 1, 256 })
+	const keys = 40
+	type answer struct {
+		status int
+		taskID string
+		code   string
+	}
+	answers := make([][]answer, keys)
+	var wg sync.WaitGroup
+	var mu sync.Mutex
+	for i := range keys {
+		for j := range 3 {
+			wg.Go(func() {
+				doc := fmt.Sprintf(`{"n":%d}`, i)
+				if i%10 == 0 && j == 2 {
+					doc = `{"other":true}` // the key reused with another request
+				}
+				resp, err := b.try(http.MethodPost, "/v1/tasks", http.Header{"Content-Type": {"application/json"}, "Idempotency-Key": {fmt.Sprintf("group-%d", i)}}, wrap(doc))
+				if err != nil {
+					t.Error(err)
+					return
+				}
+				a := answer{status: resp.status}
+				m := resp.json(t)
+				if id, ok := m["task_id"].(string); ok {
+					a.taskID = id
+				}
+				if c, ok := m["code"].(string); ok {
+					a.code = c
+				}
+				mu.Lock()
+				answers[i] = append(answers[i], a)
+				mu.Unlock()
+			})
+		}
+	}
+	wg.Wait()
+	if t.Failed() {
+		return
+	}
+	for i, as := range answers {
+		ids := map[string]bool{}
+		var reused int
+		for _, a := range as {
+			switch {
+			case a.status == http.StatusAccepted && a.taskID != "":
+				ids[a.taskID] = true
+			case a.status == http.StatusUnprocessableEntity && a.code == CodeIdempotencyKeyReused:
+				reused++
+			default:
+				t.Fatalf("key group-%d: answer %+v", i, a)
+			}
+		}
+		if len(ids) != 1 {
+			t.Fatalf("key group-%d: answers %+v name %d tasks, want 1", i, as, len(ids))
+		}
+		if wantReused := i%10 == 0; (reused > 0) != wantReused {
+			t.Fatalf("key group-%d: answers %+v; a 422 expected: %v", i, as, wantReused)
+		}
+	}
+	if got := b.count(t, "task"); got != keys {
+		t.Fatalf("%d tasks, want %d", got, keys)
+	}
+	if got := b.count(t, "outbox_event WHERE event_type = 'TaskCreated'"); got != keys {
+		t.Fatalf("%d TaskCreated rows, want %d", got, keys)
+	}
+	if got := b.count(t, "idempotency_record WHERE state = 'succeeded'"); got != keys {
+		t.Fatalf("%d succeeded records, want %d", got, keys)
+	}
+	mfs, err := b.reg.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, mf := range mfs {
+		if mf.GetName() == "converge_api_create_batch_size" {
+			h := mf.GetMetric()[0].GetHistogram()
+			t.Logf("%d create requests: %d went to a create transaction, in %d transactions", 3*keys, int(h.GetSampleSum()), h.GetSampleCount())
+			if h.GetSampleCount() >= uint64(h.GetSampleSum()) {
+				t.Fatalf("no two requests shared a create transaction (%d transactions for %.0f requests)", h.GetSampleCount(), h.GetSampleSum())
+			}
+		}
+	}
+}
+
+// TestQueuedCreateHonoursItsDeadline: a request queued behind a create
+// transaction that cannot finish (here: blocked on another transaction's
+// uncommitted record of the same key) leaves the queue when its own
+// context ends, with that error and nothing written, instead of waiting
+// for the transaction ahead of it.
+func TestQueuedCreateHonoursItsDeadline(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ctx := context.Background()
+	s := &store{pool: b.db.Pool}
+	c := &coalescer{store: s, maxBatch: 32, maxTx: 1, timeout: 10 * time.Second,
+		sizes: prometheus.NewHistogram(prometheus.HistogramOpts{Name: "x"})}
+	pa := tenant.Principal{TenantID: b.tenant.ID}
+
+	blocker := groupReq(pa, "blocked", "1")
+	tx, err := b.db.Pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var created time.Time
+	var batch pgx.Batch
+	idempotency.QueueBegin(&batch, blocker.k, &created)
+	if err := tx.SendBatch(ctx, &batch).Close(); err != nil {
+		t.Fatal(err)
+	}
+	first := make(chan error, 1)
+	go func() {
+		_, err := c.do(groupReq(pa, "blocked", "1")) // waits for tx's lock on the key
+		first <- err
+	}()
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		c.mu.Lock()
+		taken := c.inflight == 1 && len(c.queue) == 0
+		c.mu.Unlock()
+		if taken {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the first request was not taken by a transaction")
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+
+	qctx, cancel := context.WithTimeout(ctx, 200*time.Millisecond)
+	defer cancel()
+	queued := groupReq(pa, "queued", "2")
+	queued.ctx = qctx
+	start := time.Now()
+	_, err = c.do(queued)
+	if !errors.Is(err, context.DeadlineExceeded) || time.Since(start) > 3*time.Second {
+		t.Fatalf("queued request: %v after %s, want its deadline's error at once", err, time.Since(start))
+	}
+	if got := b.count(t, "idempotency_record WHERE idempotency_key = 'queued'"); got != 0 {
+		t.Fatalf("%d records of the queued request, want 0", got)
+	}
+	if err := tx.Rollback(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if err := <-first; err != nil {
+		t.Fatalf("the first request after the lock was released: %v", err)
+	}
+}
