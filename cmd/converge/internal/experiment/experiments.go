@@ -357,7 +357,12 @@ func staleCache(ctx context.Context, x *X) error {
 	}); err != nil {
 		return err
 	}
-	repaired := x.metric("converge_reconciler_actions_total", map[string]string{"kind": "cache_repaired"})
+	// The reconciler counts its repair after the write the loop above saw.
+	var repaired float64
+	_ = until(ctx, 5*time.Second, "repair counted", func() bool {
+		repaired = x.metric("converge_reconciler_actions_total", map[string]string{"kind": "cache_repaired"})
+		return repaired >= 1
+	})
 	x.check("the reconciler repaired the view to the database version", repaired >= 1, "cache_repaired actions: %v", repaired)
 	x.step("the reconciler's cache scan found v0 < v2 in PostgreSQL and wrote v2")
 	if err := faults.ArmKey(fault.CacheWriteError, fault.ActionError, 0, id); err != nil {
