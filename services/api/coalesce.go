@@ -3,20 +3,15 @@ package api
 import (
 	"cmp"
 	"context"
-	"errors"
 	"fmt"
 	"slices"
 	"sync"
 	"time"
 
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/converge-run/converge/internal/fault"
-	"github.com/converge-run/converge/internal/outbox"
-	"github.com/converge-run/converge/internal/task"
-	"github.com/converge-run/converge/internal/taskevent"
 	"github.com/converge-run/converge/internal/tenant"
 	"github.com/converge-run/converge/services/api/idempotency"
 )
@@ -171,17 +166,11 @@ func (s *store) createGroup(ctx context.Context, group []*createReq, faults *fau
 		return cmp.Or(cmp.Compare(ka.Scope, kb.Scope), cmp.Compare(ka.Key, kb.Key))
 	})
 
-	conn, err := s.pool.Acquire(ctx)
+	conn, err := s.acquireTx(ctx)
 	if err != nil {
-		return nil, fmt.Errorf("acquire connection: %w", err)
+		return nil, err
 	}
-	defer conn.Release()
-	committed := false
-	defer func() {
-		if !committed {
-			rollback(conn.Conn())
-		}
-	}()
+	defer conn.end()
 
 	var b pgx.Batch
 	now := make([]time.Time, len(group))
@@ -209,14 +198,7 @@ func (s *store) createGroup(ctx context.Context, group []*createReq, faults *fau
 		}
 		results[i].n = n
 		winners++
-		if r.p.HasQuota {
-			tenant.QueueConsumeQuota(&b, r.p.TenantID)
-		}
-		t := n.Task
-		task.QueueCreate(&b, t, r.k.Fingerprint, n.Document)
-		outbox.QueueInsert(&b, outbox.Row{ID: n.OutboxID, TaskID: t.TaskID, Version: t.Version, Type: taskevent.TypeTaskCreated,
-			Payload: n.Payload, PayloadSHA256: n.PayloadSHA256, CreatedAt: t.CreatedAt, TenantID: t.TenantID})
-		idempotency.QueueComplete(&b, r.k, t.TaskID, n.Response)
+		queueCreateRows(&b, r.k, r.p, n)
 	}
 	if winners == 0 {
 		return results, nil // nothing inserted; the deferred rollback ends the transaction
@@ -224,15 +206,10 @@ func (s *store) createGroup(ctx context.Context, group []*createReq, faults *fau
 	if faults.Hit(fault.APICreateGroupAbort) != fault.ActionNone {
 		return nil, fmt.Errorf("create %d tasks: %w", winners, fault.ErrInjected)
 	}
-	b.Queue("COMMIT").Exec(func(tag pgconn.CommandTag) error {
-		if tag.String() != "COMMIT" {
-			return errors.New(tag.String())
-		}
-		return nil
-	})
+	queueCommit(&b)
 	if err := conn.SendBatch(ctx, &b).Close(); err != nil {
 		return nil, fmt.Errorf("create %d tasks: %w", winners, err)
 	}
-	committed = true
+	conn.committed = true
 	return results, nil
 }

@@ -76,17 +76,11 @@ type newTask struct {
 // back. A connection whose rollback fails is closed, never returned to the
 // pool mid-transaction.
 func (s *store) createOne(ctx context.Context, k idempotency.Key, p tenant.Principal, build func(now time.Time) (*newTask, error)) (*newTask, error) {
-	conn, err := s.pool.Acquire(ctx)
+	conn, err := s.acquireTx(ctx)
 	if err != nil {
-		return nil, fmt.Errorf("acquire connection: %w", err)
+		return nil, err
 	}
-	defer conn.Release()
-	committed := false
-	defer func() {
-		if !committed {
-			rollback(conn.Conn())
-		}
-	}()
+	defer conn.end()
 
 	var b pgx.Batch
 	var now time.Time
@@ -104,28 +98,66 @@ func (s *store) createOne(ctx context.Context, k idempotency.Key, p tenant.Princ
 	if err != nil {
 		return nil, err
 	}
-	t := n.Task
 	b = pgx.Batch{}
-	if p.HasQuota {
-		tenant.QueueConsumeQuota(&b, p.TenantID) // first: no lock held long, nothing inserted when exhausted
+	queueCreateRows(&b, k, p, n)
+	queueCommit(&b)
+	if err := conn.SendBatch(ctx, &b).Close(); errors.Is(err, tenant.ErrQuotaExhausted) {
+		return nil, err
+	} else if err != nil {
+		return nil, fmt.Errorf("create task %s: %w", n.Task.TaskID, err)
 	}
-	task.QueueCreate(&b, t, k.Fingerprint, n.Document)
-	outbox.QueueInsert(&b, outbox.Row{ID: n.OutboxID, TaskID: t.TaskID, Version: t.Version, Type: taskevent.TypeTaskCreated,
+	conn.committed = true
+	return n, nil
+}
+
+// queueCreateRows queues on b what the create transaction writes for one
+// request after its record was inserted: the quota consumption (first: no
+// lock held long, nothing inserted when exhausted), the task and its input,
+// the TaskCreated outbox row and the record's completion.
+func queueCreateRows(b *pgx.Batch, k idempotency.Key, p tenant.Principal, n *newTask) {
+	if p.HasQuota {
+		tenant.QueueConsumeQuota(b, p.TenantID)
+	}
+	t := n.Task
+	task.QueueCreate(b, t, k.Fingerprint, n.Document)
+	outbox.QueueInsert(b, outbox.Row{ID: n.OutboxID, TaskID: t.TaskID, Version: t.Version, Type: taskevent.TypeTaskCreated,
 		Payload: n.Payload, PayloadSHA256: n.PayloadSHA256, CreatedAt: t.CreatedAt, TenantID: t.TenantID})
-	idempotency.QueueComplete(&b, k, t.TaskID, n.Response)
+	idempotency.QueueComplete(b, k, t.TaskID, n.Response)
+}
+
+// queueCommit queues COMMIT on b, failing the batch unless PostgreSQL
+// answered COMMIT (a transaction already failed answers ROLLBACK).
+func queueCommit(b *pgx.Batch) {
 	b.Queue("COMMIT").Exec(func(tag pgconn.CommandTag) error {
 		if tag.String() != "COMMIT" {
 			return errors.New(tag.String())
 		}
 		return nil
 	})
-	if err := conn.SendBatch(ctx, &b).Close(); errors.Is(err, tenant.ErrQuotaExhausted) {
-		return nil, err
-	} else if err != nil {
-		return nil, fmt.Errorf("create task %s: %w", t.TaskID, err)
+}
+
+// txConn is a pool connection running one transaction.
+type txConn struct {
+	*pgxpool.Conn
+	committed bool // set once COMMIT succeeded
+}
+
+// acquireTx takes a connection for a transaction; end must be called.
+func (s *store) acquireTx(ctx context.Context) (*txConn, error) {
+	conn, err := s.pool.Acquire(ctx)
+	if err != nil {
+		return nil, fmt.Errorf("acquire connection: %w", err)
 	}
-	committed = true
-	return n, nil
+	return &txConn{Conn: conn}, nil
+}
+
+// end rolls the transaction back unless it committed, and releases the
+// connection.
+func (c *txConn) end() {
+	if !c.committed {
+		rollback(c.Conn.Conn())
+	}
+	c.Release()
 }
 
 // rollback ends the open transaction of conn; when that fails the
