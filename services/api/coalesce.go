@@ -3,7 +3,10 @@ package api
 import (
 	"cmp"
 	"context"
+	"errors"
 	"fmt"
+	"log/slog"
+	"runtime/debug"
 	"slices"
 	"sync"
 	"time"
@@ -54,25 +57,61 @@ type createResult struct {
 	err error
 }
 
+// answer gives r its outcome; only the first answer counts (a panic
+// recovered after some members were answered answers the rest).
+func (r *createReq) answer(n *newTask, err error) {
+	select {
+	case r.done <- createResult{n: n, err: err}:
+	default:
+	}
+}
+
+const (
+	// groupLockTimeout is the lock_timeout of a group transaction: a group
+	// that waits this long for a lock held by another transaction (an
+	// uncommitted record of one member's key, a tenant's quota row) fails,
+	// and its members run alone, so that no member waits for a lock only
+	// another member needs. Alone, a request waits for its locks as long as
+	// its context allows.
+	groupLockTimeout = 500 * time.Millisecond
+	// quotaMemo is how long the requests of a tenant whose quota was found
+	// exhausted run alone: such a request would fail every group it is in.
+	quotaMemo = time.Second
+)
+
+// sqlGroupLockTimeout sets groupLockTimeout for the group transaction only.
+var sqlGroupLockTimeout = fmt.Sprintf("SET LOCAL lock_timeout = %d", groupLockTimeout.Milliseconds())
+
 // coalescer queues creates and runs them in group transactions.
 type coalescer struct {
 	store    *store
 	maxBatch int           // most requests per transaction
 	maxTx    int           // most group transactions at once
-	timeout  time.Duration // bound of a group transaction (the API's RequestTimeout)
+	timeout  time.Duration // most time of a group transaction (the API's RequestTimeout)
 	faults   *fault.Set
+	log      *slog.Logger
 	sizes    prometheus.Observer // converge_api_create_batch_size
+	aborts   prometheus.Counter  // converge_api_create_group_aborts_total
 
-	mu       sync.Mutex
-	queue    []*createReq
-	inflight int // transactions running (draining goroutines)
+	mu        sync.Mutex
+	queue     []*createReq
+	inflight  int                  // transactions running (draining goroutines)
+	exhausted map[string]time.Time // tenant ID → until when its requests run alone (quotaMemo)
+}
+
+// newCoalescer returns the group commit of s with at most maxBatch requests
+// per transaction and maxTx transactions at once, each bounded by timeout.
+func newCoalescer(s *store, maxBatch, maxTx int, timeout time.Duration, faults *fault.Set, log *slog.Logger, m *metrics) *coalescer {
+	return &coalescer{store: s, maxBatch: maxBatch, maxTx: maxTx, timeout: timeout, faults: faults, log: log,
+		sizes: m.createBatch, aborts: m.createGroupAborts, exhausted: map[string]time.Time{}}
 }
 
 // do runs r's create in the next transaction and returns its outcome. A
 // request whose context ends while it is queued leaves the queue with its
 // context's error (nothing written); once a transaction took it, it waits
-// for that transaction to end (bounded by timeout), because the answer
-// must say whether its task was committed.
+// for that transaction to end (bounded by the group's deadline, groupContext,
+// and groupLockTimeout), because the answer must say whether its task was
+// committed.
 func (c *coalescer) do(r *createReq) (*newTask, error) {
 	c.mu.Lock()
 	c.queue = append(c.queue, r)
@@ -114,42 +153,102 @@ func (c *coalescer) drain() {
 	}
 }
 
-// run answers every request of group.
+// run answers every request of group. Requests whose context already
+// ended get its error; those of a tenant whose quota was just found
+// exhausted run alone; the rest share one group transaction, and run alone
+// when it fails. Requests running alone after a group are not bounded by
+// maxTx (they take pool connections as without group commit).
 func (c *coalescer) run(group []*createReq) {
-	live := group[:0]
+	now := time.Now()
+	live := make([]*createReq, 0, len(group))
+	c.mu.Lock()
 	for _, r := range group {
-		if err := r.ctx.Err(); err != nil {
-			r.done <- createResult{err: fmt.Errorf("create task: %w", err)}
-			continue
+		switch {
+		case r.ctx.Err() != nil:
+			r.answer(nil, fmt.Errorf("create task: %w", r.ctx.Err()))
+		case r.p.HasQuota && now.Before(c.exhausted[r.p.TenantID]):
+			go c.runAlone(r)
+		default:
+			live = append(live, r)
 		}
-		live = append(live, r)
 	}
-	if len(live) == 0 {
+	c.mu.Unlock()
+	switch len(live) {
+	case 0:
+		return
+	case 1:
+		c.runAlone(live[0])
+		return
+	}
+	ctx, cancel := c.groupContext(live)
+	defer cancel()
+	results, err := c.createGroup(ctx, live)
+	if err != nil {
+		// Nothing of the group was committed: each request alone.
+		c.aborts.Inc()
+		c.log.Debug("create group transaction failed; its requests run alone", slog.Int("requests", len(live)), slog.Any("error", err))
+		for _, r := range live {
+			go c.runAlone(r)
+		}
 		return
 	}
 	c.sizes.Observe(float64(len(live)))
-	if len(live) == 1 {
-		r := live[0]
-		n, err := c.store.createOne(r.ctx, r.k, r.p, r.build)
-		r.done <- createResult{n: n, err: err}
-		return
-	}
-	ctx, cancel := context.WithTimeout(context.Background(), c.timeout)
-	defer cancel()
-	results, err := c.store.createGroup(ctx, live, c.faults)
-	if err != nil {
-		// Nothing of the group was committed: each request alone.
-		for _, r := range live {
-			go func() {
-				n, err := c.store.createOne(r.ctx, r.k, r.p, r.build)
-				r.done <- createResult{n: n, err: err}
-			}()
-		}
-		return
-	}
 	for i, r := range live {
-		r.done <- results[i]
+		r.answer(results[i].n, results[i].err)
 	}
+}
+
+// groupContext bounds a group transaction: by timeout, and by half the time
+// left to the member whose deadline comes first, so that when the group
+// fails late every member still has time to run alone.
+func (c *coalescer) groupContext(group []*createReq) (context.Context, context.CancelFunc) {
+	budget := c.timeout
+	now := time.Now()
+	for _, r := range group {
+		if d, ok := r.ctx.Deadline(); ok {
+			budget = min(budget, d.Sub(now)/2)
+		}
+	}
+	return context.WithTimeout(context.Background(), budget)
+}
+
+// createGroup runs store.createGroup; a panic (of a request's build) is
+// its error, so that every request then runs alone and only the one that
+// panics fails.
+func (c *coalescer) createGroup(ctx context.Context, group []*createReq) (results []createResult, err error) {
+	defer func() {
+		if v := recover(); v != nil {
+			err = fmt.Errorf("create group transaction: panic: %v", v)
+		}
+	}()
+	return c.store.createGroup(ctx, group, c.faults)
+}
+
+// runAlone answers r with the single-request create transaction
+// (store.createOne) under r's own context. A quota found exhausted makes
+// its tenant's requests run alone for quotaMemo; a panic is logged with its
+// stack and answered as an error (net/http's handler recovery would not
+// see it: it happens on the draining goroutine).
+func (c *coalescer) runAlone(r *createReq) {
+	defer func() {
+		if v := recover(); v != nil {
+			c.log.ErrorContext(r.ctx, "create transaction panicked", slog.Any("panic", v), slog.String("stack", string(debug.Stack())))
+			r.answer(nil, fmt.Errorf("create task: panic: %v", v))
+		}
+	}()
+	c.sizes.Observe(1)
+	n, err := c.store.createOne(r.ctx, r.k, r.p, r.build)
+	if errors.Is(err, tenant.ErrQuotaExhausted) {
+		c.mu.Lock()
+		c.exhausted[r.p.TenantID] = time.Now().Add(quotaMemo)
+		for id, until := range c.exhausted {
+			if time.Now().After(until) {
+				delete(c.exhausted, id)
+			}
+		}
+		c.mu.Unlock()
+	}
+	r.answer(n, err)
 }
 
 // createGroup runs the create transaction of seed 3.1 for every request of
@@ -176,6 +275,7 @@ func (s *store) createGroup(ctx context.Context, group []*createReq, faults *fau
 	now := make([]time.Time, len(group))
 	won := make([]bool, len(group))
 	b.Queue("BEGIN")
+	b.Queue(sqlGroupLockTimeout)
 	for _, i := range order {
 		idempotency.QueueBeginOutcome(&b, group[i].k, &now[i], &won[i])
 	}

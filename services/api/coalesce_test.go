@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"net/http"
 	"sync"
 	"testing"
@@ -34,15 +35,25 @@ func groupReq(p tenant.Principal, key, doc string) *createReq {
 
 // runGroup runs group as one group transaction (or its fallback) and
 // returns each request's outcome.
-func runGroup(s *store, faults *fault.Set, group []*createReq) []createResult {
-	c := &coalescer{store: s, maxBatch: len(group), maxTx: 1, timeout: 10 * time.Second, faults: faults,
-		sizes: prometheus.NewHistogram(prometheus.HistogramOpts{Name: "x"})}
+func runGroup(c *coalescer, group []*createReq) []createResult {
 	c.run(group)
 	out := make([]createResult, len(group))
 	for i, r := range group {
 		out[i] = <-r.done
 	}
 	return out
+}
+
+// testCoalescer returns a coalescer of s (one transaction at a time) with
+// its own metrics.
+func testCoalescer(t *testing.T, s *store, faults *fault.Set) (*coalescer, *prometheus.Registry) {
+	t.Helper()
+	reg := prometheus.NewRegistry()
+	m, err := newMetrics(reg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return newCoalescer(s, 32, 1, 10*time.Second, faults, slog.Default(), m), reg
 }
 
 // xminsOf returns how many distinct transactions inserted the tasks of res.
@@ -87,7 +98,8 @@ func TestCreateGroupOutcomes(t *testing.T) {
 		groupReq(pa, "old", "x"),
 		groupReq(pb, "k1", "1"), // tenant b's k1
 	}
-	res := runGroup(s, nil, group)
+	c, _ := testCoalescer(t, s, nil)
+	res := runGroup(c, group)
 	wantCreated := []int{0, 1, 2, 3, 5, 8}
 	wantTaken := []int{4, 6, 7}
 	var created []createResult
@@ -138,7 +150,8 @@ func TestCreateGroupFailureRunsEachAlone(t *testing.T) {
 	pq := tenant.Principal{TenantID: quoted.ID, HasQuota: true}
 	pa := tenant.Principal{TenantID: b.tenant.ID}
 
-	res := runGroup(s, nil, []*createReq{groupReq(pq, "q1", "1"), groupReq(pq, "q2", "2"), groupReq(pa, "a1", "1")})
+	c, _ := testCoalescer(t, s, nil)
+	res := runGroup(c, []*createReq{groupReq(pq, "q1", "1"), groupReq(pq, "q2", "2"), groupReq(pa, "a1", "1")})
 	var quotaErrs, created int
 	for i, r := range res[:2] {
 		switch {
@@ -161,7 +174,8 @@ func TestCreateGroupFailureRunsEachAlone(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	res = runGroup(s, faults, []*createReq{groupReq(pa, "f1", "1"), groupReq(pa, "f2", "2"), groupReq(pa, "f3", "3")})
+	c, _ = testCoalescer(t, s, faults)
+	res = runGroup(c, []*createReq{groupReq(pa, "f1", "1"), groupReq(pa, "f2", "2"), groupReq(pa, "f3", "3")})
 	for i, r := range res {
 		if r.err != nil {
 			t.Fatalf("request %d after the aborted group: %v, want created alone", i, r.err)
@@ -277,8 +291,7 @@ func TestQueuedCreateHonoursItsDeadline(t *testing.T) {
 	b := setup(t)
 	ctx := context.Background()
 	s := &store{pool: b.db.Pool}
-	c := &coalescer{store: s, maxBatch: 32, maxTx: 1, timeout: 10 * time.Second,
-		sizes: prometheus.NewHistogram(prometheus.HistogramOpts{Name: "x"})}
+	c, _ := testCoalescer(t, s, nil)
 	pa := tenant.Principal{TenantID: b.tenant.ID}
 
 	blocker := groupReq(pa, "blocked", "1")
@@ -328,5 +341,152 @@ func TestQueuedCreateHonoursItsDeadline(t *testing.T) {
 	}
 	if err := <-first; err != nil {
 		t.Fatalf("the first request after the lock was released: %v", err)
+	}
+}
+
+// holdKey inserts, in a transaction it leaves open, the idempotency record
+// of r's key (as a concurrent create that has not committed yet); the
+// caller rolls it back.
+func holdKey(t *testing.T, b *testBundle, r *createReq) pgx.Tx {
+	t.Helper()
+	ctx := context.Background()
+	tx, err := b.db.Pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var created time.Time
+	var batch pgx.Batch
+	idempotency.QueueBegin(&batch, r.k, &created)
+	if err := tx.SendBatch(ctx, &batch).Close(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = tx.Rollback(ctx) })
+	return tx
+}
+
+// TestGroupDoesNotWaitForAForeignLock: one member of a group needs a lock
+// another transaction holds (an uncommitted record of its key). The other
+// members are answered while that lock is still held (the group fails
+// after groupLockTimeout and each runs alone), and the blocked member is
+// answered once the lock is released, with the outcome it would have had
+// alone (here: created, the holder rolled back).
+func TestGroupDoesNotWaitForAForeignLock(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	s := &store{pool: b.db.Pool}
+	c, reg := testCoalescer(t, s, nil)
+	pa := tenant.Principal{TenantID: b.tenant.ID}
+	group := []*createReq{groupReq(pa, "free-1", "1"), groupReq(pa, "held", "h"), groupReq(pa, "free-2", "2"), groupReq(pa, "free-3", "3")}
+	tx := holdKey(t, b, group[1])
+
+	go c.run(group)
+	for i, r := range group {
+		if i == 1 {
+			continue
+		}
+		select {
+		case res := <-r.done:
+			if res.err != nil {
+				t.Fatalf("%s: %v, want created", r.k.Key, res.err)
+			}
+		case <-time.After(30 * time.Second):
+			t.Fatalf("%s was not answered while another transaction held the key of %s", r.k.Key, group[1].k.Key)
+		}
+	}
+	select {
+	case res := <-group[1].done:
+		t.Fatalf("the held key was answered (%v) while its lock was held", res.err)
+	default:
+	}
+	if got := counterValue(t, reg, "converge_api_create_group_aborts_total", nil); got != 1 {
+		t.Fatalf("converge_api_create_group_aborts_total %v, want 1", got)
+	}
+	if err := tx.Rollback(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	if res := <-group[1].done; res.err != nil {
+		t.Fatalf("the held key after its holder rolled back: %v, want created", res.err)
+	}
+}
+
+// TestGroupContextLeavesTimeToRunAlone: a group transaction ends by half
+// the time its most pressed member has left, and by the coalescer's bound.
+func TestGroupContextLeavesTimeToRunAlone(t *testing.T) {
+	t.Parallel()
+	c := &coalescer{timeout: 10 * time.Second}
+	pa := tenant.Principal{TenantID: "t"}
+	soon, cancel := context.WithTimeout(context.Background(), 4*time.Second)
+	defer cancel()
+	late, cancel2 := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel2()
+	a, b2, free := groupReq(pa, "a", "1"), groupReq(pa, "b", "2"), groupReq(pa, "c", "3")
+	a.ctx, b2.ctx = late, soon
+	start := time.Now()
+	ctx, cancel3 := c.groupContext([]*createReq{a, b2, free})
+	defer cancel3()
+	d, _ := ctx.Deadline()
+	if left := d.Sub(start); left > 2*time.Second {
+		t.Fatalf("group deadline %s after start, want at most 2s (half of the 4s left to one member)", left)
+	}
+	ctx, cancel4 := c.groupContext([]*createReq{a, free})
+	defer cancel4()
+	d, _ = ctx.Deadline()
+	if left := d.Sub(start); left > 11*time.Second || left < 9*time.Second {
+		t.Fatalf("group deadline %s after start, want the coalescer's 10s", left)
+	}
+}
+
+// TestExhaustedQuotaRunsAlone: after a request found its tenant's quota
+// exhausted, that tenant's next requests run alone, so they no longer make
+// the groups of other tenants fail.
+func TestExhaustedQuotaRunsAlone(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	s := &store{pool: b.db.Pool}
+	c, reg := testCoalescer(t, s, nil)
+	zero := int64(0)
+	empty, _ := b.addTenant(t, "empty", false, &zero)
+	pq := tenant.Principal{TenantID: empty.ID, HasQuota: true}
+	pa := tenant.Principal{TenantID: b.tenant.ID}
+
+	res := runGroup(c, []*createReq{groupReq(pq, "q1", "1"), groupReq(pa, "a1", "1"), groupReq(pa, "a2", "2")})
+	if !errors.Is(res[0].err, tenant.ErrQuotaExhausted) || res[1].err != nil || res[2].err != nil {
+		t.Fatalf("first group: %v, %v, %v; want quota exhausted, created, created", res[0].err, res[1].err, res[2].err)
+	}
+	res = runGroup(c, []*createReq{groupReq(pq, "q2", "2"), groupReq(pa, "a3", "3"), groupReq(pa, "a4", "4")})
+	if !errors.Is(res[0].err, tenant.ErrQuotaExhausted) || res[1].err != nil || res[2].err != nil {
+		t.Fatalf("second group: %v, %v, %v; want quota exhausted, created, created", res[0].err, res[1].err, res[2].err)
+	}
+	if got := counterValue(t, reg, "converge_api_create_group_aborts_total", nil); got != 1 {
+		t.Fatalf("converge_api_create_group_aborts_total %v, want 1 (the second group ran without the exhausted tenant)", got)
+	}
+	if n := xminsOf(t, b, res[1:]...); n != 1 {
+		t.Fatalf("the second group's tasks were inserted by %d transactions, want 1", n)
+	}
+}
+
+// TestPanickingBuildFailsOnlyItsRequest: a request whose build panics in a
+// group transaction is answered with an error, the others of its group are
+// created, and the coalescer goes on.
+func TestPanickingBuildFailsOnlyItsRequest(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	s := &store{pool: b.db.Pool}
+	c, _ := testCoalescer(t, s, nil)
+	pa := tenant.Principal{TenantID: b.tenant.ID}
+	bad := groupReq(pa, "panics", "p")
+	bad.build = func(time.Time) (*newTask, error) { panic("build broke") }
+	res := runGroup(c, []*createReq{groupReq(pa, "p1", "1"), bad, groupReq(pa, "p2", "2")})
+	if res[0].err != nil || res[2].err != nil {
+		t.Fatalf("the other requests: %v, %v; want created", res[0].err, res[2].err)
+	}
+	if res[1].err == nil || res[1].n != nil {
+		t.Fatalf("the panicking request: %v, want an error", res[1].err)
+	}
+	if got := b.count(t, "idempotency_record WHERE idempotency_key = 'panics'"); got != 0 {
+		t.Fatalf("%d records of the panicking request, want 0", got)
+	}
+	if _, err := c.do(groupReq(pa, "after", "a")); err != nil {
+		t.Fatalf("a request after the panic: %v", err)
 	}
 }

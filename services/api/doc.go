@@ -65,8 +65,14 @@
 // outcome it would have had alone: a key recorded before, or used twice in
 // the group, is the loser's case above, answered after the group's
 // transaction ended; any other failure (a quota with nothing left, a
-// guard, a lost connection) rolls the whole group back and every request
-// of it runs in its own transaction. A lone request runs alone.
+// guard, a lost connection, a deadline) rolls the whole group back and
+// every request of it runs in its own transaction, under its own context.
+// A group transaction waits at most 500 ms for a lock (lock_timeout: an
+// uncommitted record of a member's key, a tenant's quota row) and at most
+// half the time left to its most pressed member, so that no request waits
+// for what only another needs and each still has time to run alone. For
+// one second after a request found its tenant's quota exhausted, that
+// tenant's requests run alone. A lone request runs alone.
 //
 // Records are kept IdempotencyTTL (expires_at); a record is honoured until
 // it is deleted, so expiry must only be acted on by a retention job that
@@ -126,8 +132,11 @@
 //	converge_api_requests_total{route,method,code}        counter    requests answered; route is the mux pattern's path
 //	                                                                 ("unmatched" otherwise), code the status or "aborted"
 //	converge_api_request_duration_seconds{route,method}   histogram  request latency in seconds
-//	converge_api_idempotency_total{outcome}               counter    created|replayed|key_reused|in_progress
-//	converge_api_create_batch_size                        histogram  create requests per create transaction (1 = alone)
+//	converge_api_idempotency_total{outcome}               counter    created|replayed|key_reused|in_progress|quota_exhausted
+//	converge_api_create_batch_size                        histogram  create requests per committed group transaction;
+//	                                                                 1 for each request run alone
+//	converge_api_create_group_aborts_total                counter    group transactions rolled back (their requests
+//	                                                                 then ran alone)
 //	converge_cache_requests_total{result}                 counter    task view lookups: hit|miss|error
 //	converge_cache_stale_writes_rejected_total            counter    back-fills refused by the version CAS
 //	                                                                 (registered by package taskview)

@@ -255,8 +255,7 @@ func New(cfg Config) (*Server, error) {
 	}
 	s.metrics = m
 	if cfg.CreateBatchMax > 1 {
-		s.store.coalesce = &coalescer{store: s.store, maxBatch: cfg.CreateBatchMax, maxTx: cfg.CreateTransactions,
-			timeout: cfg.RequestTimeout, faults: cfg.Faults, sizes: m.createBatch}
+		s.store.coalesce = newCoalescer(s.store, cfg.CreateBatchMax, cfg.CreateTransactions, cfg.RequestTimeout, cfg.Faults, cfg.Logger, m)
 	}
 	s.mux.HandleFunc("POST /v1/tasks", s.handleCreate)
 	s.mux.HandleFunc("GET /v1/tasks/{id}", s.handleGetTask)
@@ -565,8 +564,11 @@ type metrics struct {
 	requests    *prometheus.CounterVec
 	duration    *prometheus.HistogramVec
 	createBatch prometheus.Histogram
-	idempotency *prometheus.CounterVec
-	cache       *prometheus.CounterVec
+	// createGroupAborts counts group transactions that failed (their
+	// requests then ran alone).
+	createGroupAborts prometheus.Counter
+	idempotency       *prometheus.CounterVec
+	cache             *prometheus.CounterVec
 }
 
 // Idempotency outcomes (converge_api_idempotency_total{outcome}).
@@ -598,12 +600,16 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 			Help:    "Create requests per create transaction (group commit; 1 = alone).",
 			Buckets: []float64{1, 2, 4, 8, 16, 32, 64},
 		}),
+		createGroupAborts: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "converge_api_create_group_aborts_total",
+			Help: "Group create transactions rolled back (a lock wait over 500 ms, an exhausted quota, an error); each of their requests then ran alone.",
+		}),
 		cache: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "converge_cache_requests_total",
 			Help: "Task view lookups of the API's cache-aside read: hit, miss, or error (Redis failed; PostgreSQL answered).",
 		}, []string{"result"}),
 	}
-	for _, c := range []prometheus.Collector{m.requests, m.duration, m.createBatch, m.idempotency, m.cache} {
+	for _, c := range []prometheus.Collector{m.requests, m.duration, m.createBatch, m.createGroupAborts, m.idempotency, m.cache} {
 		if err := reg.Register(c); err != nil {
 			return nil, err
 		}

@@ -40,6 +40,8 @@ var documentedMetrics = []documentedMetric{
 	{doc: "services/api", name: "converge_api_requests_total", labels: []string{"route", "method", "code"}},
 	{doc: "services/api", name: "converge_api_request_duration_seconds", labels: []string{"route", "method"}},
 	{doc: "services/api", name: "converge_api_idempotency_total", labels: []string{"outcome"}},
+	{doc: "services/api", name: "converge_api_create_batch_size"},
+	{doc: "services/api", name: "converge_api_create_group_aborts_total"},
 	{doc: "services/api", name: "converge_cache_requests_total", labels: []string{"result"}},
 	// cdc
 	{doc: "cdc", name: "converge_relay_events_published_total", labels: []string{"event_type"}},
