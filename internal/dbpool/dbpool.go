@@ -13,8 +13,8 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 )
 
-// New opens a pool on url like pgxpool.New, with enable_seqscan=off on
-// every connection unless url sets enable_seqscan itself.
+// New opens a pool on url like pgxpool.New, with enable_seqscan=off and
+// jit=off on every connection, each unless url sets it itself.
 //
 // Why: converge's statements are point lookups and bounded index scans, and
 // pgx prepares them; after five executions PostgreSQL may cache a generic
@@ -26,6 +26,16 @@ import (
 // cached plan uses the index the statement was written for; a statement
 // with no usable index still scans (enable_seqscan only adds cost).
 // TestNoSequentialScansAfterAnalyzingEmptyTables measures it.
+//
+// jit=off because that added cost (10^10 per disabled scan) is far above
+// jit_above_cost (100,000 by default): every statement whose plan keeps a
+// sequential scan — the reconciler's periodic scans, a count of a small
+// table — was compiled by LLVM with inlining and optimization, 40 to
+// 250 ms of CPU per execution for a statement that runs in under 10 ms
+// (issue 11: a quarter of PostgreSQL's time in the peer benchmark went to
+// the reconciler's passes, nearly all of it JIT). converge's statements
+// are short OLTP statements, for which JIT never pays off.
+// TestNoJITForPricedOutScans measures it.
 func New(ctx context.Context, url string) (*pgxpool.Pool, error) {
 	cfg, err := ParseConfig(url)
 	if err != nil {
@@ -50,8 +60,8 @@ func New(ctx context.Context, url string) (*pgxpool.Pool, error) {
 // starts over from durable state.
 const IdleInTransactionTimeout = "60s"
 
-// ParseConfig is pgxpool.ParseConfig with New's enable_seqscan=off and
-// idle_in_transaction_session_timeout (IdleInTransactionTimeout), each
+// ParseConfig is pgxpool.ParseConfig with New's enable_seqscan=off, jit=off
+// and idle_in_transaction_session_timeout (IdleInTransactionTimeout), each
 // unless url sets it itself.
 func ParseConfig(url string) (*pgxpool.Config, error) {
 	cfg, err := pgxpool.ParseConfig(url)
@@ -60,6 +70,9 @@ func ParseConfig(url string) (*pgxpool.Config, error) {
 	}
 	if _, set := cfg.ConnConfig.RuntimeParams["enable_seqscan"]; !set {
 		cfg.ConnConfig.RuntimeParams["enable_seqscan"] = "off"
+	}
+	if _, set := cfg.ConnConfig.RuntimeParams["jit"]; !set {
+		cfg.ConnConfig.RuntimeParams["jit"] = "off"
 	}
 	if _, set := cfg.ConnConfig.RuntimeParams["idle_in_transaction_session_timeout"]; !set {
 		cfg.ConnConfig.RuntimeParams["idle_in_transaction_session_timeout"] = IdleInTransactionTimeout

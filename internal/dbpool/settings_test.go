@@ -9,8 +9,8 @@ import (
 )
 
 // Every pool's sessions end a transaction left idle for
-// IdleInTransactionTimeout (a frozen process releases its locks), and
-// price sequential scans out; a URL's own setting wins.
+// IdleInTransactionTimeout (a frozen process releases its locks), price
+// sequential scans out and do not JIT-compile; a URL's own setting wins.
 func TestSessionSettings(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
@@ -34,8 +34,55 @@ func TestSessionSettings(t *testing.T) {
 	if got := show(db.URL, "enable_seqscan"); got != "off" {
 		t.Errorf("enable_seqscan = %q, want off", got)
 	}
+	if got := show(db.URL, "jit"); got != "off" {
+		t.Errorf("jit = %q, want off", got)
+	}
+	if got := show(db.URL+"&jit=on", "jit"); got != "on" {
+		t.Errorf("jit with the URL's jit=on: %q, want on", got)
+	}
 	if got := show(db.URL+"&idle_in_transaction_session_timeout=5s", "idle_in_transaction_session_timeout"); got != "5s" {
 		t.Errorf("with the URL's own setting: %q, want 5s", got)
+	}
+}
+
+// TestNoJITForPricedOutScans: a statement whose plan keeps a sequential
+// scan (here a count of dead letters by a state no index covers, as the
+// reconciler's pass runs it) costs more than jit_above_cost once
+// enable_seqscan=off prices the scan out; a pool's session runs it without
+// JIT, while a session with PostgreSQL's default (jit=on, when the server
+// has LLVM) compiles it.
+func TestNoJITForPricedOutScans(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	db := testenv.NewDB(t)
+	const stmt = `EXPLAIN (ANALYZE, FORMAT JSON) SELECT count(*) FROM dead_letter WHERE state IN ('parked', 'refused')`
+	jitted := func(url string) bool {
+		t.Helper()
+		p, err := dbpool.New(ctx, url)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer p.Close()
+		var plan []map[string]any
+		if err := p.QueryRow(ctx, stmt).Scan(&plan); err != nil {
+			t.Fatal(err)
+		}
+		_, ok := plan[0]["JIT"]
+		return ok
+	}
+	if jitted(db.URL) {
+		t.Fatal("a pool's session JIT-compiled a priced-out sequential scan")
+	}
+	var available bool
+	if err := db.Pool.QueryRow(ctx, "SELECT pg_jit_available()").Scan(&available); err != nil {
+		t.Fatal(err)
+	}
+	if !available {
+		t.Log("this server has no JIT provider: the control with jit=on is skipped")
+		return
+	}
+	if !jitted(db.URL + "&jit=on") {
+		t.Fatal("control: with jit=on the statement was not JIT-compiled; the test no longer shows what jit=off avoids")
 	}
 }
 

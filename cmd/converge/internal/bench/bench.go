@@ -285,6 +285,7 @@ func (e *env) settle(ctx context.Context) {
 // env is the shared environment of a run.
 type env struct {
 	dbs      []string // databases created by newDB since the last settle
+	peerDirs []string // artifact directories of the River runs (removed when the peer stage ends)
 	cfg      *Config
 	dir      string
 	ownDir   bool

@@ -11,14 +11,14 @@ import (
 	"strings"
 	"time"
 
-	"github.com/converge-run/converge/internal/tenant"
-
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/redis/go-redis/v9"
 
 	"github.com/converge-run/converge/cmd/converge/internal/loadgen"
 	"github.com/converge-run/converge/internal/artifact"
+	"github.com/converge-run/converge/internal/dbpool"
+	"github.com/converge-run/converge/internal/tenant"
 	"github.com/converge-run/converge/services/api"
 )
 
@@ -73,14 +73,15 @@ func runCreate(ctx context.Context, e *env, res *Results) error {
 		return err
 	}
 	pool.Close()
-	// The API's pool as `converge api` opens it (pgxpool defaults).
-	apiPool, err := pgxpool.New(ctx, dbURL)
+	// The API's pool as `converge api` opens it (dbpool: pgxpool defaults
+	// and converge's session settings).
+	apiPool, err := dbpool.New(ctx, dbURL)
 	if err != nil {
 		return err
 	}
 	defer apiPool.Close()
 	maxClients := int32(slices.Max(e.cfg.CreateClients))
-	wideCfg, err := pgxpool.ParseConfig(dbURL)
+	wideCfg, err := dbpool.ParseConfig(dbURL)
 	if err != nil {
 		return err
 	}

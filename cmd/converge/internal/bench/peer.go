@@ -87,6 +87,17 @@ func runPeer(ctx context.Context, e *env, res *Results) error {
 		return err
 	}
 	defer conv.stop()
+	// River's artifact directories are removed after the last run, not
+	// after each: on a file system without a journal (ext4 in nojournal
+	// mode, as on the machine BENCHMARKS.md reports), inodes freed in the
+	// last 60 to 360 s are skipped by every inode allocation, so removing
+	// 10,000 files made the next run pay up to 0.9 ms of CPU per file it
+	// created (BENCHMARKS.md, "Session of 2026-12-03").
+	defer func() {
+		for _, dir := range e.peerDirs {
+			_ = os.RemoveAll(dir)
+		}
+	}()
 	for run := range e.cfg.Runs {
 		for _, system := range []string{peerRiver, peerRiverTuned, peerConverge} {
 			var r PeerRun
@@ -170,6 +181,7 @@ func (e *env) runRiver(ctx context.Context, bin string, tuned bool, run int) (Pe
 	}
 	e.dbs = append(e.dbs, db)
 	dir := filepath.Join(e.dir, "artifacts-"+db)
+	e.peerDirs = append(e.peerDirs, dir)
 	args := []string{"--database-url", e.pg.URL(db), "--tasks", strconv.Itoa(e.cfg.PeerTasks), "--clients", strconv.Itoa(peerClients),
 		"--doc-size", strconv.Itoa(e.cfg.DocSize), "--artifact-dir", dir}
 	if tuned {
@@ -198,7 +210,6 @@ func (e *env) runRiver(ctx context.Context, bin string, tuned bool, run int) (Pe
 		return PeerRun{}, fmt.Errorf("%d River jobs failed", r.Failed)
 	}
 	n := float64(e.cfg.PeerTasks)
-	_ = os.RemoveAll(dir)
 	return PeerRun{System: system, Seconds: round2(r.Seconds), TasksPerSec: round2(n / r.Seconds), CreateSeconds: round2(r.InsertSecs),
 		// The whole process (migration and start included), PostgreSQL over the same wall time.
 		CPUMsPerTask: round2((cpu.Other + cpu.Postgres) * wall.Seconds() * 1000 / n),

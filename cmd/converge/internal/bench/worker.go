@@ -20,6 +20,7 @@ import (
 	"github.com/converge-run/converge/consumers/worker"
 	"github.com/converge-run/converge/internal/artifact"
 	"github.com/converge-run/converge/internal/canon"
+	"github.com/converge-run/converge/internal/dbpool"
 	"github.com/converge-run/converge/internal/taskevent"
 )
 
@@ -269,8 +270,9 @@ END;
 // task to the last), the seconds until the first and the mean seconds one
 // record took (converge_worker_processing_seconds).
 func workerOnce(ctx context.Context, e *env, dbURL, topic, group string, run, n int) (rate, join, record float64, err error) {
-	// The worker's pool as `converge worker` opens it (pgxpool defaults).
-	pool, err := pgxpool.New(ctx, dbURL)
+	// The worker's pool as `converge worker` opens it (dbpool: pgxpool
+	// defaults and converge's session settings).
+	pool, err := dbpool.New(ctx, dbURL)
 	if err != nil {
 		return 0, 0, 0, err
 	}
