@@ -296,7 +296,8 @@ type Stale struct {
 }
 
 // Stales returns at most limit messages Processing with no delivery for
-// lease and no live lease of a delivery (Lease), oldest first.
+// lease and no live lease of a delivery (Lease), oldest first. It reads the
+// processing rows only (inbox_message_processing_idx, migration 00013).
 func Stales(ctx context.Context, q dbpool.Querier, lease time.Duration, limit int) ([]Stale, error) {
 	rows, err := q.Query(ctx, `
 SELECT i.consumer_name, i.message_id, i.last_seen_at, t.task_id, t.status

@@ -176,9 +176,11 @@ ORDER BY created_xid, created_at, outbox_id LIMIT $3`, strconv.FormatUint(b.low.
 
 // Purgeable returns the ids of at most limit outbox rows created more than
 // olderThan ago that are published, or parked and decided, and below the
-// watermark (issue 13 retention: the oldest first, through
-// outbox_event_created_xid_idx; xids grow with time, so the scan starts at
-// the oldest rows). Unpublished rows, and parked rows no one decided on,
+// watermark (issue 13 retention), the oldest first. The rows are found
+// through outbox_event_created_brin (migration 00013: only the block ranges
+// holding rows older than olderThan, and the one not summarized yet, are
+// read), not by walking outbox_event_created_xid_idx from the oldest row,
+// which read every published row whenever none was old enough yet. Unpublished rows, and parked rows no one decided on,
 // are never among them. The reconciler removes their inbox rows
 // (inbox.DeleteMessages), then the rows (DeletePurgeable), in one
 // transaction.
