@@ -290,7 +290,7 @@ func (w *Worker) intakeRun(ctx context.Context, tx pgx.Tx, run []*job) error {
 // completeRun is the completion of the verified jobs of a run in tx, as
 // completeInTx for each (inbox -> completed, task running -> completed,
 // effect -> verified: one round trip for all), then their TaskCompleted
-// outbox rows (one more). Any transition that does not apply is
+// outbox rows (one more, one statement: outbox.QueueInsertMany). Any transition that does not apply is
 // errConcurrentChange; a second verified artifact of a task violates
 // ledger.OneVerifiedIndex. Either rolls the transaction back, and the jobs
 // go through the per-record path.
@@ -315,7 +315,7 @@ func (w *Worker) completeRun(ctx context.Context, tx pgx.Tx, jobs []*job, vs []v
 		return nil, fmt.Errorf("complete %d tasks: %w", n, err)
 	}
 	out := make([]taskevent.Task, n)
-	b = &pgx.Batch{}
+	rows := make([]outbox.Row, n)
 	for i, j := range jobs {
 		if !finished[i] || !completed[i].Applied || (vs[i].from != ledger.Verified && !verified[i]) {
 			return nil, fmt.Errorf("complete task %s: %w", j.task.TaskID, errConcurrentChange)
@@ -325,12 +325,12 @@ func (w *Worker) completeRun(ctx context.Context, tx pgx.Tx, jobs []*job, vs []v
 		if err != nil {
 			return nil, err
 		}
-		row, err := outbox.RowOf(&ev)
-		if err != nil {
+		if rows[i], err = outbox.RowOf(&ev); err != nil {
 			return nil, err
 		}
-		outbox.QueueInsert(b, row)
 	}
+	b = &pgx.Batch{}
+	outbox.QueueInsertMany(b, rows)
 	if err := tx.SendBatch(ctx, b).Close(); err != nil {
 		return nil, fmt.Errorf("insert %d TaskCompleted events: %w", n, err)
 	}

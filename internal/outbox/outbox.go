@@ -9,6 +9,8 @@ import (
 
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgtype"
 
 	"github.com/converge-run/converge/internal/dbpool"
 	"github.com/converge-run/converge/internal/taskevent"
@@ -109,6 +111,34 @@ ON CONFLICT (aggregate_id, aggregate_version, event_type) DO NOTHING`, row.args(
 // transaction, which encodes the payload itself).
 func QueueInsert(b *pgx.Batch, row Row) {
 	b.Queue(sqlInsert, row.args()...)
+}
+
+const sqlInsertMany = `
+INSERT INTO outbox_event (outbox_id, aggregate_id, aggregate_version, event_type, payload, payload_sha256, created_at, tenant_id)
+SELECT u.id, u.agg, u.ver, u.typ, u.payload, u.sha, COALESCE(u.created, now()), NULLIF(u.tenant, '')
+FROM unnest($1::text[], $2::text[], $3::bigint[], $4::text[], $5::text[], $6::text[], $7::timestamptz[], $8::text[])
+  AS u(id, agg, ver, typ, payload, sha, created, tenant)`
+
+// QueueInsertMany queues the insert of rows on b as one statement (the
+// worker's completion of a run: one statement per run instead of one per
+// row; the rows, their WAL records and what the relay streams are those of
+// QueueInsert for each, in order). Any row violating a constraint fails
+// the statement, and so the transaction. rows must not be empty.
+func QueueInsertMany(b *pgx.Batch, rows []Row) {
+	n := len(rows)
+	ids, aggs, types, payloads, shas, tenants := make([]string, n), make([]string, n), make([]string, n), make([]string, n), make([]string, n), make([]string, n)
+	versions := make([]int64, n)
+	created := make([]pgtype.Timestamptz, n)
+	for i, r := range rows {
+		ids[i], aggs[i], versions[i], types[i], payloads[i], shas[i], tenants[i] = r.ID, r.TaskID, r.Version, r.Type, string(r.Payload), r.PayloadSHA256, r.TenantID
+		created[i] = pgtype.Timestamptz{Time: r.CreatedAt, Valid: !r.CreatedAt.IsZero()}
+	}
+	b.Queue(sqlInsertMany, ids, aggs, versions, types, payloads, shas, created, tenants).Exec(func(tag pgconn.CommandTag) error {
+		if tag.RowsAffected() != int64(n) {
+			return fmt.Errorf("insert %d outbox rows: %d inserted", n, tag.RowsAffected())
+		}
+		return nil
+	})
 }
 
 // MarkPublished sets published_at and counts the attempt of the rows of ids

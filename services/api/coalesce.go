@@ -15,6 +15,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/converge-run/converge/internal/fault"
+	"github.com/converge-run/converge/internal/outbox"
 	"github.com/converge-run/converge/internal/tenant"
 	"github.com/converge-run/converge/services/api/idempotency"
 )
@@ -24,8 +25,9 @@ import (
 // already running queue up; the next transaction takes every queued request
 // (at most CreateBatchMax) and runs seed 3.1's create transaction for all
 // of them at once: one BEGIN, one COMMIT, each request's statements the
-// same as alone (package idempotency, task, outbox, tenant), pipelined in
-// two round trips. A lone request runs the single-request transaction
+// same as alone (package idempotency, task, tenant) but the TaskCreated
+// outbox rows, inserted by one statement for the group
+// (outbox.QueueInsertMany), pipelined in two round trips. A lone request runs the single-request transaction
 // (store.createOne), so a quiet API answers as it did before.
 //
 // Each request's outcome is exactly the one it would have had alone:
@@ -285,6 +287,7 @@ func (s *store) createGroup(ctx context.Context, group []*createReq, faults *fau
 
 	results := make([]createResult, len(group))
 	b = pgx.Batch{}
+	events := make([]outbox.Row, 0, len(group))
 	winners := 0
 	for _, i := range order {
 		r := group[i]
@@ -298,7 +301,7 @@ func (s *store) createGroup(ctx context.Context, group []*createReq, faults *fau
 		}
 		results[i].n = n
 		winners++
-		queueCreateRows(&b, r.k, r.p, n)
+		queueCreateRows(&b, r.k, r.p, n, &events)
 	}
 	if winners == 0 {
 		return results, nil // nothing inserted; the deferred rollback ends the transaction
@@ -306,6 +309,7 @@ func (s *store) createGroup(ctx context.Context, group []*createReq, faults *fau
 	if faults.Hit(fault.APICreateGroupAbort) != fault.ActionNone {
 		return nil, fmt.Errorf("create %d tasks: %w", winners, fault.ErrInjected)
 	}
+	outbox.QueueInsertMany(&b, events)
 	queueCommit(&b)
 	if err := conn.SendBatch(ctx, &b).Close(); err != nil {
 		return nil, fmt.Errorf("create %d tasks: %w", winners, err)

@@ -60,8 +60,9 @@
 // Group commit (issue 11; coalesce.go): requests that reach the create
 // transaction while CreateTransactions (2) such transactions are running
 // queue up, and the next transaction takes up to CreateBatchMax (32) of
-// them: each request's statements as above, one BEGIN and one COMMIT for
-// all, records inserted in (scope, key) order. Each request still gets the
+// them: each request's statements as above (but the TaskCreated outbox
+// rows, inserted by one statement for the group), one BEGIN and one COMMIT
+// for all, records inserted in (scope, key) order. Each request still gets the
 // outcome it would have had alone: a key recorded before, or used twice in
 // the group, is the loser's case above, answered after the group's
 // transaction ended; any other failure (a quota with nothing left, a

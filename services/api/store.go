@@ -99,7 +99,7 @@ func (s *store) createOne(ctx context.Context, k idempotency.Key, p tenant.Princ
 		return nil, err
 	}
 	b = pgx.Batch{}
-	queueCreateRows(&b, k, p, n)
+	queueCreateRows(&b, k, p, n, nil)
 	queueCommit(&b)
 	if err := conn.SendBatch(ctx, &b).Close(); errors.Is(err, tenant.ErrQuotaExhausted) {
 		return nil, err
@@ -113,15 +113,22 @@ func (s *store) createOne(ctx context.Context, k idempotency.Key, p tenant.Princ
 // queueCreateRows queues on b what the create transaction writes for one
 // request after its record was inserted: the quota consumption (first: no
 // lock held long, nothing inserted when exhausted), the task and its input,
-// the TaskCreated outbox row and the record's completion.
-func queueCreateRows(b *pgx.Batch, k idempotency.Key, p tenant.Principal, n *newTask) {
+// the TaskCreated outbox row and the record's completion. With events not
+// nil the outbox row is appended to *events instead, for the caller to
+// insert with the others of its transaction (outbox.QueueInsertMany).
+func queueCreateRows(b *pgx.Batch, k idempotency.Key, p tenant.Principal, n *newTask, events *[]outbox.Row) {
 	if p.HasQuota {
 		tenant.QueueConsumeQuota(b, p.TenantID)
 	}
 	t := n.Task
 	task.QueueCreate(b, t, k.Fingerprint, n.Document)
-	outbox.QueueInsert(b, outbox.Row{ID: n.OutboxID, TaskID: t.TaskID, Version: t.Version, Type: taskevent.TypeTaskCreated,
-		Payload: n.Payload, PayloadSHA256: n.PayloadSHA256, CreatedAt: t.CreatedAt, TenantID: t.TenantID})
+	row := outbox.Row{ID: n.OutboxID, TaskID: t.TaskID, Version: t.Version, Type: taskevent.TypeTaskCreated,
+		Payload: n.Payload, PayloadSHA256: n.PayloadSHA256, CreatedAt: t.CreatedAt, TenantID: t.TenantID}
+	if events != nil {
+		*events = append(*events, row)
+	} else {
+		outbox.QueueInsert(b, row)
+	}
 	idempotency.QueueComplete(b, k, t.TaskID, n.Response)
 }
 
