@@ -332,6 +332,17 @@ func TestBodyLimits(t *testing.T) {
 			t.Errorf("the stalled body: %d %s", r.status, r.body)
 		}
 	})
+	t.Run("body slower than the request timeout", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t, func(c *Config) { c.RequestTimeout = 500 * time.Millisecond })
+		f := b.stalledPost(t, b.token, "slower-than-request-1", 1)
+		time.Sleep(time.Second)
+		r := f()
+		wantProblem(t, r, http.StatusRequestTimeout, CodeRequestTimeout)
+		if n := b.count(t, "task"); n != 0 {
+			t.Errorf("%d tasks from a body that timed out", n)
+		}
+	})
 	t.Run("slow body", func(t *testing.T) {
 		t.Parallel()
 		b := setup(t)

@@ -79,6 +79,11 @@ const (
 	// quotaMemo is how long the requests of a tenant whose quota was found
 	// exhausted run alone: such a request would fail every group it is in.
 	quotaMemo = time.Second
+	// minGroupTime is the least time a request must have left to join a
+	// group: groupContext gives a group half the time of its most hurried
+	// member, so one member close to its deadline would make the group fail
+	// and every member run again alone. Such a request runs alone at once.
+	minGroupTime = 4 * groupLockTimeout
 )
 
 // sqlGroupLockTimeout sets groupLockTimeout for the group transaction only.
@@ -157,8 +162,9 @@ func (c *coalescer) drain() {
 
 // run answers every request of group. Requests whose context already
 // ended get its error; those of a tenant whose quota was just found
-// exhausted run alone; the rest share one group transaction, and run alone
-// when it fails. Requests running alone after a group are not bounded by
+// exhausted, and those with less than minGroupTime left, run alone; the
+// rest share one group transaction, and run alone when it fails (a group
+// whose COMMIT was sent but not answered is settled first: committed). Requests running alone after a group are not bounded by
 // maxTx (they take pool connections as without group commit).
 func (c *coalescer) run(group []*createReq) {
 	now := time.Now()
@@ -168,7 +174,7 @@ func (c *coalescer) run(group []*createReq) {
 		switch {
 		case r.ctx.Err() != nil:
 			r.answer(nil, fmt.Errorf("create task: %w", r.ctx.Err()))
-		case r.p.HasQuota && now.Before(c.exhausted[r.p.TenantID]):
+		case r.p.HasQuota && now.Before(c.exhausted[r.p.TenantID]), hurried(r.ctx, now):
 			go c.runAlone(r)
 		default:
 			live = append(live, r)
@@ -185,6 +191,10 @@ func (c *coalescer) run(group []*createReq) {
 	ctx, cancel := c.groupContext(live)
 	defer cancel()
 	results, err := c.createGroup(ctx, live)
+	var unknown *commitUnknownError
+	if errors.As(err, &unknown) && c.committed(live, results) {
+		err = nil
+	}
 	if err != nil {
 		// Nothing of the group was committed: each request alone.
 		c.aborts.Inc()
@@ -194,10 +204,48 @@ func (c *coalescer) run(group []*createReq) {
 		}
 		return
 	}
-	c.sizes.Observe(float64(len(live)))
+	if n := winners(results); n > 0 {
+		c.sizes.Observe(float64(n))
+	}
 	for i, r := range live {
 		r.answer(results[i].n, results[i].err)
 	}
+}
+
+// hurried reports whether ctx has less than minGroupTime left at now.
+func hurried(ctx context.Context, now time.Time) bool {
+	d, ok := ctx.Deadline()
+	return ok && d.Sub(now) < minGroupTime
+}
+
+// winners counts the requests of a group transaction that inserted a task.
+func winners(results []createResult) int {
+	n := 0
+	for _, r := range results {
+		if r.n != nil {
+			n++
+		}
+	}
+	return n
+}
+
+// committed settles a group transaction whose COMMIT was sent but whose
+// answer was lost (the group's deadline, a broken connection): it reads,
+// on another connection, the idempotency record of one request that
+// inserted a task; the transaction committed exactly when that record
+// names the task (all of a transaction or nothing). Not known (the read
+// failed, or the transaction is still running and not yet visible) is
+// false: the members then run alone, and each finds its key recorded and
+// answers from the record, as a retry of the request would.
+func (c *coalescer) committed(group []*createReq, results []createResult) bool {
+	i := slices.IndexFunc(results, func(r createResult) bool { return r.n != nil })
+	if i < 0 {
+		return false
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), c.timeout)
+	defer cancel()
+	rec, err := c.store.idempotencyRecord(ctx, group[i].k.Scope, group[i].k.Key)
+	return err == nil && rec.TaskID != nil && *rec.TaskID == results[i].n.Task.TaskID
 }
 
 // groupContext bounds a group transaction: by timeout, and by half the time
@@ -312,8 +360,21 @@ func (s *store) createGroup(ctx context.Context, group []*createReq, faults *fau
 	outbox.QueueInsertMany(&b, events)
 	queueCommit(&b)
 	if err := conn.SendBatch(ctx, &b).Close(); err != nil {
-		return nil, fmt.Errorf("create %d tasks: %w", winners, err)
+		err = fmt.Errorf("create %d tasks: %w", winners, err)
+		if conn.Conn.Conn().IsClosed() {
+			// The connection broke (or the deadline closed it) before
+			// PostgreSQL's answer was read: the COMMIT may have run.
+			return results, &commitUnknownError{err: err}
+		}
+		return nil, err
 	}
 	conn.committed = true
 	return results, nil
 }
+
+// commitUnknownError is the error of a group transaction whose COMMIT was
+// sent and whose outcome was not received: it may have committed.
+type commitUnknownError struct{ err error }
+
+func (e *commitUnknownError) Error() string { return "commit outcome unknown: " + e.err.Error() }
+func (e *commitUnknownError) Unwrap() error { return e.err }

@@ -490,3 +490,159 @@ func TestPanickingBuildFailsOnlyItsRequest(t *testing.T) {
 		t.Fatalf("a request after the panic: %v", err)
 	}
 }
+
+// batchSamples returns how many transactions converge_api_create_batch_size
+// observed in reg, and the sum of their sizes.
+func batchSamples(t *testing.T, reg prometheus.Gatherer) (count uint64, sum float64) {
+	t.Helper()
+	mfs, err := reg.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, mf := range mfs {
+		if mf.GetName() == "converge_api_create_batch_size" {
+			for _, m := range mf.GetMetric() {
+				count += m.GetHistogram().GetSampleCount()
+				sum += m.GetHistogram().GetSampleSum()
+			}
+		}
+	}
+	return count, sum
+}
+
+// TestHurriedRequestRunsAlone: a request with less than minGroupTime left
+// does not join a group (the group would get half its time and fail for
+// everyone): it runs alone, the others share one transaction, and no group
+// fails.
+func TestHurriedRequestRunsAlone(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	s := &store{pool: b.db.Pool}
+	c, reg := testCoalescer(t, s, nil)
+	pa := tenant.Principal{TenantID: b.tenant.ID}
+	hurriedCtx, cancel := context.WithTimeout(context.Background(), minGroupTime/2)
+	defer cancel()
+	group := []*createReq{groupReq(pa, "calm-1", "1"), groupReq(pa, "hurried", "h"), groupReq(pa, "calm-2", "2"), groupReq(pa, "calm-3", "3")}
+	group[1].ctx = hurriedCtx
+	res := runGroup(c, group)
+	for i, r := range res {
+		if r.err != nil {
+			t.Fatalf("%s: %v, want created", group[i].k.Key, r.err)
+		}
+	}
+	if n := xminsOf(t, b, res[0], res[2], res[3]); n != 1 {
+		t.Fatalf("the calm requests' tasks were inserted by %d transactions, want 1", n)
+	}
+	if n := xminsOf(t, b, res...); n != 2 {
+		t.Fatalf("the group's tasks were inserted by %d transactions, want 2 (the hurried one alone)", n)
+	}
+	if got := counterValue(t, reg, "converge_api_create_group_aborts_total", nil); got != 0 {
+		t.Fatalf("converge_api_create_group_aborts_total %v, want 0", got)
+	}
+}
+
+// TestGroupOfLosersIsNotABatch: a group transaction in which every request
+// found its key recorded inserted nothing and is not observed as a batch.
+func TestGroupOfLosersIsNotABatch(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	s := &store{pool: b.db.Pool}
+	c, reg := testCoalescer(t, s, nil)
+	pa := tenant.Principal{TenantID: b.tenant.ID}
+	first := runGroup(c, []*createReq{groupReq(pa, "k1", "1"), groupReq(pa, "k2", "2")})
+	if first[0].err != nil || first[1].err != nil {
+		t.Fatalf("first group: %v, %v", first[0].err, first[1].err)
+	}
+	again := runGroup(c, []*createReq{groupReq(pa, "k1", "1"), groupReq(pa, "k2", "2")})
+	if !errors.Is(again[0].err, errKeyTaken) || !errors.Is(again[1].err, errKeyTaken) {
+		t.Fatalf("second group: %v, %v; want errKeyTaken for both", again[0].err, again[1].err)
+	}
+	if count, sum := batchSamples(t, reg); count != 1 || sum != 2 {
+		t.Fatalf("converge_api_create_batch_size: %d transactions, %v requests; want 1 of 2", count, sum)
+	}
+}
+
+// TestCommittedReadsTheRecord: a group transaction whose COMMIT's answer
+// was lost is settled by the record of one of its tasks: committed when it
+// names that task, else not (and not when no request inserted a task).
+func TestCommittedReadsTheRecord(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	s := &store{pool: b.db.Pool}
+	c, _ := testCoalescer(t, s, nil)
+	pa := tenant.Principal{TenantID: b.tenant.ID}
+	r := groupReq(pa, "settled", "1")
+	n, err := s.createOne(context.Background(), r.k, r.p, r.build)
+	if err != nil {
+		t.Fatal(err)
+	}
+	loser := createResult{err: errKeyTaken}
+	if !c.committed([]*createReq{groupReq(pa, "other", "2"), r}, []createResult{loser, {n: n}}) {
+		t.Fatal("the record names the task: want committed")
+	}
+	other := *n
+	other.Task.TaskID = "not-" + n.Task.TaskID
+	if c.committed([]*createReq{r}, []createResult{{n: &other}}) {
+		t.Fatal("the record names another task: want not committed")
+	}
+	if c.committed([]*createReq{groupReq(pa, "absent", "3")}, []createResult{{n: n}}) {
+		t.Fatal("no record: want not committed")
+	}
+	if c.committed([]*createReq{r}, []createResult{loser}) {
+		t.Fatal("no request inserted a task: want not committed")
+	}
+}
+
+// TestHeldKeyIsInProgress: a create whose key's record another transaction
+// holds uncommitted (a concurrent request with the same key, not ended) is
+// 409 IDEMPOTENCY_REQUEST_IN_PROGRESS with Retry-After after about
+// maxAloneLockTimeout, not a wait until its deadline and not 503; more such
+// requests than the pool has connections do not starve a request for
+// another key; once the holder rolls back, the key creates.
+func TestHeldKeyIsInProgress(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	tx := holdKey(t, b, groupReq(tenant.Principal{TenantID: b.tenant.ID}, "held-key", "h"))
+	h := http.Header{"Content-Type": {"application/json"}, "Idempotency-Key": {"held-key"}}
+
+	start := time.Now()
+	r := b.do(t, http.MethodPost, "/v1/tasks", h, wrap(`{"a":1}`))
+	wantProblem(t, r, http.StatusConflict, CodeIdempotencyInProgress)
+	if r.header.Get("Retry-After") == "" {
+		t.Error("409 in progress without Retry-After")
+	}
+	if el := time.Since(start); el > 3*maxAloneLockTimeout+groupLockTimeout {
+		t.Errorf("answered after %s, want about %s (the lock timeout)", el, maxAloneLockTimeout)
+	}
+
+	held := make([]*response, 12) // the test pool has 4 connections
+	var wg sync.WaitGroup
+	for i := range held {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			resp, err := b.try(http.MethodPost, "/v1/tasks", h, wrap(`{"a":1}`))
+			if err != nil {
+				resp = &response{status: -1, body: []byte(err.Error())}
+			}
+			held[i] = resp
+		}()
+	}
+	time.Sleep(50 * time.Millisecond)
+	free := b.post(t, "free-key", wrap(`{"b":2}`))
+	if free.status != http.StatusAccepted {
+		t.Errorf("a new key while its requests wait for a held key: %d %s, want 202", free.status, free.body)
+	}
+	wg.Wait()
+	for i, r := range held {
+		if r.status != http.StatusConflict {
+			t.Errorf("held-key request %d: %d %s, want 409", i, r.status, r.body)
+		}
+	}
+	if err := tx.Rollback(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	if r := b.do(t, http.MethodPost, "/v1/tasks", h, wrap(`{"a":1}`)); r.status != http.StatusAccepted {
+		t.Fatalf("the key after its holder rolled back: %d %s, want 202", r.status, r.body)
+	}
+}

@@ -1,11 +1,13 @@
 package api
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"io"
 	"log/slog"
 	"net/http"
+	"os"
 	"strconv"
 	"time"
 
@@ -87,13 +89,23 @@ func (s *Server) handleCreate(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	defer release()
+	// RequestTimeout bounds reading the body too: a body still arriving at
+	// the request's deadline is cut there (its read deadline moved to now,
+	// never later than the server's ReadTimeout) and answered 408, not a
+	// later 503 of statements that would have no time left.
+	rc := http.NewResponseController(w)
+	stop := context.AfterFunc(r.Context(), func() { _ = rc.SetReadDeadline(time.Now()) })
 	body, err := io.ReadAll(http.MaxBytesReader(w, r.Body, s.cfg.MaxBodyBytes))
+	stop()
+	if err == nil && errors.Is(r.Context().Err(), context.DeadlineExceeded) {
+		err = os.ErrDeadlineExceeded // the body came, but after the deadline
+	}
 	if err != nil {
 		var me *http.MaxBytesError
 		switch {
 		case errors.As(err, &me):
 		case isTimeout(err):
-			err = newError(CodeRequestTimeout, "the request body was not received within the server's read timeout")
+			err = newError(CodeRequestTimeout, "the request body was not received within the server's read timeout or the request's timeout")
 		default:
 			err = canonError(canon.CodeMalformedJSON, "request body could not be read: "+err.Error(), -1)
 		}

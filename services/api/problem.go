@@ -167,7 +167,7 @@ type problem struct {
 //     text is not JSON (Syntax), else 422, with the canon code;
 //   - *http.MaxBytesError: 413 BODY_TOO_LARGE;
 //   - PostgreSQL unreachable, timing out, shutting down, overloaded, or a
-//     serialization/deadlock abort: 503 DATABASE_UNAVAILABLE with
+//     serialization/deadlock/lock_timeout abort: 503 DATABASE_UNAVAILABLE with
 //     Retry-After;
 //   - anything else: 500 INTERNAL (a defect: no input may lead here).
 func problemFor(err error) problem {
@@ -222,7 +222,7 @@ func databaseUnavailable(err error) bool {
 		case strings.HasPrefix(pe.Code, "08"), // connection exception
 			strings.HasPrefix(pe.Code, "53"), // insufficient resources
 			strings.HasPrefix(pe.Code, "57"), // operator intervention (shutdown, cancel)
-			pe.Code == "40001", pe.Code == "40P01":
+			pe.Code == "40001", pe.Code == "40P01", pe.Code == "55P03": // serialization, deadlock, lock_timeout
 			return true
 		}
 		return false

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strconv"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -67,8 +68,9 @@ type newTask struct {
 // errKeyTaken with nothing written; it then reads the record.
 //
 // The transaction takes two round trips to PostgreSQL, its statements
-// pipelined (pgx.Batch: one write, one Sync): BEGIN with the record insert,
-// whose RETURNING gives the timestamp; then the task and task_input inserts
+// pipelined (pgx.Batch: one write, one Sync): BEGIN, the transaction's
+// lock_timeout (aloneLockTimeout) and the record insert, whose RETURNING
+// gives the timestamp; then the task and task_input inserts
 // (package task), the outbox insert (package outbox), the record completion
 // (package idempotency, which fails when the record is not in progress with
 // this fingerprint) and COMMIT. A statement that fails makes PostgreSQL skip
@@ -85,10 +87,16 @@ func (s *store) createOne(ctx context.Context, k idempotency.Key, p tenant.Princ
 	var b pgx.Batch
 	var now time.Time
 	b.Queue("BEGIN")
+	b.Queue(sqlSetLockTimeout, strconv.FormatInt(aloneLockTimeout(ctx).Milliseconds(), 10))
 	idempotency.QueueBegin(&b, k, &now)
 	err = conn.SendBatch(ctx, &b).Close()
 	if errors.Is(err, pgx.ErrNoRows) {
 		return nil, errKeyTaken
+	}
+	if lockNotAvailable(err) {
+		// Another transaction holds this key's record uncommitted: a
+		// concurrent request with the same key (seed 3.1), still running.
+		return nil, &Error{Code: CodeIdempotencyInProgress, Detail: "a request with this idempotency key is being processed; retry after it ends", Err: err}
 	}
 	if err != nil {
 		return nil, fmt.Errorf("insert idempotency record: %w", err)
@@ -108,6 +116,44 @@ func (s *store) createOne(ctx context.Context, k idempotency.Key, p tenant.Princ
 	}
 	conn.committed = true
 	return n, nil
+}
+
+const (
+	// maxAloneLockTimeout is the longest a create transaction of one request
+	// waits for a lock (lock_timeout): for its key's record, held by a
+	// concurrent request with the same key whose transaction has not ended,
+	// or for its tenant's quota row. Past it the request is 409
+	// IDEMPOTENCY_REQUEST_IN_PROGRESS (the record) or 503
+	// DATABASE_UNAVAILABLE (anything else), both with Retry-After: requests
+	// for a key held by a stuck transaction do not hold pool connections
+	// until their deadlines and starve requests for other keys.
+	maxAloneLockTimeout = time.Second
+	// minLockTimeout is the least lock_timeout set (0 would mean none).
+	minLockTimeout = 10 * time.Millisecond
+)
+
+// sqlSetLockTimeout sets lock_timeout ($1, milliseconds as text) for the
+// rest of the transaction; one statement text for every value, so pgx
+// prepares it once.
+const sqlSetLockTimeout = `SELECT set_config('lock_timeout', $1, true)`
+
+// aloneLockTimeout is the lock_timeout of a single-request create
+// transaction under ctx: maxAloneLockTimeout, or half the time ctx has
+// left when that is shorter, so that a lock wait ends as a lock timeout
+// (409 in progress), not as the request's deadline (503).
+func aloneLockTimeout(ctx context.Context) time.Duration {
+	lt := maxAloneLockTimeout
+	if d, ok := ctx.Deadline(); ok {
+		lt = min(lt, time.Until(d)/2)
+	}
+	return max(lt, minLockTimeout)
+}
+
+// lockNotAvailable reports whether err is PostgreSQL's lock_timeout
+// (SQLSTATE 55P03 lock_not_available).
+func lockNotAvailable(err error) bool {
+	var pe *pgconn.PgError
+	return errors.As(err, &pe) && pe.Code == "55P03"
 }
 
 // queueCreateRows queues on b what the create transaction writes for one
