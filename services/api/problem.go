@@ -220,8 +220,8 @@ func databaseUnavailable(err error) bool {
 	if errors.As(err, &pe) {
 		switch {
 		case strings.HasPrefix(pe.Code, "08"), // connection exception
-			strings.HasPrefix(pe.Code, "53"), // insufficient resources
-			strings.HasPrefix(pe.Code, "57"), // operator intervention (shutdown, cancel)
+			strings.HasPrefix(pe.Code, "53"),                           // insufficient resources
+			strings.HasPrefix(pe.Code, "57"),                           // operator intervention (shutdown, cancel)
 			pe.Code == "40001", pe.Code == "40P01", pe.Code == "55P03": // serialization, deadlock, lock_timeout
 			return true
 		}
