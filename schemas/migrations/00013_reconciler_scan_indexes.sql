@@ -1,3 +1,4 @@
+-- +goose NO TRANSACTION
 -- +goose Up
 -- Issue 11: the reconciler's periodic scans (every 5 s) read the rows they
 -- look for, not whole tables. Before, three of them were sequential scans
@@ -25,17 +26,28 @@
 -- with autosummarize, autovacuum summarizes a range once it is full,
 -- instead of at the next vacuum of the table (this also bounds
 -- idempotency.Purge, on idempotency_record_expires_brin).
-CREATE INDEX inbox_message_processing_idx ON inbox_message (last_seen_at) WHERE state = 'processing';
-CREATE INDEX idempotency_record_in_progress_idx ON idempotency_record (locked_until) WHERE state = 'in_progress';
-CREATE INDEX dead_letter_open_idx ON dead_letter (state) WHERE state IN ('parked', 'refused');
-CREATE INDEX dead_letter_settled_idx ON dead_letter (updated_at) WHERE state IN ('resolved', 'replayed');
-CREATE INDEX outbox_event_created_brin ON outbox_event USING brin (created_at) WITH (pages_per_range = 32, autosummarize = on);
+--
+-- The indexes are built CONCURRENTLY (outside a transaction: goose's NO
+-- TRANSACTION), so that upgrading a live deployment does not block the
+-- writes of the API, the worker and the relay to these tables while they
+-- are built. A build interrupted halfway leaves an invalid index of that
+-- name: each is dropped first, so applying the migration again rebuilds it.
+DROP INDEX CONCURRENTLY IF EXISTS inbox_message_processing_idx;
+CREATE INDEX CONCURRENTLY inbox_message_processing_idx ON inbox_message (last_seen_at) WHERE state = 'processing';
+DROP INDEX CONCURRENTLY IF EXISTS idempotency_record_in_progress_idx;
+CREATE INDEX CONCURRENTLY idempotency_record_in_progress_idx ON idempotency_record (locked_until) WHERE state = 'in_progress';
+DROP INDEX CONCURRENTLY IF EXISTS dead_letter_open_idx;
+CREATE INDEX CONCURRENTLY dead_letter_open_idx ON dead_letter (state) WHERE state IN ('parked', 'refused');
+DROP INDEX CONCURRENTLY IF EXISTS dead_letter_settled_idx;
+CREATE INDEX CONCURRENTLY dead_letter_settled_idx ON dead_letter (updated_at) WHERE state IN ('resolved', 'replayed');
+DROP INDEX CONCURRENTLY IF EXISTS outbox_event_created_brin;
+CREATE INDEX CONCURRENTLY outbox_event_created_brin ON outbox_event USING brin (created_at) WITH (pages_per_range = 32, autosummarize = on);
 ALTER INDEX idempotency_record_expires_brin SET (autosummarize = on);
 
 -- +goose Down
 ALTER INDEX idempotency_record_expires_brin RESET (autosummarize);
-DROP INDEX outbox_event_created_brin;
-DROP INDEX dead_letter_settled_idx;
-DROP INDEX dead_letter_open_idx;
-DROP INDEX idempotency_record_in_progress_idx;
-DROP INDEX inbox_message_processing_idx;
+DROP INDEX CONCURRENTLY IF EXISTS outbox_event_created_brin;
+DROP INDEX CONCURRENTLY IF EXISTS dead_letter_settled_idx;
+DROP INDEX CONCURRENTLY IF EXISTS dead_letter_open_idx;
+DROP INDEX CONCURRENTLY IF EXISTS idempotency_record_in_progress_idx;
+DROP INDEX CONCURRENTLY IF EXISTS inbox_message_processing_idx;
