@@ -276,9 +276,28 @@ type ReconcilerCmd struct {
 	Services
 	Pipeline
 	MetricsAddr
-	LagInterval     time.Duration `env:"CONVERGE_LAG_SAMPLE_INTERVAL" default:"10s" help:"Interval of the consumer-group lag sample the reconciler exports (every group of the cluster; needs --kafka-brokers)."`
+	Retention
+	LagInterval time.Duration `env:"CONVERGE_LAG_SAMPLE_INTERVAL" default:"10s" help:"Interval of the consumer-group lag sample the reconciler exports (every group of the cluster; needs --kafka-brokers)."`
+}
+
+// Retention is the reconciler's retention windows, for `converge
+// reconciler` and the reconciler inside `converge dev`.
+type Retention struct {
 	OutboxRetention time.Duration `name:"outbox-retention" env:"CONVERGE_OUTBOX_RETENTION" default:"168h" help:"How long a published outbox row is kept before the retention scan removes it."`
 	TaskRetention   time.Duration `name:"task-retention" env:"CONVERGE_TASK_RETENTION" default:"720h" help:"How long a terminal task is kept after its last update before the retention scan removes it with its artifact and every row of it (at least 24h and at least the outbox retention)."`
+}
+
+// check refuses windows the reconciler would not keep: an outbox retention
+// under 1h, and a task retention of zero or less (which reconciler.Config
+// would take for its default; it refuses the other short ones itself).
+func (r Retention) check() error {
+	if r.OutboxRetention < time.Hour {
+		return fmt.Errorf("CONVERGE_OUTBOX_RETENTION %s: want at least 1h", r.OutboxRetention)
+	}
+	if r.TaskRetention <= 0 {
+		return fmt.Errorf("CONVERGE_TASK_RETENTION %s: want at least 24h and at least CONVERGE_OUTBOX_RETENTION", r.TaskRetention)
+	}
+	return nil
 }
 
 // Run reconciles until interrupted.
@@ -293,11 +312,8 @@ func (c *ReconcilerCmd) Run(env *runEnv) error {
 		return err
 	}
 	reg := newRegistry()
-	if c.OutboxRetention < time.Hour {
-		return fmt.Errorf("CONVERGE_OUTBOX_RETENTION %s: want at least 1h", c.OutboxRetention)
-	}
-	if c.TaskRetention <= 0 { // the reconciler would take a zero for its default
-		return fmt.Errorf("CONVERGE_TASK_RETENTION %s: want at least 24h and at least CONVERGE_OUTBOX_RETENTION", c.TaskRetention)
+	if err := c.Retention.check(); err != nil {
+		return err
 	}
 	rcfg := reconciler.Config{Pool: pool, ArtifactStore: store, Logger: env.log, Registerer: reg, OutboxRetention: c.OutboxRetention,
 		TaskRetention: c.TaskRetention, Faults: env.faults,

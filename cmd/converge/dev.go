@@ -40,6 +40,7 @@ type DevCmd struct {
 	Services
 	Pipeline
 	WorkerTuning
+	Retention
 	DataDir     string `env:"CONVERGE_DATA_DIR" default:".converge" help:"Directory of the embedded services' data (PostgreSQL cluster, Kafka log, Redis, artifacts)."`
 	PGPort      int    `name:"pg-port" env:"CONVERGE_DEV_PG_PORT" default:"54329" help:"Port of the embedded PostgreSQL."`
 	KafkaPort   int    `env:"CONVERGE_DEV_KAFKA_PORT" default:"19092" help:"Port of the embedded Kafka-protocol broker (kfake)."`
@@ -52,6 +53,9 @@ type DevCmd struct {
 // serves until interrupted.
 func (c *DevCmd) Run(env *runEnv) error {
 	ctx, log := env.ctx, env.log
+	if err := c.Retention.check(); err != nil {
+		return err
+	}
 	dataDir, err := filepath.Abs(c.DataDir)
 	if err != nil {
 		return err
@@ -161,6 +165,7 @@ func (c *DevCmd) Run(env *runEnv) error {
 		Topic: c.Topic, Partitions: c.TopicPartitions, SlotName: c.SlotName, PublicationName: c.PublicationName,
 		Listener: ln, AdminListener: adminLn, MaxBodyBytes: c.MaxBodyBytes, MaxInFlightPerTenant: c.MaxInFlight, CreateBatchMax: c.CreateBatchMax, Faults: env.faults, Logger: log, Registry: reg,
 		Worker:     worker.Config{VisibilityTimeout: c.WorkerVisibilityTimeout},
+		Reconciler: reconciler.Config{OutboxRetention: c.OutboxRetention, TaskRetention: c.TaskRetention},
 		Supervised: supervised,
 		Ready: func(addr string) {
 			fmt.Printf(`
