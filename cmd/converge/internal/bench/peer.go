@@ -82,11 +82,6 @@ func runPeer(ctx context.Context, e *env, res *Results) error {
 	}
 	pr := &PeerResult{Tasks: e.cfg.PeerTasks, Clients: peerClients, Median: map[string]PeerRun{}}
 	res.Peer = pr
-	conv, err := e.startPeerPipeline(ctx)
-	if err != nil {
-		return err
-	}
-	defer conv.stop()
 	// River's artifact directories are removed after the last run, not
 	// after each: on a file system without a journal (ext4 in nojournal
 	// mode, as on the machine BENCHMARKS.md reports), inodes freed in the
@@ -107,7 +102,14 @@ func runPeer(ctx context.Context, e *env, res *Results) error {
 				if run == e.cfg.Runs-1 {
 					stop = e.profile("peer-converge")
 				}
-				r, err = conv.run(ctx, run)
+				// A pipeline of its own per run, on a fresh database and
+				// artifact directory, as each River run has: a run never
+				// works on the rows and files of the runs before it.
+				var conv *peerPipeline
+				if conv, err = e.startPeerPipeline(ctx, run); err == nil {
+					r, err = conv.run(ctx, run)
+					conv.stop()
+				}
 				stop()
 			} else {
 				r, err = e.runRiver(ctx, riverBin, system == peerRiverTuned, run)
@@ -227,8 +229,9 @@ func childCPU(cmd *exec.Cmd) time.Duration {
 	return 0
 }
 
-// peerPipeline is converge's side of the peer stage: the pipeline, started
-// once, and the load generator run per run as a process of its own.
+// peerPipeline is converge's side of one run of the peer stage: the
+// pipeline, on a database, slot, topic and artifact directory of the run's
+// own, and the load generator run as a process of its own.
 type peerPipeline struct {
 	e       *env
 	dbURL   string
@@ -240,8 +243,11 @@ type peerPipeline struct {
 	done    chan error
 }
 
-func (e *env) startPeerPipeline(ctx context.Context) (*peerPipeline, error) {
-	const db = "bench_peer_converge"
+func (e *env) startPeerPipeline(ctx context.Context, run int) (*peerPipeline, error) {
+	db := fmt.Sprintf("bench_peer_converge_%d", run)
+	slot := fmt.Sprintf("bench_peer_%d", run)
+	artifacts := filepath.Join(e.dir, fmt.Sprintf("artifacts-peer-%d", run))
+	e.peerDirs = append(e.peerDirs, artifacts)
 	dbURL, pool, err := e.newDB(ctx, db)
 	if err != nil {
 		return nil, err
@@ -262,7 +268,7 @@ func (e *env) startPeerPipeline(ctx context.Context) (*peerPipeline, error) {
 	p.cancel = cancel
 	go func() {
 		p.done <- pipeline.Run(pctx, pipeline.Config{DatabaseURL: dbURL, Brokers: e.brokers, RedisURL: e.redisURL,
-			ArtifactDir: filepath.Join(e.dir, "artifacts-peer"), Topic: "bench.peer", SlotName: "bench_peer", PublicationName: "bench_peer",
+			ArtifactDir: artifacts, Topic: fmt.Sprintf("bench.peer.%d", run), SlotName: slot, PublicationName: "bench_peer",
 			Partitions: int32(e.cfg.Partitions), Worker: worker.Config{Concurrency: e.cfg.WorkerConcurrency},
 			Listener: ln, Logger: e.log, Ready: func(string) { close(ready) }})
 	}()
@@ -291,7 +297,7 @@ func (p *peerPipeline) stop() {
 		p.e.progress("peer    the pipeline did not stop within 30s after cancellation; going on")
 	}
 	p.pool.Close()
-	dropSlots(p.e, "bench_peer")
+	dropSlots(p.e, p.db) // the run's slot, so that settle can drop its database
 }
 
 // loadgen runs `converge loadgen` (this executable) with 16 closed-loop
