@@ -286,8 +286,10 @@ func (c *coalescer) runAlone(r *createReq) {
 			r.answer(nil, fmt.Errorf("create task: panic: %v", v))
 		}
 	}()
-	c.sizes.Observe(1)
 	n, err := c.store.createOne(r.ctx, r.k, r.p, r.build)
+	if n != nil {
+		c.sizes.Observe(1) // a transaction that inserted a task
+	}
 	if errors.Is(err, tenant.ErrQuotaExhausted) {
 		c.mu.Lock()
 		c.exhausted[r.p.TenantID] = time.Now().Add(quotaMemo)

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"log/slog"
 	"net/http"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -557,6 +558,10 @@ func TestGroupOfLosersIsNotABatch(t *testing.T) {
 	if !errors.Is(again[0].err, errKeyTaken) || !errors.Is(again[1].err, errKeyTaken) {
 		t.Fatalf("second group: %v, %v; want errKeyTaken for both", again[0].err, again[1].err)
 	}
+	alone := runGroup(c, []*createReq{groupReq(pa, "k1", "1")}) // a lone request: runAlone
+	if !errors.Is(alone[0].err, errKeyTaken) {
+		t.Fatalf("lone request: %v, want errKeyTaken", alone[0].err)
+	}
 	if count, sum := batchSamples(t, reg); count != 1 || sum != 2 {
 		t.Fatalf("converge_api_create_batch_size: %d transactions, %v requests; want 1 of 2", count, sum)
 	}
@@ -596,9 +601,13 @@ func TestCommittedReadsTheRecord(t *testing.T) {
 // TestHeldKeyIsInProgress: a create whose key's record another transaction
 // holds uncommitted (a concurrent request with the same key, not ended) is
 // 409 IDEMPOTENCY_REQUEST_IN_PROGRESS with Retry-After after about
-// maxAloneLockTimeout, not a wait until its deadline and not 503; more such
-// requests than the pool has connections do not starve a request for
-// another key; once the holder rolls back, the key creates.
+// maxAloneLockTimeout, not a wait until its deadline and not 503; thirty
+// such requests at once, many more than the pool's four connections, take
+// one connection between them (keyflight.go): each is answered about as
+// soon as the first, and a request for another key is served meanwhile
+// (the 2026-12-04 review saw 409s after up to 8.5 s and a 503, and fresh
+// keys waiting 8 s, with one waiter per connection); once the holder rolls
+// back, the key creates.
 func TestHeldKeyIsInProgress(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
@@ -615,8 +624,10 @@ func TestHeldKeyIsInProgress(t *testing.T) {
 		t.Errorf("answered after %s, want about %s (the lock timeout)", el, maxAloneLockTimeout)
 	}
 
-	held := make([]*response, 12) // the test pool has 4 connections
+	held := make([]*response, 30) // the test pool has 4 connections
+	took := make([]time.Duration, len(held))
 	var wg sync.WaitGroup
+	start = time.Now()
 	for i := range held {
 		wg.Add(1)
 		go func() {
@@ -625,24 +636,67 @@ func TestHeldKeyIsInProgress(t *testing.T) {
 			if err != nil {
 				resp = &response{status: -1, body: []byte(err.Error())}
 			}
-			held[i] = resp
+			held[i], took[i] = resp, time.Since(start)
 		}()
 	}
 	time.Sleep(50 * time.Millisecond)
+	freeStart := time.Now()
 	free := b.post(t, "free-key", wrap(`{"b":2}`))
 	if free.status != http.StatusAccepted {
 		t.Errorf("a new key while its requests wait for a held key: %d %s, want 202", free.status, free.body)
+	}
+	if el := time.Since(freeStart); el > 3*maxAloneLockTimeout {
+		t.Errorf("a new key was answered after %s while 30 requests waited for a held key, want well under %s", el, 3*maxAloneLockTimeout)
 	}
 	wg.Wait()
 	for i, r := range held {
 		if r.status != http.StatusConflict {
 			t.Errorf("held-key request %d: %d %s, want 409", i, r.status, r.body)
 		}
+		if took[i] > 3*maxAloneLockTimeout+groupLockTimeout {
+			t.Errorf("held-key request %d answered after %s, want about %s", i, took[i], maxAloneLockTimeout)
+		}
+	}
+	if got := counterValue(t, b.reg, "converge_api_idempotency_total", map[string]string{"outcome": "in_progress"}); got < float64(len(held)) {
+		t.Errorf("converge_api_idempotency_total{outcome=in_progress} %v, want at least %d", got, len(held))
 	}
 	if err := tx.Rollback(context.Background()); err != nil {
 		t.Fatal(err)
 	}
 	if r := b.do(t, http.MethodPost, "/v1/tasks", h, wrap(`{"a":1}`)); r.status != http.StatusAccepted {
 		t.Fatalf("the key after its holder rolled back: %d %s, want 202", r.status, r.body)
+	}
+}
+
+// TestHeldQuotaRowIs503: a create whose tenant's quota row another
+// transaction holds is 503 DATABASE_UNAVAILABLE with Retry-After once the
+// lock timeout passes, with a detail that says it waited for a lock (not
+// that the database did not answer), and nothing is written.
+func TestHeldQuotaRowIs503(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ctx := context.Background()
+	ten := int64(10)
+	limited, token := b.addTenant(t, "limited", false, &ten)
+	tx, err := b.db.Pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tx.Rollback(ctx) //nolint:errcheck
+	if _, err := tx.Exec(ctx, `SELECT * FROM quota WHERE tenant_id = $1 FOR UPDATE`, limited.ID); err != nil {
+		t.Fatal(err)
+	}
+	h := http.Header{"Content-Type": {"application/json"}, "Idempotency-Key": {"quota-held-1"}, "Authorization": {"Bearer " + token}}
+	start := time.Now()
+	r := b.do(t, http.MethodPost, "/v1/tasks", h, wrap(`{"q":1}`))
+	wantProblem(t, r, http.StatusServiceUnavailable, CodeDatabaseUnavailable)
+	if d := r.json(t)["detail"]; !strings.Contains(fmt.Sprint(d), "lock") || r.header.Get("Retry-After") == "" {
+		t.Errorf("detail %q, Retry-After %q: want a lock timeout's detail and a Retry-After", d, r.header.Get("Retry-After"))
+	}
+	if el := time.Since(start); el > 3*maxAloneLockTimeout+groupLockTimeout {
+		t.Errorf("answered after %s, want about the lock timeout", el)
+	}
+	if n := b.count(t, "task"); n != 0 {
+		t.Errorf("%d tasks written", n)
 	}
 }

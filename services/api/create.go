@@ -130,6 +130,25 @@ func (s *Server) handleCreate(w http.ResponseWriter, r *http.Request) {
 		return buildTask(now, p.TenantID, req, inputSHA, int64(len(canonical)))
 	}
 
+	// One request per key waits on the database at a time (keyflight.go).
+	fl, leader := s.flights.begin(k.Scope, key)
+	held := false // the leader found the key held by another transaction
+	if leader {
+		defer func() { s.flights.end(k.Scope, key, fl, held) }()
+	} else {
+		select {
+		case <-fl.done:
+		case <-r.Context().Done():
+			s.writeError(w, r, fmt.Errorf("create task: waiting for a request with the same key: %w", r.Context().Err()))
+			return
+		}
+		if fl.held {
+			s.metrics.idempotency.WithLabelValues(idemInProg).Inc()
+			s.writeError(w, r, &Error{Code: CodeIdempotencyInProgress, Detail: errKeyHeldDetail, Err: errKeyTaken})
+			return
+		}
+	}
+
 	// At most a few rounds: a record that vanished between our conflicting
 	// insert and our read (deleted by retention) lets the next insert win.
 	for range 3 {
@@ -147,6 +166,10 @@ func (s *Server) handleCreate(w http.ResponseWriter, r *http.Request) {
 			s.metrics.idempotency.WithLabelValues(idemQuota).Inc()
 			s.writeError(w, r, newError(CodeQuotaExhausted, "tenant %s has no task left in its quota", p.Name))
 			return
+		}
+		if ae := (*Error)(nil); errors.As(err, &ae) && ae.Code == CodeIdempotencyInProgress {
+			held = true
+			s.metrics.idempotency.WithLabelValues(idemInProg).Inc()
 		}
 		if !errors.Is(err, errKeyTaken) {
 			s.writeError(w, r, err)

@@ -203,6 +203,8 @@ func problemFor(err error) problem {
 		return p
 	case errors.As(err, &me):
 		return problemFor(newError(CodeBodyTooLarge, "request body exceeds %d bytes", me.Limit))
+	case lockNotAvailable(err):
+		return problemFor(&Error{Code: CodeDatabaseUnavailable, Detail: "a lock held by another transaction was not released within the lock timeout; retry later", Err: err})
 	case databaseUnavailable(err):
 		return problemFor(&Error{Code: CodeDatabaseUnavailable, Detail: "the database did not answer; retry later", Err: err})
 	default:

@@ -231,6 +231,7 @@ type Server struct {
 	mux     *http.ServeMux
 	metrics *metrics
 	limits  *limits
+	flights keyFlights // creates waiting on the database, one per key
 }
 
 // New validates cfg and builds a Server. It registers the metrics on

@@ -27,6 +27,10 @@ var (
 	errTaskNotFound = errors.New("task not found")
 )
 
+// errKeyHeldDetail is the detail of 409 IDEMPOTENCY_REQUEST_IN_PROGRESS for
+// a key whose record another transaction holds.
+const errKeyHeldDetail = "a request with this idempotency key is being processed; retry after it ends"
+
 // store runs the API's transactions on the aggregates' owners (packages
 // idempotency, task, outbox, ledger).
 type store struct {
@@ -96,7 +100,7 @@ func (s *store) createOne(ctx context.Context, k idempotency.Key, p tenant.Princ
 	if lockNotAvailable(err) {
 		// Another transaction holds this key's record uncommitted: a
 		// concurrent request with the same key (seed 3.1), still running.
-		return nil, &Error{Code: CodeIdempotencyInProgress, Detail: "a request with this idempotency key is being processed; retry after it ends", Err: err}
+		return nil, &Error{Code: CodeIdempotencyInProgress, Detail: errKeyHeldDetail, Err: err}
 	}
 	if err != nil {
 		return nil, fmt.Errorf("insert idempotency record: %w", err)
