@@ -700,3 +700,63 @@ func TestHeldQuotaRowIs503(t *testing.T) {
 		t.Errorf("%d tasks written", n)
 	}
 }
+
+// TestFollowersOfALeaderThatLeftDoNotAllWait: when the request leading a
+// key's flight ends without an outcome (its client left while it waited
+// for the held key), the next request leads and the rest keep following:
+// thirty followers still take one connection between them and are all
+// answered 409 about one lock timeout later, not four at a time.
+func TestFollowersOfALeaderThatLeftDoNotAllWait(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	tx := holdKey(t, b, groupReq(tenant.Principal{TenantID: b.tenant.ID}, "left-key", "h"))
+	send := func(ctx context.Context) (*response, error) {
+		req, err := http.NewRequestWithContext(ctx, http.MethodPost, b.ts.URL+"/v1/tasks", strings.NewReader(string(wrap(`{"a":1}`))))
+		if err != nil {
+			return nil, err
+		}
+		req.Header = http.Header{"Content-Type": {"application/json"}, "Idempotency-Key": {"left-key"}, "Authorization": {"Bearer " + b.token}}
+		resp, err := b.ts.Client().Do(req)
+		if err != nil {
+			return nil, err
+		}
+		defer resp.Body.Close()
+		return &response{status: resp.StatusCode, header: resp.Header}, nil
+	}
+	lctx, cancel := context.WithTimeout(context.Background(), 300*time.Millisecond)
+	defer cancel()
+	leaderDone := make(chan error, 1)
+	go func() { _, err := send(lctx); leaderDone <- err }()
+	time.Sleep(100 * time.Millisecond) // the leader is waiting on the key
+
+	held := make([]*response, 30)
+	took := make([]time.Duration, len(held))
+	var wg sync.WaitGroup
+	start := time.Now()
+	for i := range held {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			resp, err := send(context.Background())
+			if err != nil {
+				resp = &response{status: -1, body: []byte(err.Error())}
+			}
+			held[i], took[i] = resp, time.Since(start)
+		}()
+	}
+	if err := <-leaderDone; err == nil {
+		t.Fatal("the leader's client did not give up")
+	}
+	wg.Wait()
+	for i, r := range held {
+		if r.status != http.StatusConflict {
+			t.Errorf("follower %d: %d %s, want 409", i, r.status, r.body)
+		}
+		if took[i] > 3*maxAloneLockTimeout+groupLockTimeout {
+			t.Errorf("follower %d answered after %s, want about %s", i, took[i], maxAloneLockTimeout)
+		}
+	}
+	if err := tx.Rollback(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+}

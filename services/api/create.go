@@ -131,22 +131,34 @@ func (s *Server) handleCreate(w http.ResponseWriter, r *http.Request) {
 	}
 
 	// One request per key waits on the database at a time (keyflight.go).
-	fl, leader := s.flights.begin(k.Scope, key)
-	held := false // the leader found the key held by another transaction
-	if leader {
-		defer func() { s.flights.end(k.Scope, key, fl, held) }()
-	} else {
+	var (
+		fl     *flight
+		leader bool
+	)
+	for {
+		if fl, leader = s.flights.begin(k.Scope, key); leader {
+			break
+		}
 		select {
 		case <-fl.done:
 		case <-r.Context().Done():
 			s.writeError(w, r, fmt.Errorf("create task: waiting for a request with the same key: %w", r.Context().Err()))
 			return
 		}
-		if fl.held {
+		if fl.outcome == flightHeld {
 			s.metrics.idempotency.WithLabelValues(idemInProg).Inc()
 			s.writeError(w, r, &Error{Code: CodeIdempotencyInProgress, Detail: errKeyHeldDetail, Err: errKeyTaken})
 			return
 		}
+		if fl.outcome == flightSettled {
+			break // the key is recorded: this request finds it without waiting
+		}
+		// The leader ended without an outcome (it failed, or its client
+		// left): the next one leads.
+	}
+	outcome := flightOpen
+	if leader {
+		defer func() { s.flights.end(k.Scope, key, fl, outcome) }()
 	}
 
 	// At most a few rounds: a record that vanished between our conflicting
@@ -154,6 +166,7 @@ func (s *Server) handleCreate(w http.ResponseWriter, r *http.Request) {
 	for range 3 {
 		n, err := s.store.createTask(r.Context(), k, p, build)
 		if err == nil {
+			outcome = flightSettled
 			s.metrics.idempotency.WithLabelValues(idemCreated).Inc()
 			s.log.InfoContext(r.Context(), "task created", slog.String("task_id", n.Task.TaskID), slog.String("idempotency_key", key))
 			if s.cfg.Faults.Hit(fault.APIAfterCommitResponseLost) != fault.ActionNone {
@@ -168,7 +181,7 @@ func (s *Server) handleCreate(w http.ResponseWriter, r *http.Request) {
 			return
 		}
 		if ae := (*Error)(nil); errors.As(err, &ae) && ae.Code == CodeIdempotencyInProgress {
-			held = true
+			outcome = flightHeld
 			s.metrics.idempotency.WithLabelValues(idemInProg).Inc()
 		}
 		if !errors.Is(err, errKeyTaken) {
@@ -183,6 +196,7 @@ func (s *Server) handleCreate(w http.ResponseWriter, r *http.Request) {
 			s.writeError(w, r, err)
 			return
 		}
+		outcome = flightSettled
 		s.answerExisting(w, r, k.Fingerprint, rec)
 		return
 	}

@@ -3,18 +3,21 @@ package api
 import "sync"
 
 // keyFlights lets one create request per idempotency key wait on the
-// database at a time in this process (D1 of the 2026-12-04 review). Without
-// it, every request for a key whose record another transaction holds
-// uncommitted (a stuck client transaction, a create still running) takes a
-// pool connection and waits there for the lock timeout: thirty such
-// requests on a four-connection pool starve every other request for
-// seconds. With it, the first request for a key (the leader) runs as
+// database at a time in this process. Without it, every request for a key
+// whose record another transaction holds uncommitted (a stuck client
+// transaction, a create still running) takes a pool connection and waits
+// there for the lock timeout: thirty such requests on a four-connection
+// pool starve every other request for seconds (the fresh-clone review of
+// 2026-12-04). With it, the first request for a key (the leader) runs as
 // before; the others (followers) wait without a connection until the
 // leader ends and then:
-//   - when the leader found the key held (409 IDEMPOTENCY_REQUEST_IN_PROGRESS),
-//     answer the same at once: the key is still held;
-//   - otherwise run their own create, which finds the key recorded (the
-//     leader's task, or the record that beat it) and answers from it.
+//   - flightHeld (the leader found the key held: 409
+//     IDEMPOTENCY_REQUEST_IN_PROGRESS): answer the same at once;
+//   - flightSettled (the leader created the task, or answered from the
+//     key's record): run their own create, which finds the record without
+//     waiting and answers from it;
+//   - flightOpen (the leader failed, or its client left): the next one
+//     leads, the others follow it.
 //
 // The database still decides between concurrent first uses (the record's
 // primary key); keyFlights only keeps waiters off the pool, per process.
@@ -25,11 +28,20 @@ type keyFlights struct {
 
 type flightKey struct{ scope, key string }
 
-// flight is one leader's create: done is closed when it ends; held tells
-// whether it ended because another transaction held the key.
+// flightOutcome is how a leader's create ended, for its followers.
+type flightOutcome int
+
+const (
+	flightOpen    flightOutcome = iota // no outcome: the next request leads
+	flightSettled                      // the key is recorded
+	flightHeld                         // another transaction held the key
+)
+
+// flight is one leader's create: done is closed when it ends, outcome set
+// before.
 type flight struct {
-	done chan struct{}
-	held bool
+	done    chan struct{}
+	outcome flightOutcome
 }
 
 // begin returns the flight of (scope, key) and whether the caller leads it.
@@ -49,11 +61,12 @@ func (f *keyFlights) begin(scope, key string) (*flight, bool) {
 	return fl, true
 }
 
-// end ends the leader's flight of (scope, key), releasing its followers.
-func (f *keyFlights) end(scope, key string, fl *flight, held bool) {
+// end ends the leader's flight of (scope, key) with outcome, releasing its
+// followers.
+func (f *keyFlights) end(scope, key string, fl *flight, outcome flightOutcome) {
 	f.mu.Lock()
 	delete(f.m, flightKey{scope, key})
 	f.mu.Unlock()
-	fl.held = held
+	fl.outcome = outcome
 	close(fl.done)
 }
