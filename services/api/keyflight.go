@@ -45,7 +45,7 @@ type flight struct {
 }
 
 // begin returns the flight of (scope, key) and whether the caller leads it.
-// A leader must call end exactly once.
+// Every leader calls end when its create ends, one time.
 func (f *keyFlights) begin(scope, key string) (*flight, bool) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
