@@ -760,3 +760,48 @@ func TestFollowersOfALeaderThatLeftDoNotAllWait(t *testing.T) {
 		t.Fatal(err)
 	}
 }
+
+// TestSameKeyWhileQuotaRowHeld: twelve concurrent creates with one key,
+// while their tenant's quota row is held: the first waits for the lock
+// timeout and the others answer its 503 at once, instead of each waiting
+// the lock timeout again in turn (1 s, 2 s, … 9.9 s in the review).
+func TestSameKeyWhileQuotaRowHeld(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ctx := context.Background()
+	ten := int64(10)
+	limited, token := b.addTenant(t, "limited", false, &ten)
+	tx, err := b.db.Pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tx.Rollback(ctx) //nolint:errcheck
+	if _, err := tx.Exec(ctx, `SELECT * FROM quota WHERE tenant_id = $1 FOR UPDATE`, limited.ID); err != nil {
+		t.Fatal(err)
+	}
+	h := http.Header{"Content-Type": {"application/json"}, "Idempotency-Key": {"quota-same-1"}, "Authorization": {"Bearer " + token}}
+	res := make([]*response, 12)
+	took := make([]time.Duration, len(res))
+	var wg sync.WaitGroup
+	start := time.Now()
+	for i := range res {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			r, err := b.try(http.MethodPost, "/v1/tasks", h, wrap(`{"q":1}`))
+			if err != nil {
+				r = &response{status: -1, body: []byte(err.Error())}
+			}
+			res[i], took[i] = r, time.Since(start)
+		}()
+	}
+	wg.Wait()
+	for i, r := range res {
+		if r.status != http.StatusServiceUnavailable {
+			t.Errorf("request %d: %d %s, want 503", i, r.status, r.body)
+		}
+		if took[i] > 3*maxAloneLockTimeout+groupLockTimeout {
+			t.Errorf("request %d answered after %s, want about %s", i, took[i], maxAloneLockTimeout)
+		}
+	}
+}

@@ -150,6 +150,10 @@ func (s *Server) handleCreate(w http.ResponseWriter, r *http.Request) {
 			s.writeError(w, r, &Error{Code: CodeIdempotencyInProgress, Detail: errKeyHeldDetail, Err: errKeyTaken})
 			return
 		}
+		if fl.outcome == flightFailed {
+			s.writeError(w, r, fl.err) // what this request would meet now: no second wait
+			return
+		}
 		if fl.outcome == flightSettled {
 			break // the key is recorded: this request finds it without waiting
 		}
@@ -159,6 +163,15 @@ func (s *Server) handleCreate(w http.ResponseWriter, r *http.Request) {
 	outcome := flightOpen
 	if leader {
 		defer func() { s.flights.end(k.Scope, key, fl, outcome) }()
+	}
+	fail := func(err error) {
+		if leader && outcome == flightOpen && r.Context().Err() == nil {
+			// Failed for a reason of the database, not of this request's
+			// own end (its deadline, its client leaving): the followers
+			// answer the same at once instead of waiting again in turn.
+			outcome, fl.err = flightFailed, err
+		}
+		s.writeError(w, r, err)
 	}
 
 	// At most a few rounds: a record that vanished between our conflicting
@@ -185,7 +198,7 @@ func (s *Server) handleCreate(w http.ResponseWriter, r *http.Request) {
 			s.metrics.idempotency.WithLabelValues(idemInProg).Inc()
 		}
 		if !errors.Is(err, errKeyTaken) {
-			s.writeError(w, r, err)
+			fail(err)
 			return
 		}
 		rec, err := s.store.idempotencyRecord(r.Context(), k.Scope, key)
@@ -193,7 +206,7 @@ func (s *Server) handleCreate(w http.ResponseWriter, r *http.Request) {
 			continue
 		}
 		if err != nil {
-			s.writeError(w, r, err)
+			fail(err)
 			return
 		}
 		outcome = flightSettled

@@ -16,8 +16,11 @@ import "sync"
 //   - flightSettled (the leader created the task, or answered from the
 //     key's record): run their own create, which finds the record without
 //     waiting and answers from it;
-//   - flightOpen (the leader failed, or its client left): the next one
-//     leads, the others follow it.
+//   - flightFailed (the leader failed for a reason of the database: a lock
+//     timeout on its tenant's quota row, PostgreSQL unreachable): answer
+//     the same error at once, instead of each waiting again in turn;
+//   - flightOpen (the leader ended by its own deadline or its client
+//     leaving): the next one leads, the others follow it.
 //
 // The database still decides between concurrent first uses (the record's
 // primary key); keyFlights only keeps waiters off the pool, per process.
@@ -35,6 +38,7 @@ const (
 	flightOpen    flightOutcome = iota // no outcome: the next request leads
 	flightSettled                      // the key is recorded
 	flightHeld                         // another transaction held the key
+	flightFailed                       // the leader's error (flight.err) is the followers' answer
 )
 
 // flight is one leader's create: done is closed when it ends, outcome set
@@ -42,6 +46,7 @@ const (
 type flight struct {
 	done    chan struct{}
 	outcome flightOutcome
+	err     error // flightFailed: the leader's error
 }
 
 // begin returns the flight of (scope, key) and whether the caller leads it.
