@@ -52,6 +52,9 @@ type createReq struct {
 	p     tenant.Principal
 	build func(now time.Time) (*newTask, error)
 	done  chan createResult // buffered (1): the answer
+	// afterGroup: the request runs alone because its group transaction
+	// failed (its lock wait is then afterGroupLockTimeout).
+	afterGroup bool
 }
 
 type createResult struct {
@@ -200,6 +203,7 @@ func (c *coalescer) run(group []*createReq) {
 		c.aborts.Inc()
 		c.log.Debug("create group transaction failed; its requests run alone", slog.Int("requests", len(live)), slog.Any("error", err))
 		for _, r := range live {
+			r.afterGroup = true
 			go c.runAlone(r)
 		}
 		return
@@ -286,7 +290,11 @@ func (c *coalescer) runAlone(r *createReq) {
 			r.answer(nil, fmt.Errorf("create task: panic: %v", v))
 		}
 	}()
-	n, err := c.store.createOne(r.ctx, r.k, r.p, r.build)
+	maxWait := maxAloneLockTimeout
+	if r.afterGroup {
+		maxWait = afterGroupLockTimeout
+	}
+	n, err := c.store.createOne(r.ctx, r.k, r.p, r.build, maxWait)
 	if n != nil {
 		c.sizes.Observe(1) // a transaction that inserted a task
 	}

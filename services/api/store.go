@@ -44,7 +44,7 @@ type store struct {
 // those of createOne.
 func (s *store) createTask(ctx context.Context, k idempotency.Key, p tenant.Principal, build func(now time.Time) (*newTask, error)) (*newTask, error) {
 	if s.coalesce == nil {
-		return s.createOne(ctx, k, p, build)
+		return s.createOne(ctx, k, p, build, maxAloneLockTimeout)
 	}
 	return s.coalesce.do(&createReq{ctx: ctx, k: k, p: p, build: build, done: make(chan createResult, 1)})
 }
@@ -81,7 +81,7 @@ type newTask struct {
 // the rest of its batch, COMMIT included; the transaction is then rolled
 // back. A connection whose rollback fails is closed, never returned to the
 // pool mid-transaction.
-func (s *store) createOne(ctx context.Context, k idempotency.Key, p tenant.Principal, build func(now time.Time) (*newTask, error)) (*newTask, error) {
+func (s *store) createOne(ctx context.Context, k idempotency.Key, p tenant.Principal, build func(now time.Time) (*newTask, error), maxWait time.Duration) (*newTask, error) {
 	conn, err := s.acquireTx(ctx)
 	if err != nil {
 		return nil, err
@@ -91,7 +91,7 @@ func (s *store) createOne(ctx context.Context, k idempotency.Key, p tenant.Princ
 	var b pgx.Batch
 	var now time.Time
 	b.Queue("BEGIN")
-	b.Queue(sqlSetLockTimeout, strconv.FormatInt(aloneLockTimeout(ctx).Milliseconds(), 10))
+	b.Queue(sqlSetLockTimeout, strconv.FormatInt(aloneLockTimeout(ctx, maxWait).Milliseconds(), 10))
 	idempotency.QueueBegin(&b, k, &now)
 	err = conn.SendBatch(ctx, &b).Close()
 	if errors.Is(err, pgx.ErrNoRows) {
@@ -132,6 +132,14 @@ const (
 	// for a key held by a stuck transaction do not hold pool connections
 	// until their deadlines and starve requests for other keys.
 	maxAloneLockTimeout = time.Second
+	// afterGroupLockTimeout is the lock_timeout of a request running alone
+	// after its group transaction failed: it has waited groupLockTimeout
+	// already, and a lock held longer than that belongs to a transaction
+	// that is not ending soon (a create of the same key commits in
+	// milliseconds). Short, so that the members of groups failed on many
+	// held keys do not hold the pool's connections one second each (the
+	// second fresh-clone review of 2026-12-04).
+	afterGroupLockTimeout = 100 * time.Millisecond
 	// minLockTimeout is the least lock_timeout set (0 would mean none).
 	minLockTimeout = 10 * time.Millisecond
 )
@@ -142,11 +150,11 @@ const (
 const sqlSetLockTimeout = `SELECT set_config('lock_timeout', $1, true)`
 
 // aloneLockTimeout is the lock_timeout of a single-request create
-// transaction under ctx: maxAloneLockTimeout, or half the time ctx has
+// transaction under ctx: maxWait, or half the time ctx has
 // left when that is shorter, so that a lock wait ends as a lock timeout
 // (409 in progress), not as the request's deadline (503).
-func aloneLockTimeout(ctx context.Context) time.Duration {
-	lt := maxAloneLockTimeout
+func aloneLockTimeout(ctx context.Context, maxWait time.Duration) time.Duration {
+	lt := maxWait
 	if d, ok := ctx.Deadline(); ok {
 		lt = min(lt, time.Until(d)/2)
 	}
