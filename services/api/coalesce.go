@@ -76,8 +76,9 @@ const (
 	// that waits this long for a lock held by another transaction (an
 	// uncommitted record of one member's key, a tenant's quota row) fails,
 	// and its members run alone, so that no member waits for a lock only
-	// another member needs. Alone, a request waits for its locks as long as
-	// its context allows.
+	// another member needs. Alone, a request waits for a lock at most
+	// afterGroupLockTimeout (after a failed group) or maxAloneLockTimeout
+	// (store.go).
 	groupLockTimeout = 500 * time.Millisecond
 	// quotaMemo is how long the requests of a tenant whose quota was found
 	// exhausted run alone: such a request would fail every group it is in.
