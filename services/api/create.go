@@ -157,8 +157,8 @@ func (s *Server) handleCreate(w http.ResponseWriter, r *http.Request) {
 		if fl.outcome == flightSettled {
 			break // the key is recorded: this request finds it without waiting
 		}
-		// The leader ended without an outcome (it failed, or its client
-		// left): the next one leads.
+		// The leader ended without an outcome (its own deadline, its client
+		// leaving, an exhausted quota): the next one leads.
 	}
 	outcome := flightOpen
 	if leader {
