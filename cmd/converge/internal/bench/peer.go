@@ -98,9 +98,12 @@ func runPeer(ctx context.Context, e *env, res *Results) error {
 			var r PeerRun
 			var err error
 			if system == peerConverge {
+				// The first run is profiled as well as the last: in full
+				// runs of 2026-12-04 the first runs were the slow ones
+				// (BENCHMARKS.md, "Recorded results").
 				stop := func() {}
-				if run == e.cfg.Runs-1 {
-					stop = e.profile("peer-converge")
+				if run == 0 || run == e.cfg.Runs-1 {
+					stop = e.profile(fmt.Sprintf("peer-converge-run%d", run+1))
 				}
 				// A pipeline of its own per run, on a fresh database and
 				// artifact directory, as each River run has: a run never
