@@ -90,9 +90,6 @@ const (
 	minGroupTime = 4 * groupLockTimeout
 )
 
-// sqlGroupLockTimeout sets groupLockTimeout for the group transaction only.
-var sqlGroupLockTimeout = fmt.Sprintf("SET LOCAL lock_timeout = %d", groupLockTimeout.Milliseconds())
-
 // coalescer queues creates and runs them in group transactions.
 type coalescer struct {
 	store    *store
@@ -336,7 +333,7 @@ func (s *store) createGroup(ctx context.Context, group []*createReq, faults *fau
 	now := make([]time.Time, len(group))
 	won := make([]bool, len(group))
 	b.Queue("BEGIN")
-	b.Queue(sqlGroupLockTimeout)
+	queueLockTimeout(&b, groupLockTimeout)
 	for _, i := range order {
 		idempotency.QueueBeginOutcome(&b, group[i].k, &now[i], &won[i])
 	}

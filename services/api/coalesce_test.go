@@ -620,25 +620,13 @@ func TestHeldKeyIsInProgress(t *testing.T) {
 	if r.header.Get("Retry-After") == "" {
 		t.Error("409 in progress without Retry-After")
 	}
-	if el := time.Since(start); el > 3*maxAloneLockTimeout+groupLockTimeout {
+	if el := time.Since(start); el > lockAnswerBound {
 		t.Errorf("answered after %s, want about %s (the lock timeout)", el, maxAloneLockTimeout)
 	}
 
-	held := make([]*response, 30) // the test pool has 4 connections
-	took := make([]time.Duration, len(held))
-	var wg sync.WaitGroup
-	start = time.Now()
-	for i := range held {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			resp, err := b.try(http.MethodPost, "/v1/tasks", h, wrap(`{"a":1}`))
-			if err != nil {
-				resp = &response{status: -1, body: []byte(err.Error())}
-			}
-			held[i], took[i] = resp, time.Since(start)
-		}()
-	}
+	wait := sendConcurrently(30, func(int) (*response, error) { // the test pool has 4 connections
+		return b.try(http.MethodPost, "/v1/tasks", h, wrap(`{"a":1}`))
+	})
 	time.Sleep(50 * time.Millisecond)
 	freeStart := time.Now()
 	free := b.post(t, "free-key", wrap(`{"b":2}`))
@@ -648,17 +636,10 @@ func TestHeldKeyIsInProgress(t *testing.T) {
 	if el := time.Since(freeStart); el > 3*maxAloneLockTimeout {
 		t.Errorf("a new key was answered after %s while 30 requests waited for a held key, want well under %s", el, 3*maxAloneLockTimeout)
 	}
-	wg.Wait()
-	for i, r := range held {
-		if r.status != http.StatusConflict {
-			t.Errorf("held-key request %d: %d %s, want 409", i, r.status, r.body)
-		}
-		if took[i] > 3*maxAloneLockTimeout+groupLockTimeout {
-			t.Errorf("held-key request %d answered after %s, want about %s", i, took[i], maxAloneLockTimeout)
-		}
-	}
-	if got := counterValue(t, b.reg, "converge_api_idempotency_total", map[string]string{"outcome": "in_progress"}); got < float64(len(held)) {
-		t.Errorf("converge_api_idempotency_total{outcome=in_progress} %v, want at least %d", got, len(held))
+	held := wait()
+	held.wantAll(t, "held-key request", http.StatusConflict)
+	if got := counterValue(t, b.reg, "converge_api_idempotency_total", map[string]string{"outcome": "in_progress"}); got < float64(len(held.res)) {
+		t.Errorf("converge_api_idempotency_total{outcome=in_progress} %v, want at least %d", got, len(held.res))
 	}
 	if err := tx.Rollback(context.Background()); err != nil {
 		t.Fatal(err)
@@ -675,17 +656,7 @@ func TestHeldKeyIsInProgress(t *testing.T) {
 func TestHeldQuotaRowIs503(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
-	ctx := context.Background()
-	ten := int64(10)
-	limited, token := b.addTenant(t, "limited", false, &ten)
-	tx, err := b.db.Pool.Begin(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer tx.Rollback(ctx) //nolint:errcheck
-	if _, err := tx.Exec(ctx, `SELECT * FROM quota WHERE tenant_id = $1 FOR UPDATE`, limited.ID); err != nil {
-		t.Fatal(err)
-	}
+	token := holdQuotaRow(t, b)
 	h := http.Header{"Content-Type": {"application/json"}, "Idempotency-Key": {"quota-held-1"}, "Authorization": {"Bearer " + token}}
 	start := time.Now()
 	r := b.do(t, http.MethodPost, "/v1/tasks", h, wrap(`{"q":1}`))
@@ -693,7 +664,7 @@ func TestHeldQuotaRowIs503(t *testing.T) {
 	if d := r.json(t)["detail"]; !strings.Contains(fmt.Sprint(d), "lock") || r.header.Get("Retry-After") == "" {
 		t.Errorf("detail %q, Retry-After %q: want a lock timeout's detail and a Retry-After", d, r.header.Get("Retry-After"))
 	}
-	if el := time.Since(start); el > 3*maxAloneLockTimeout+groupLockTimeout {
+	if el := time.Since(start); el > lockAnswerBound {
 		t.Errorf("answered after %s, want about the lock timeout", el)
 	}
 	if n := b.count(t, "task"); n != 0 {
@@ -729,33 +700,11 @@ func TestFollowersOfALeaderThatLeftDoNotAllWait(t *testing.T) {
 	go func() { _, err := send(lctx); leaderDone <- err }()
 	time.Sleep(100 * time.Millisecond) // the leader is waiting on the key
 
-	held := make([]*response, 30)
-	took := make([]time.Duration, len(held))
-	var wg sync.WaitGroup
-	start := time.Now()
-	for i := range held {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			resp, err := send(context.Background())
-			if err != nil {
-				resp = &response{status: -1, body: []byte(err.Error())}
-			}
-			held[i], took[i] = resp, time.Since(start)
-		}()
-	}
+	wait := sendConcurrently(30, func(int) (*response, error) { return send(context.Background()) })
 	if err := <-leaderDone; err == nil {
 		t.Fatal("the leader's client did not give up")
 	}
-	wg.Wait()
-	for i, r := range held {
-		if r.status != http.StatusConflict {
-			t.Errorf("follower %d: %d %s, want 409", i, r.status, r.body)
-		}
-		if took[i] > 3*maxAloneLockTimeout+groupLockTimeout {
-			t.Errorf("follower %d answered after %s, want about %s", i, took[i], maxAloneLockTimeout)
-		}
-	}
+	wait().wantAll(t, "follower", http.StatusConflict)
 	if err := tx.Rollback(context.Background()); err != nil {
 		t.Fatal(err)
 	}
@@ -768,42 +717,11 @@ func TestFollowersOfALeaderThatLeftDoNotAllWait(t *testing.T) {
 func TestSameKeyWhileQuotaRowHeld(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
-	ctx := context.Background()
-	ten := int64(10)
-	limited, token := b.addTenant(t, "limited", false, &ten)
-	tx, err := b.db.Pool.Begin(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer tx.Rollback(ctx) //nolint:errcheck
-	if _, err := tx.Exec(ctx, `SELECT * FROM quota WHERE tenant_id = $1 FOR UPDATE`, limited.ID); err != nil {
-		t.Fatal(err)
-	}
+	token := holdQuotaRow(t, b)
 	h := http.Header{"Content-Type": {"application/json"}, "Idempotency-Key": {"quota-same-1"}, "Authorization": {"Bearer " + token}}
-	res := make([]*response, 12)
-	took := make([]time.Duration, len(res))
-	var wg sync.WaitGroup
-	start := time.Now()
-	for i := range res {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			r, err := b.try(http.MethodPost, "/v1/tasks", h, wrap(`{"q":1}`))
-			if err != nil {
-				r = &response{status: -1, body: []byte(err.Error())}
-			}
-			res[i], took[i] = r, time.Since(start)
-		}()
-	}
-	wg.Wait()
-	for i, r := range res {
-		if r.status != http.StatusServiceUnavailable {
-			t.Errorf("request %d: %d %s, want 503", i, r.status, r.body)
-		}
-		if took[i] > 3*maxAloneLockTimeout+groupLockTimeout {
-			t.Errorf("request %d answered after %s, want about %s", i, took[i], maxAloneLockTimeout)
-		}
-	}
+	sendConcurrently(12, func(int) (*response, error) {
+		return b.try(http.MethodPost, "/v1/tasks", h, wrap(`{"q":1}`))
+	})().wantAll(t, "request", http.StatusServiceUnavailable)
 }
 
 // TestManyHeldKeysDoNotStarveFreshKeys: one outside transaction holds the
@@ -830,36 +748,85 @@ func TestManyHeldKeysDoNotStarveFreshKeys(t *testing.T) {
 	if err := tx.SendBatch(ctx, &batch).Close(); err != nil {
 		t.Fatal(err)
 	}
-	post := func(key string) (*response, time.Duration) {
-		start := time.Now()
-		r, err := b.try(http.MethodPost, "/v1/tasks", http.Header{"Content-Type": {"application/json"}, "Idempotency-Key": {key}}, wrap(`{"k":"`+key+`"}`))
-		if err != nil {
-			r = &response{status: -1, body: []byte(err.Error())}
-		}
-		return r, time.Since(start)
+	post := func(key string) (*response, error) {
+		return b.try(http.MethodPost, "/v1/tasks", http.Header{"Content-Type": {"application/json"}, "Idempotency-Key": {key}}, wrap(`{"k":"`+key+`"}`))
 	}
-	var wg sync.WaitGroup
-	held := make([]*response, 40)
-	for i := range held {
-		wg.Add(1)
-		go func() { defer wg.Done(); held[i], _ = post(fmt.Sprintf("many-held-%02d", i)) }()
-	}
+	waitHeld := sendConcurrently(40, func(i int) (*response, error) { return post(fmt.Sprintf("many-held-%02d", i)) })
 	time.Sleep(100 * time.Millisecond)
-	fresh := make([]*response, 10)
-	took := make([]time.Duration, len(fresh))
-	for i := range fresh {
-		wg.Add(1)
-		go func() { defer wg.Done(); fresh[i], took[i] = post(fmt.Sprintf("many-fresh-%02d", i)) }()
-	}
-	wg.Wait()
-	for i, r := range fresh {
-		if r.status != http.StatusAccepted || took[i] > 4*time.Second {
-			t.Errorf("fresh key %d: %d after %s, want 202 within a few seconds", i, r.status, took[i])
+	fresh := sendConcurrently(10, func(i int) (*response, error) { return post(fmt.Sprintf("many-fresh-%02d", i)) })()
+	for i, r := range fresh.res {
+		if r.status != http.StatusAccepted || fresh.took[i] > 4*time.Second {
+			t.Errorf("fresh key %d: %d after %s, want 202 within a few seconds", i, r.status, fresh.took[i])
 		}
 	}
-	for i, r := range held {
+	for i, r := range waitHeld().res {
 		if r.status != http.StatusConflict {
 			t.Errorf("held key %d: %d %s, want 409", i, r.status, r.body)
 		}
 	}
+}
+
+// lockAnswerBound is the latest a request waiting for a held lock may be
+// answered in these tests: the group's wait, then the alone one's, with
+// room for a loaded machine.
+const lockAnswerBound = 3*maxAloneLockTimeout + groupLockTimeout
+
+// answers are what concurrent requests got: each response (status -1 and
+// the error as body when the request failed) and when it came, after the
+// first was sent.
+type answers struct {
+	res  []*response
+	took []time.Duration
+}
+
+// sendConcurrently sends n requests at once, send(i) the i-th, and returns
+// the wait for their answers.
+func sendConcurrently(n int, send func(i int) (*response, error)) (wait func() answers) {
+	a := answers{res: make([]*response, n), took: make([]time.Duration, n)}
+	var wg sync.WaitGroup
+	start := time.Now()
+	for i := range n {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			r, err := send(i)
+			if err != nil {
+				r = &response{status: -1, body: []byte(err.Error())}
+			}
+			a.res[i], a.took[i] = r, time.Since(start)
+		}()
+	}
+	return func() answers { wg.Wait(); return a }
+}
+
+// wantAll fails t unless every answer is status, within lockAnswerBound.
+func (a answers) wantAll(t *testing.T, what string, status int) {
+	t.Helper()
+	for i, r := range a.res {
+		if r.status != status {
+			t.Errorf("%s %d: %d %s, want %d", what, i, r.status, r.body, status)
+		}
+		if a.took[i] > lockAnswerBound {
+			t.Errorf("%s %d answered after %s, want about %s", what, i, a.took[i], maxAloneLockTimeout)
+		}
+	}
+}
+
+// holdQuotaRow adds a tenant with a quota, locks its quota row in a
+// transaction left open until the test ends (as a concurrent consumer of
+// its quota that has not committed), and returns the tenant's token.
+func holdQuotaRow(t *testing.T, b *testBundle) string {
+	t.Helper()
+	ctx := context.Background()
+	ten := int64(10)
+	limited, token := b.addTenant(t, "limited", false, &ten)
+	tx, err := b.db.Pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = tx.Rollback(ctx) })
+	if _, err := tx.Exec(ctx, `SELECT * FROM quota WHERE tenant_id = $1 FOR UPDATE`, limited.ID); err != nil {
+		t.Fatal(err)
+	}
+	return token
 }

@@ -91,7 +91,7 @@ func (s *store) createOne(ctx context.Context, k idempotency.Key, p tenant.Princ
 	var b pgx.Batch
 	var now time.Time
 	b.Queue("BEGIN")
-	b.Queue(sqlSetLockTimeout, strconv.FormatInt(aloneLockTimeout(ctx, maxWait).Milliseconds(), 10))
+	queueLockTimeout(&b, aloneLockTimeout(ctx, maxWait))
 	idempotency.QueueBegin(&b, k, &now)
 	err = conn.SendBatch(ctx, &b).Close()
 	if errors.Is(err, pgx.ErrNoRows) {
@@ -148,6 +148,13 @@ const (
 // rest of the transaction; one statement text for every value, so pgx
 // prepares it once.
 const sqlSetLockTimeout = `SELECT set_config('lock_timeout', $1, true)`
+
+// queueLockTimeout queues on b the lock_timeout d (whole milliseconds) for
+// the rest of the transaction: the group transaction's and the
+// single-request one's.
+func queueLockTimeout(b *pgx.Batch, d time.Duration) {
+	b.Queue(sqlSetLockTimeout, strconv.FormatInt(d.Milliseconds(), 10))
+}
 
 // aloneLockTimeout is the lock_timeout of a single-request create
 // transaction under ctx: maxWait, or half the time ctx has
