@@ -297,7 +297,9 @@ type Stale struct {
 
 // Stales returns at most limit messages Processing with no delivery for
 // lease and no live lease of a delivery (Lease), oldest first. It reads the
-// processing rows only (inbox_message_processing_idx, migration 00013).
+// processing rows only (inbox_message_processing_idx, migrations 00013 and
+// 00014: keyed, so every processing row's entry is read and the stale ones
+// sorted).
 func Stales(ctx context.Context, q dbpool.Querier, lease time.Duration, limit int) ([]Stale, error) {
 	rows, err := q.Query(ctx, `
 SELECT i.consumer_name, i.message_id, i.last_seen_at, t.task_id, t.status

@@ -159,7 +159,7 @@ FROM idempotency_record WHERE scope = $1 AND idempotency_key = $2`, scope, key).
 
 // Expired returns at most limit records in_progress past locked_until,
 // oldest lease first. It reads the in-progress records only
-// (idempotency_record_in_progress_idx, migration 00013); the create
+// (idempotency_record_in_progress_idx, migrations 00013 and 00014); the create
 // transaction never commits one, so it finds a record only after a defect.
 func Expired(ctx context.Context, q dbpool.Querier, limit int) ([]Record, error) {
 	rows, err := q.Query(ctx, `

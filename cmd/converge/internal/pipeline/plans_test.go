@@ -5,10 +5,20 @@ import (
 	"encoding/json"
 	"fmt"
 	"net/http"
+	"strings"
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/converge-run/converge/internal/dbpool"
+	"github.com/converge-run/converge/internal/inbox"
+	"github.com/converge-run/converge/internal/ledger"
+	"github.com/converge-run/converge/internal/task"
+	"github.com/converge-run/converge/internal/taskevent"
 	"github.com/converge-run/converge/internal/testenv"
+	"github.com/converge-run/converge/services/api/idempotency"
 )
 
 // TestNoSequentialScansAfterAnalyzingEmptyTables: a new deployment analyzed
@@ -85,4 +95,179 @@ func taskID(t *testing.T, body []byte) string {
 		t.Fatalf("no task_id in %s (%v)", body, err)
 	}
 	return out.TaskID
+}
+
+// TestKeyedTransitionsReadOneEntry: every compare-and-set the hot path and
+// the reconciler run on one row by key, with a guard on an open state
+// (`task_id = $1 AND status = 'queued'`), reads one index entry per call
+// — also when the statistics and the partial index of that open state were
+// taken while almost nothing was open, and the open rows became thousands
+// after the connection cached its plans (pgx prepares statements; after
+// five executions PostgreSQL may keep a generic plan). On a full scan of
+// the partial index the guard allows, every call would read the whole
+// backlog: the worker's task CAS in the peer benchmark read
+// task_nonterminal_idx 153 million times for 20,000 tasks (migration
+// 00014, BENCHMARKS.md).
+func TestKeyedTransitionsReadOneEntry(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	db := testenv.NewDB(t)
+	exec := func(s string, args ...any) {
+		t.Helper()
+		if _, err := db.Pool.Exec(ctx, s, args...); err != nil {
+			t.Fatalf("%.60s: %v", s, err)
+		}
+	}
+	const scope = "tenant:t:create-document-task"
+	fingerprint := strings.Repeat("a", 64)
+	// fill writes tasks prefix1..prefixN at version 2 in status with their
+	// idempotency record, the worker's and the projector's inbox rows and
+	// an artifact.put effect, each in the given state.
+	fill := func(prefix string, n int, status, record, message, effect string) {
+		t.Helper()
+		exec(`INSERT INTO task (task_id, request_fingerprint, status, version, attempt, output_format, input_sha256, input_size,
+  artifact_sha256, artifact_size, completed_at)
+SELECT $2 || g, $4, $3, 2, 1, 'jcs', repeat('b', 64), 10,
+  CASE WHEN $3 = 'completed' THEN repeat('c', 64) END, 10, CASE WHEN $3 = 'completed' THEN now() END
+FROM generate_series(1, $1::int) g`, n, prefix, status, fingerprint)
+		exec(`INSERT INTO idempotency_record (scope, idempotency_key, request_fingerprint, state, task_id, response_status, response_body,
+  locked_until, expires_at)
+SELECT $5, $2 || g, $4, $3, CASE WHEN $3 = 'succeeded' THEN $2 || g END, 202, '{}', now() + interval '1 hour', now() + interval '1 day'
+FROM generate_series(1, $1::int) g`, n, prefix, record, fingerprint, scope)
+		exec(`INSERT INTO inbox_message (consumer_name, message_id, payload_sha256, state, locked_by, locked_until, completed_at)
+SELECT c, $2 || g, repeat('d', 64), $3, 'owner', now() + interval '1 hour', now()
+FROM generate_series(1, $1::int) g, (VALUES ('converge-worker'), ('converge-projector')) AS cs(c)`, n, prefix, message)
+		exec(`INSERT INTO effect_ledger (effect_id, task_id, attempt, effect_kind, idempotency_token, target_identity, state,
+  request_sha256, request_size)
+SELECT $2 || g, $2 || g, 1, 'artifact.put', 'token-' || $2 || g, 'target', $3, repeat('e', 64), 10
+FROM generate_series(1, $1::int) g`, n, prefix, effect)
+	}
+	// Statistics and index sizes of a deployment whose tasks so far all
+	// finished (the first tasks finish in milliseconds), one still open.
+	fill("settled-", 400, "completed", "succeeded", "completed", "verified")
+	fill("open-", 1, "queued", "in_progress", "processing", "started")
+	exec("VACUUM ANALYZE")
+
+	cfg, err := dbpool.ParseConfig(db.URL + "&application_name=keyed-transitions")
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg.MaxConns = 1 // one connection: one plan cache
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer pool.Close()
+	sum := "f" + strings.Repeat("0", 63)
+	lease := time.Now().Add(time.Hour)
+	transitions := []struct {
+		name string
+		run  func(tx pgx.Tx, id string) error
+	}{
+		{"task.LockIfAt", func(tx pgx.Tx, id string) error { _, _, err := task.LockIfAt(ctx, tx, id, "queued", 2); return err }},
+		{"task.CancelIfQueued", func(tx pgx.Tx, id string) error { _, err := task.CancelIfQueued(ctx, tx, id, 2); return err }},
+		{"task.StartIfQueued, then CompleteIfRunning", func(tx pgx.Tx, id string) error {
+			if _, err := task.StartIfQueued(ctx, tx, id, 2); err != nil {
+				return err
+			}
+			_, err := task.CompleteIfRunning(ctx, tx, id, 3, sum, 10)
+			return err
+		}},
+		{"task.StartIfQueued, then FailIfRunning", func(tx pgx.Tx, id string) error {
+			if _, err := task.StartIfQueued(ctx, tx, id, 2); err != nil {
+				return err
+			}
+			_, err := task.FailIfRunning(ctx, tx, id, 3, "SCHEMA_INVALID")
+			return err
+		}},
+		{"idempotency.QueueComplete", func(tx pgx.Tx, id string) error {
+			b := &pgx.Batch{}
+			idempotency.QueueComplete(b, idempotency.Key{Scope: scope, Key: id, Fingerprint: fingerprint}, id, []byte(`{}`))
+			return tx.SendBatch(ctx, b).Close()
+		}},
+		{"idempotency.Resolve", func(tx pgx.Tx, id string) error {
+			rec := idempotency.Record{Scope: scope, Key: id}
+			if _, err := idempotency.Resolve(ctx, tx, rec, nil); err != nil {
+				return err
+			}
+			_, err := idempotency.Resolve(ctx, tx, rec, &taskevent.Task{TaskID: id})
+			return err
+		}},
+		{"inbox.ReleaseLease", func(tx pgx.Tx, id string) error {
+			_, err := inbox.ReleaseLease(ctx, tx, "converge-worker", id, "owner")
+			return err
+		}},
+		{"inbox.Finish", func(tx pgx.Tx, id string) error {
+			_, err := inbox.Finish(ctx, tx, "converge-worker", id, inbox.Completed, map[string]any{})
+			return err
+		}},
+		{"inbox.Release", func(tx pgx.Tx, id string) error {
+			_, err := inbox.Release(ctx, tx, inbox.Stale{Consumer: "converge-projector", MessageID: id, LastSeenAt: lease}, "completed")
+			return err
+		}},
+		{"ledger.MarkVerified", func(tx pgx.Tx, id string) error {
+			_, err := ledger.MarkVerified(ctx, tx, id, ledger.Started, &sum)
+			return err
+		}},
+	}
+	// run runs every transition on id in a transaction rolled back, so the
+	// row stays open.
+	run := func(id string) {
+		t.Helper()
+		for _, tr := range transitions {
+			tx, err := pool.Begin(ctx)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if err := tr.run(tx, id); err != nil {
+				t.Fatalf("%s on %s: %v", tr.name, id, err)
+			}
+			if err := tx.Rollback(ctx); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	for range 8 { // past the five custom plans: the cached plans
+		run("open-1")
+	}
+	const backlog, calls = 2000, 20
+	fill("backlog-", backlog, "queued", "in_progress", "processing", "started")
+	for i := 1; i <= calls; i++ {
+		run(fmt.Sprintf("backlog-%d", i*(backlog/calls)))
+	}
+	pool.Close()
+	testenv.Eventually(t, 20*time.Second, "the session ended", func() bool {
+		var left int
+		err := db.Pool.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity WHERE application_name = 'keyed-transitions'`).Scan(&left)
+		return err == nil && left == 0
+	})
+	partial := []string{"task_nonterminal_idx", "idempotency_record_in_progress_idx", "inbox_message_processing_idx", "effect_ledger_unresolved_idx"}
+	var read map[string]int64
+	testenv.Eventually(t, 20*time.Second, "the session's statistics", func() bool {
+		read = map[string]int64{}
+		rows, err := db.Pool.Query(ctx, `SELECT indexrelname, idx_tup_read FROM pg_stat_user_indexes WHERE indexrelname = ANY($1)`, partial)
+		if err != nil {
+			return false
+		}
+		defer rows.Close()
+		var total int64
+		for rows.Next() {
+			var name string
+			var n int64
+			if rows.Scan(&name, &n) != nil {
+				return false
+			}
+			read[name] = n
+			total += n
+		}
+		return rows.Err() == nil && len(read) == len(partial) && total > 0
+	})
+	t.Logf("index entries read by %d calls of each transition (%d before the backlog): %v", calls, 8, read)
+	for _, name := range partial {
+		// A lookup reads an entry or two; a scan of the index, the backlog.
+		// All the calls together read less than one scan would.
+		if n := read[name]; n >= backlog {
+			t.Errorf("%s: %d entries read by %d keyed calls (%d open rows): a call scans the index instead of looking its key up", name, n, calls, backlog)
+		}
+	}
 }
