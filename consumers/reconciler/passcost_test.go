@@ -93,12 +93,7 @@ FROM generate_series(1, $1 / 10) g`,
 			t.Fatalf("pass %d: %v", pass+1, err)
 		}
 		pool.Close()
-		// A session reports its statistics before it leaves pg_stat_activity.
-		testenv.Eventually(t, 20*time.Second, "the pass's sessions ended", func() bool {
-			var left int
-			err := db.Pool.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity WHERE application_name = 'reconciler-pass'`).Scan(&left)
-			return err == nil && left == 0
-		})
+		db.SessionsEnded(t, "reconciler-pass")
 	}
 	t.Logf("second pass: %+v", res)
 

@@ -348,6 +348,21 @@ func Eventually(t testing.TB, timeout time.Duration, msg string, cond func() boo
 	}
 }
 
+// SessionsEnded waits (up to 20 s) until no session of application name
+// app is connected to db's database: a session reports its statistics
+// (pg_stat_user_tables, pg_stat_user_indexes) before it leaves
+// pg_stat_activity, so after SessionsEnded every row and index entry those
+// sessions read is counted. Close their pool first.
+func (db *DB) SessionsEnded(t testing.TB, app string) {
+	t.Helper()
+	Eventually(t, 20*time.Second, "the sessions of "+app+" ended", func() bool {
+		var left int
+		err := db.Pool.QueryRow(context.Background(),
+			`SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND application_name = $1`, app).Scan(&left)
+		return err == nil && left == 0
+	})
+}
+
 // Itoa is strconv.Itoa, for building names in tests.
 func Itoa(i int) string { return strconv.Itoa(i) }
 

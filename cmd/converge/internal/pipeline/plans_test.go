@@ -236,11 +236,7 @@ FROM generate_series(1, $1::int) g`, n, prefix, effect)
 		run(fmt.Sprintf("backlog-%d", i*(backlog/calls)))
 	}
 	pool.Close()
-	testenv.Eventually(t, 20*time.Second, "the session ended", func() bool {
-		var left int
-		err := db.Pool.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity WHERE application_name = 'keyed-transitions'`).Scan(&left)
-		return err == nil && left == 0
-	})
+	db.SessionsEnded(t, "keyed-transitions")
 	partial := []string{"task_nonterminal_idx", "idempotency_record_in_progress_idx", "inbox_message_processing_idx", "effect_ledger_unresolved_idx"}
 	var read map[string]int64
 	testenv.Eventually(t, 20*time.Second, "the session's statistics", func() bool {
