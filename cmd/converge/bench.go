@@ -29,6 +29,7 @@ type BenchCmd struct {
 	WorkerConcurrency int           `help:"Records the worker processes at once in the worker and end-to-end stages; also the worker pgbench's clients (default 4)."`
 	Dir               string        `type:"path" help:"Working directory (cluster, broker, logs); default a temporary directory, removed at the end."`
 	ProfileDir        string        `type:"path" help:"Write CPU profiles of the converge process per stage to this directory."`
+	Statements        bool          `help:"Load pg_stat_statements and print each peer run's costliest statements per task (off by default: it costs every statement)."`
 	Out               string        `type:"path" default:"bench-results.json" help:"JSON results file."`
 	Markdown          string        `type:"path" help:"Also write the results table (markdown) to this file."`
 }
@@ -59,7 +60,7 @@ func (c *BenchCmd) Run(env *runEnv) error {
 	if len(c.E2ERates) > 0 {
 		cfg.E2ERates = c.E2ERates
 	}
-	cfg.Stages, cfg.Dir, cfg.ProfileDir, cfg.Progress = c.Stages, c.Dir, c.ProfileDir, os.Stdout
+	cfg.Stages, cfg.Dir, cfg.ProfileDir, cfg.Statements, cfg.Progress = c.Stages, c.Dir, c.ProfileDir, c.Statements, os.Stdout
 	res, err := bench.Run(env.ctx, cfg)
 	if res == nil {
 		return err

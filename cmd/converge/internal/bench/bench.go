@@ -101,6 +101,11 @@ type Config struct {
 	// NoFsync turns fsync off in PostgreSQL and kfake. Only for the test
 	// that proves the driver works; results are meaningless with it.
 	NoFsync bool
+	// Statements loads pg_stat_statements into the cluster and reports,
+	// for every peer run, the costliest statements of its database per
+	// task (PeerRun.Statements). Off by default: the module's bookkeeping
+	// is a cost of its own in every statement.
+	Statements bool
 	// Logger receives the components' logs (they log at info level as in
 	// production). Defaults to a text logger on Dir/components.log.
 	Logger *slog.Logger
@@ -339,7 +344,11 @@ func startEnv(ctx context.Context, cfg *Config) (_ *env, err error) {
 		return nil, err
 	}
 	e.pgData = filepath.Join(e.dir, "pg")
-	e.pg, err = localpg.Start(ctx, localpg.Config{DataDir: e.pgData, Port: port, Fsync: !cfg.NoFsync, Logger: e.log})
+	var settings map[string]string
+	if cfg.Statements {
+		settings = statementsSettings
+	}
+	e.pg, err = localpg.Start(ctx, localpg.Config{DataDir: e.pgData, Port: port, Fsync: !cfg.NoFsync, Settings: settings, Logger: e.log})
 	if err != nil {
 		return nil, fmt.Errorf("start PostgreSQL: %w", err)
 	}

@@ -65,6 +65,8 @@ type PeerRun struct {
 	// CommitsPerTask is pg_stat_database.xact_commit of the system's
 	// database per task (read-only transactions included).
 	CommitsPerTask float64 `json:"commits_per_task"`
+	// Statements are the run's costliest statements (Config.Statements).
+	Statements []StatementCost `json:"statements,omitempty"`
 }
 
 const (
@@ -96,6 +98,7 @@ func runPeer(ctx context.Context, e *env, res *Results) error {
 	for run := range e.cfg.Runs {
 		for _, system := range []string{peerRiver, peerRiverTuned, peerConverge} {
 			var r PeerRun
+			db := e.peerDB(system, run)
 			var err error
 			if system == peerConverge {
 				// The first run is profiled as well as the last: in full
@@ -109,19 +112,27 @@ func runPeer(ctx context.Context, e *env, res *Results) error {
 				// artifact directory, as each River run has: a run never
 				// works on the rows and files of the runs before it.
 				var conv *peerPipeline
+				// Statements are counted from after the warm-up (and the
+				// migrations), as River's run has neither.
 				if conv, err = e.startPeerPipeline(ctx, run); err == nil {
-					r, err = conv.run(ctx, run)
+					if err = e.resetStatements(ctx); err == nil {
+						r, err = conv.run(ctx, run)
+					}
 					conv.stop()
 				}
 				stop()
-			} else {
+			} else if err = e.resetStatements(ctx); err == nil {
 				r, err = e.runRiver(ctx, riverBin, system == peerRiverTuned, run)
 			}
 			if err != nil {
 				return fmt.Errorf("%s run %d: %w", system, run+1, err)
 			}
+			if r.Statements, err = e.readStatements(ctx, db, e.cfg.PeerTasks); err != nil {
+				return fmt.Errorf("%s run %d: %w", system, run+1, err)
+			}
 			e.progress("peer    %-11s run %d: %d tasks in %.2fs (created in %.2fs) = %.0f tasks/s; %.2f ms CPU, %.2f xids, %.2f commits per task",
 				system, run+1, e.cfg.PeerTasks, r.Seconds, r.CreateSeconds, r.TasksPerSec, r.CPUMsPerTask, r.XIDsPerTask, r.CommitsPerTask)
+			e.printStatements(system, run, r.Statements)
 			pr.Runs = append(pr.Runs, r)
 		}
 	}
@@ -158,6 +169,11 @@ func medianOf(v []float64) float64 {
 	return s[len(s)/2]
 }
 
+// peerDB is the database of one run of system.
+func (e *env) peerDB(system string, run int) string {
+	return fmt.Sprintf("bench_peer_%s_%d", system, run)
+}
+
 // buildRiverPeer builds riverpeer/ into the working directory (its module
 // comes from the Go module proxy on first use).
 func (e *env) buildRiverPeer(ctx context.Context) (string, error) {
@@ -180,7 +196,7 @@ func (e *env) runRiver(ctx context.Context, bin string, tuned bool, run int) (Pe
 	if tuned {
 		system = peerRiverTuned
 	}
-	db := fmt.Sprintf("bench_peer_%s_%d", system, run)
+	db := e.peerDB(system, run)
 	if _, err := e.admin.Exec(ctx, "CREATE DATABASE "+db); err != nil {
 		return PeerRun{}, err
 	}
@@ -247,7 +263,7 @@ type peerPipeline struct {
 }
 
 func (e *env) startPeerPipeline(ctx context.Context, run int) (*peerPipeline, error) {
-	db := fmt.Sprintf("bench_peer_converge_%d", run)
+	db := e.peerDB(peerConverge, run)
 	slot := fmt.Sprintf("bench_peer_%d", run)
 	artifacts := filepath.Join(e.dir, fmt.Sprintf("artifacts-peer-%d", run))
 	e.peerDirs = append(e.peerDirs, artifacts)
