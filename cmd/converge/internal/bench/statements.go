@@ -26,9 +26,9 @@ type StatementCost struct {
 }
 
 // statementsSettings are the server settings Config.Statements adds: the
-// module loaded at start, planning time tracked, statements inside
-// functions counted on their own (River's are plain statements; converge
-// has no functions on its path).
+// module loaded at start, planning time tracked, top-level statements
+// only (neither River nor converge calls functions on its path, so a
+// statement's cost is its client's statement).
 var statementsSettings = map[string]string{
 	"shared_preload_libraries":          "pg_stat_statements",
 	"pg_stat_statements.track":          "top",
