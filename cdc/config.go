@@ -24,7 +24,6 @@ const (
 	DefaultReceiveTimeout     = time.Second
 	DefaultFlushInterval      = 100 * time.Millisecond
 	DefaultFlushMaxRecords    = 1000
-	DefaultMarkConcurrency    = 2
 	DefaultMaxBufferedRecords = 10000
 	DefaultDeliveryTimeout    = time.Minute
 	DefaultShutdownTimeout    = 10 * time.Second
@@ -44,7 +43,7 @@ const HeartbeatPrefix = "converge-heartbeat"
 type Config struct {
 	// DatabaseURL is the PostgreSQL URL (or keyword/value DSN) of the
 	// database holding outbox_event. The relay opens a normal connection
-	// pool (setup, published_at updates) and one replication connection
+	// pool (setup, the records of published transactions) and one replication connection
 	// (the same URL with replication=database). The role needs the
 	// REPLICATION attribute and CREATE on the database (for the
 	// publication). Required.
@@ -74,27 +73,20 @@ type Config struct {
 	// connection waits before the loop flushes and sends due status
 	// updates. Defaults to 1s.
 	ReceiveTimeout time.Duration
-	// FlushInterval is the longest an acknowledged record waits for its
-	// published_at update (and so for the slot to move past it). Defaults
-	// to 100ms.
+	// FlushInterval is the longest a transaction whose records Kafka
+	// acknowledged waits for its record in outbox_published_transaction
+	// (and so for the slot to move past it). Defaults to 100ms.
 	FlushInterval time.Duration
-	// FlushMaxRecords flushes earlier once this many records are
-	// acknowledged; it is also the largest outbox_id array of one UPDATE.
-	// Defaults to 1000.
+	// FlushMaxRecords flushes earlier once this many transactions (and
+	// rows to park) wait for the marker; it is also the most transactions
+	// one INSERT records. Defaults to 1000.
 	FlushMaxRecords int
-	// MarkConcurrency is how many published_at UPDATEs of one flush run at
-	// once, each on its own connection: a flush of n rows is split into
-	// chunks of at most FlushMaxRecords rows, and of at least
-	// minMarkChunk rows when n is large enough to be split at all. One
-	// UPDATE of 1000 rows costs PostgreSQL more than decoding them
-	// (BENCHMARKS.md, relay), so marking serially bounds the relay.
-	// Defaults to 2.
-	MarkConcurrency int
-	// MaxBufferedRecords bounds the records produced and not yet both
-	// acknowledged by Kafka and marked published (also passed as
-	// kgo.MaxBufferedRecords): decoding blocks when it is reached, so
-	// memory stays bounded whatever the size of a transaction and the
-	// speed of the published_at UPDATE. Defaults to 10000.
+	// MaxBufferedRecords bounds the records produced and not yet
+	// acknowledged by Kafka (also passed as kgo.MaxBufferedRecords), and,
+	// separately, the decoded transactions the slot has not passed yet:
+	// decoding blocks when either is reached, so memory stays bounded
+	// whatever the size of a transaction and the speed of the recording
+	// INSERT. Defaults to 10000.
 	MaxBufferedRecords int
 	// DeliveryTimeout is how long a record may stay unacknowledged
 	// (retries included) before its produce fails (kgo.RecordDeliveryTimeout):
@@ -110,7 +102,7 @@ type Config struct {
 	// most 10 s after its dependencies are back.
 	RestartBackoffMin, RestartBackoffMax time.Duration
 	// ShutdownTimeout bounds the wait for in-flight records, the last
-	// published_at update and the final status update after ctx is
+	// record of published transactions and the final status update after ctx is
 	// cancelled. Defaults to 10s.
 	ShutdownTimeout time.Duration
 	// HeartbeatInterval is how often the relay writes a heartbeat into the
@@ -176,9 +168,6 @@ func (c *Config) setDefaults() {
 	}
 	if c.FlushMaxRecords == 0 {
 		c.FlushMaxRecords = DefaultFlushMaxRecords
-	}
-	if c.MarkConcurrency <= 0 {
-		c.MarkConcurrency = DefaultMarkConcurrency
 	}
 	if c.MaxBufferedRecords == 0 {
 		c.MaxBufferedRecords = DefaultMaxBufferedRecords

@@ -37,35 +37,46 @@
 //     JSON (CHECK outbox_event_payload_json_check).
 //   - Produce: rows are produced as they are decoded, never buffered per
 //     transaction; at most MaxBufferedRecords records are in flight, from
-//     decoding until acknowledged AND marked published (decoding waits for
-//     room, sending status updates meanwhile), so memory is bounded whatever
-//     the transaction size. The producer is franz-go's idempotent
-//     producer with acks=all and the default key partitioner (Kafka's murmur2
-//     for keyed records): all events of a task go to one partition in commit
-//     order.
-//   - A row is done when Kafka acknowledged it AND the UPDATE setting its
-//     published_at (one statement per batch of at most FlushMaxRecords rows,
-//     every FlushInterval or as soon as FlushMaxRecords rows are
-//     acknowledged) committed. The UPDATE runs on a goroutine of its own
-//     (the marker; a flush's UPDATEs run on up to MarkConcurrency
-//     connections at once), which counts the rows done in the tracker only
-//     after every UPDATE of the flush committed; the receive loop never waits for it and reads the tracker's
-//     confirmable LSN when it sends a status update. A failure of the
-//     marker (an UPDATE error, an injected fault) stops Run with no further
-//     status update.
+//     decoding until Kafka acknowledged them (or they are parked), and at
+//     most MaxBufferedRecords decoded transactions wait for the slot to
+//     pass them (decoding waits for room, sending status updates
+//     meanwhile), so memory is bounded whatever the transaction size. The
+//     producer is franz-go's idempotent producer with acks=all and the
+//     default key partitioner (Kafka's murmur2 for keyed records): all
+//     events of a task go to one partition in commit order.
+//   - Progress record (migration 00015): a transaction is done when its
+//     Commit was seen, Kafka acknowledged every row of it (or the row was
+//     parked), and the INSERT recording the transaction in
+//     outbox_published_transaction (one narrow row per transaction,
+//     outbox.RecordTransactions; one statement per flush, every
+//     FlushInterval or as soon as FlushMaxRecords transactions wait)
+//     committed. Every row of a recorded transaction that is not parked is
+//     published (the SQL function outbox_published_at); the relay updates
+//     no outbox row on this path, so an outbox row is written once. The
+//     recording runs on a goroutine of its own (the marker), which counts
+//     the transactions done in the tracker only after the INSERT
+//     committed; the receive loop never waits for it and reads the
+//     tracker's confirmable LSN when it sends a status update. A failure
+//     of the marker (an INSERT error, an injected fault) stops Run with no
+//     further status update. Only transactions the relay received are
+//     recorded: rows the slot never delivered stay unpublished for the
+//     reconciler (below).
 //   - Commit visibility (internal/outbox, visibility.go): PostgreSQL flushes a commit record
 //     and wakes the WAL senders before the committing backend leaves the
 //     proc array (with a synchronous standby, only after the standby
 //     confirmed), so the relay can decode, produce and have Kafka
-//     acknowledge rows that the UPDATE does not see yet. The UPDATE's
-//     affected row count is compared with its ids; when it is short, one
-//     statement reads the rows and its own snapshot (pg_current_snapshot):
-//     a row found marked is done, a row found unmarked or absent while its
-//     transaction (the xid of its pgoutput Begin) is still in progress for
-//     that snapshot is given back to the tracker and tried again at the next
-//     flush, and only a row absent although its transaction is visible
-//     (deleted after its commit) is counted done without a mark, logged and
-//     counted. A row not yet visible holds the slot before its transaction.
+//     acknowledge rows that other sessions do not see yet. Recording their
+//     transaction needs no row: the record is true as soon as it is
+//     written, and the rows read as published from the moment they are
+//     visible. Parking a row does need it: a Park that changed nothing is
+//     classified in one statement with its own snapshot
+//     (pg_current_snapshot): a row found settled is done, a row not
+//     visible while its transaction (the xid of its pgoutput Begin) is
+//     still in progress for that snapshot is given back to the tracker and
+//     parked at the next flush, and only a row absent although its
+//     transaction is visible (deleted after its commit) is counted done,
+//     logged and counted. A row not yet parked holds the slot before its
+//     transaction.
 //   - The slot advances only to the end LSN of the last transaction of the
 //     longest WAL-ordered prefix of transactions whose Commit was seen and
 //     whose rows are all done. franz-go completes partitions independently,
@@ -112,7 +123,7 @@
 //     has an outbox id (INVALID_ROW) are parked by the marker
 //     (outbox.Park: parked_at, publish_attempts, last_error_code,
 //     last_error, last_attempt_at), in the flush, with the same visibility
-//     check as a mark; a parked row is settled, so the slot moves past it
+//     check (Classify); a parked row is settled, so the slot moves past it
 //     and the stream goes on. Operators decide with `converge outbox` or
 //     the API's /v1/admin/outbox/ endpoints (Republish produces RecordOf
 //     the row: same key, value, headers; republish.go).
@@ -127,11 +138,11 @@
 //     is recorded on the row (outbox.RecordFailure) and Run opens a new
 //     session from the slot after RestartBackoffMin..Max. Only the fatal
 //     errors (see Run) end Run.
-//   - The backlog check (outbox.Backlog, the reconciler) needs no index on
-//     published_at, so MarkPublished's UPDATE is a HOT update (migration
-//     00008).
+//   - The backlog check (outbox.Backlog, the reconciler) finds the rows
+//     neither published nor parked from a created_xid watermark
+//     (migration 00008) and an anti-join on the transaction records.
 //   - Shutdown (ctx cancelled): stop reading, wait up to ShutdownTimeout for
-//     in-flight records, mark the acknowledged rows published, send a final
+//     in-flight records, record the settled transactions, send a final
 //     status update with the confirmable LSN, close, return nil.
 //
 // # Publication checks (issue 13)
@@ -206,9 +217,9 @@
 // # Fault points
 //
 //   - fault.RelayBeforeMarkPublished: after Kafka acknowledged a batch, before
-//     its published_at UPDATE.
-//   - fault.RelayAfterAckBeforeConfirm: after the UPDATE, before the status
-//     update that would advance the slot.
+//     the flush records its transactions (and parks its refused rows).
+//   - fault.RelayAfterAckBeforeConfirm: after the record committed, before
+//     the status update that would advance the slot.
 //   - fault.RelayPublishConfirmLost: Kafka acknowledged a record, the
 //     produce callback sees an error instead (a lost publisher confirm): Run
 //     fails and a restart produces the record again from the slot.
@@ -224,7 +235,7 @@
 //	converge_relay_payload_hash_mismatches_total              counter    -           rows whose payload_sha256 differs from the canonical payload's hash
 //	converge_relay_commit_to_ack_seconds                      histogram  -           transaction commit time to Kafka's ack of its last record, seconds
 //	converge_relay_confirmed_lsn                              gauge      -           LSN (as a number) last sent as write/flush/apply position
-//	converge_relay_last_acked_lsn                             gauge      -           LSN (as a number) up to which every transaction is acknowledged by Kafka and marked published (what the next status update confirms)
+//	converge_relay_last_acked_lsn                             gauge      -           LSN (as a number) up to which every transaction is acknowledged by Kafka and recorded (what the next status update confirms)
 //	converge_relay_slot_lag_bytes                             gauge      -           pg_current_wal_lsn() - confirmed_flush_lsn, bytes (sampled)
 //	converge_relay_slot_retained_wal_bytes                    gauge      -           pg_current_wal_lsn() - restart_lsn: WAL kept for the slot, bytes (sampled)
 //	converge_relay_slot_wal_status                            gauge      status      1 for the slot's wal_status (reserved, extended, unreserved, lost), 0 for the others
@@ -234,10 +245,10 @@
 //	converge_relay_heartbeat_rtt_seconds                      gauge      -           emit -> decoded from the slot, seconds, of the last heartbeat received
 //	converge_relay_heartbeat_last_received_timestamp_seconds  gauge      -           Unix time the last own heartbeat was decoded
 //	converge_relay_transactions_in_flight                     gauge      -           decoded transactions the slot has not passed yet
-//	converge_relay_records_in_flight                          gauge      -           records produced, not yet acknowledged and marked published
-//	converge_relay_outbox_rows_marked_published_total         counter    -           rows whose published_at this relay set
-//	converge_relay_outbox_rows_not_yet_visible_total          counter    -           times a flush found an acknowledged row not yet visible (retried at the next flush)
-//	converge_relay_outbox_rows_gone_total                     counter    -           acknowledged rows deleted after their commit before they were marked
+//	converge_relay_records_in_flight                          gauge      -           records produced, not yet acknowledged (or parked)
+//	converge_relay_outbox_transactions_recorded_total         counter    -           transactions this relay recorded in outbox_published_transaction
+//	converge_relay_outbox_rows_not_yet_visible_total          counter    -           times a flush found a row to park not yet visible (retried at the next flush)
+//	converge_relay_outbox_rows_gone_total                     counter    -           rows to park deleted after their commit before they were parked
 //	converge_relay_status_updates_total                       counter    -           standby status updates sent
 //	converge_relay_outbox_rows_parked_total                   counter    code        rows parked because they cannot be published
 //	converge_relay_restarts_total                             counter    reason      sessions failed and restarted (produce, slot_active, database, other; a publication mismatch is not counted)

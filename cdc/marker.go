@@ -10,25 +10,28 @@ import (
 
 	"github.com/twmb/franz-go/pkg/kerr"
 	"github.com/twmb/franz-go/pkg/kgo"
-	"golang.org/x/sync/errgroup"
 
 	"github.com/converge-run/converge/internal/fault"
 	"github.com/converge-run/converge/internal/kafkatopic"
 	"github.com/converge-run/converge/internal/outbox"
 )
 
-// The marker: one goroutine takes the rows Kafka acknowledged, runs the
-// published_at UPDATE and only then counts them done in the tracker; the
-// receive loop only reads the tracker's confirmable LSN when it sends a
-// status update (BENCHMARKS.md, relay).
+// The marker: one goroutine records the transactions whose rows Kafka
+// acknowledged (outbox.RecordTransactions: one narrow row per transaction)
+// and parks the rows that cannot be published, and only then counts them
+// done in the tracker; the receive loop only reads the tracker's confirmable
+// LSN when it sends a status update (BENCHMARKS.md, relay).
 //
-// A row holds its s.sem token from decoding until it is marked published
-// (or its produce fails), so the rows decoded and not yet done stay bounded
-// by MaxBufferedRecords whatever the speed of the UPDATE.
+// A row holds its s.sem token from decoding until Kafka acknowledged it (or
+// its produce failed, or it was parked), so the records in flight stay
+// bounded by MaxBufferedRecords; a transaction holds its s.txnSem token from
+// its Begin until the slot may pass it, so the transactions held in memory
+// stay bounded by MaxBufferedRecords as well, whatever the speed of the
+// recording INSERT.
 
 // produceRecord hands one record of transaction seq to franz-go. The promise
-// releases the row's s.sem token on failure; on success the marker releases
-// it once the row is marked published.
+// releases the row's s.sem token, except for a row to park: the marker
+// releases that one once the row is parked.
 func (s *session) produceRecord(seq uint64, outboxID, eventType string, rec *kgo.Record) {
 	s.kcl.Produce(s.produceCtx, rec, func(_ *kgo.Record, err error) {
 		if err == nil {
@@ -59,17 +62,23 @@ func (s *session) produceRecord(seq uint64, outboxID, eventType string, rec *kgo
 			return
 		}
 		s.m.published.WithLabelValues(eventType).Inc()
-		a := s.tr.ack(seq, outboxID)
+		a := s.tr.ack(seq)
+		<-s.sem
 		if a.ok {
 			s.m.commitToAck.Observe(time.Since(a.commitTime).Seconds())
 		}
 		if a.pending >= s.cfg.FlushMaxRecords {
-			select {
-			case s.markKick <- struct{}{}:
-			default:
-			}
+			s.kickMarker()
 		}
 	})
+}
+
+// kickMarker asks the marker for a flush now.
+func (s *session) kickMarker() {
+	select {
+	case s.markKick <- struct{}{}:
+	default:
+	}
 }
 
 // produceError is a record's produce failure that retrying may fix (the
@@ -110,8 +119,9 @@ func (s *session) startMarker(ctx context.Context) {
 	go s.marker(ctx)
 }
 
-// marker flushes every FlushInterval, and at once when FlushMaxRecords rows
-// are pending. A failure is kept for the loop (markFailure) and ends it.
+// marker flushes every FlushInterval, and at once when FlushMaxRecords
+// transactions and rows are pending. A failure is kept for the loop
+// (markFailure) and ends it.
 func (s *session) marker(ctx context.Context) {
 	defer close(s.markExited)
 	t := time.NewTimer(s.cfg.FlushInterval)
@@ -172,34 +182,56 @@ func (s *session) markFailure() error {
 	return s.markErr
 }
 
-// flush marks the acknowledged rows published (markChunks) and only then
-// counts them as done in the tracker, releasing their s.sem tokens. Rows
-// that are not yet visible to other sessions (visibility.go) are given back
-// to the tracker for the next flush: their transactions, and every later
-// one, stay unconfirmed, so the slot never advances past a row that is not
-// marked. The fault points fire around the UPDATEs when there is something
-// to mark. markDone and the fault point after the UPDATEs happen under
-// markMu, which sendStatus also takes to read the confirmable LSN: a status
-// update never confirms rows whose RelayAfterAckBeforeConfirm fired. It
-// returns how many rows it counted done.
+// flush parks the rows that cannot be published (parkRows), then records
+// the settled transactions (outbox.RecordTransactions, at most
+// FlushMaxRecords per statement), and only then counts them as done in the
+// tracker. Rows to park that are not yet visible to other sessions
+// (visibility.go) are given back to the tracker for the next flush: their
+// transactions, and every later one, stay unconfirmed. A transaction needs
+// no visibility check: its record says that the slot delivered its rows and
+// Kafka acknowledged them, which is true whether or not other sessions see
+// its commit yet (they see the rows published from the moment they see the
+// rows). The fault points fire around the writes when there is something to
+// write. recorded and the fault point after the writes happen under markMu,
+// which sendStatus also takes to read the confirmable LSN: a status update
+// never confirms transactions whose RelayAfterAckBeforeConfirm fired. It
+// returns how many transactions and rows it counted done.
 func (s *session) flush(ctx context.Context) (int, error) {
-	rows := s.tr.takeAcked()
-	if len(rows) == 0 {
+	parks := s.tr.takeParks()
+	if len(parks) == 0 && s.tr.pending() == 0 {
 		return 0, nil
 	}
 	if err := s.cfg.Faults.Err(fault.RelayBeforeMarkPublished); err != nil {
-		return 0, fmt.Errorf("mark %d outbox rows published: %w", len(rows), err)
+		return 0, fmt.Errorf("record published outbox transactions: %w", err)
 	}
 	uctx, cancel := context.WithTimeout(ctx, updateTimeout)
 	defer cancel()
-	done, retry, err := s.markChunks(uctx, rows)
-	if err != nil {
-		return 0, err
+	var parked []ackedRow
+	if len(parks) > 0 {
+		done, retry, err := s.parkRows(uctx, parks)
+		if err != nil {
+			return 0, err
+		}
+		s.tr.parksDone(done)
+		s.tr.requeueParks(retry)
+		parked = done
+	}
+	txns := s.tr.takeReady()
+	for start := 0; start < len(txns); start += s.cfg.FlushMaxRecords {
+		chunk := txns[start:min(start+s.cfg.FlushMaxRecords, len(txns))]
+		xids := make([]uint32, len(chunk))
+		for i, x := range chunk {
+			xids[i] = x.xid
+		}
+		n, err := outbox.RecordTransactions(uctx, s.pool, xids)
+		if err != nil {
+			return 0, err
+		}
+		s.m.transactionsRecorded.Add(float64(n))
 	}
 	s.markMu.Lock()
 	defer s.markMu.Unlock()
-	s.tr.markDone(done)
-	s.tr.requeue(retry)
+	s.tr.recorded(txns)
 	if err := s.cfg.Faults.Err(fault.RelayAfterAckBeforeConfirm); err != nil {
 		err = fmt.Errorf("confirm lsn %s: %w", s.tr.confirmable(), err)
 		if s.markErr == nil {
@@ -207,144 +239,26 @@ func (s *session) flush(ctx context.Context) (int, error) {
 		}
 		return 0, err
 	}
-	for range done {
+	for range parked {
 		<-s.sem
 	}
 	s.updateGauges()
-	return len(done), nil
+	return len(txns) + len(parked), nil
 }
 
-// minMarkChunk is the fewest rows an UPDATE of a flush that is split
-// across MarkConcurrency connections gets.
-const minMarkChunk = 100
-
-// invisibleWarnAfter is how long a row may stay invisible before the
-// relay warns (a synchronous standby that does not confirm holds every
+// invisibleWarnAfter is how long a row to park may stay invisible before
+// the relay warns (a synchronous standby that does not confirm holds every
 // commit invisible).
 const invisibleWarnAfter = 5 * time.Second
 
-// markChunks runs the published_at UPDATEs of rows: chunks of at most
-// FlushMaxRecords rows, up to MarkConcurrency of them at once on their own
-// connections. It returns after every UPDATE ended, with the first error.
-// A chunk whose UPDATE affected fewer rows than it holds is classified
-// (outbox.Classify): rows found marked or gone are done, rows not yet
-// visible (or visible only after the UPDATE) are returned in retry. On an
-// error, chunks that committed before another failed stay marked; no row is
-// counted done, so the slot does not move past them and a restarted relay
-// produces them again (the UPDATE skips rows already marked).
-func (s *session) markChunks(ctx context.Context, rows []ackedRow) (done, retry []ackedRow, err error) {
-	if parks := countParks(rows); parks > 0 {
-		var marks []ackedRow
-		if parks < len(rows) {
-			marks = make([]ackedRow, 0, len(rows)-parks)
-		}
-		var parked []ackedRow
-		for _, r := range rows {
-			if r.park != nil {
-				parked = append(parked, r)
-			} else {
-				marks = append(marks, r)
-			}
-		}
-		if done, retry, err = s.parkRows(ctx, parked); err != nil {
-			return nil, nil, err
-		}
-		if len(marks) == 0 {
-			return done, retry, nil
-		}
-		d, r, err := s.markChunks(ctx, marks)
-		if err != nil {
-			return nil, nil, err
-		}
-		return append(done, d...), append(retry, r...), nil
-	}
-	size := min(s.cfg.FlushMaxRecords, max(minMarkChunk, (len(rows)+s.cfg.MarkConcurrency-1)/s.cfg.MarkConcurrency))
-	var chunks [][]ackedRow
-	for start := 0; start < len(rows); start += size {
-		chunks = append(chunks, rows[start:min(start+size, len(rows))])
-	}
-	var mu sync.Mutex
-	mark := func(chunk []ackedRow) error {
-		ids := make([]string, len(chunk))
-		for i, row := range chunk {
-			ids[i] = row.outboxID
-		}
-		n, err := outbox.MarkPublished(ctx, s.pool, ids)
-		if err != nil {
-			return err
-		}
-		s.m.publishedMarked.Add(float64(n))
-		if int(n) == len(chunk) {
-			mu.Lock()
-			done = append(done, chunk...)
-			mu.Unlock()
-			return nil
-		}
-		pending := make([]outbox.Pending, len(chunk))
-		for i, row := range chunk {
-			pending[i] = outbox.Pending{ID: row.outboxID, XID: row.xid}
-		}
-		st, err := outbox.Classify(ctx, s.pool, pending)
-		if err != nil {
-			return err
-		}
-		now := time.Now()
-		mu.Lock()
-		defer mu.Unlock()
-		for i, row := range chunk {
-			switch st[i] {
-			case outbox.Marked:
-				done = append(done, row)
-			case outbox.Gone:
-				s.m.outboxRowsGone.Inc()
-				s.log.WarnContext(ctx, "outbox row deleted after its commit before it was marked published; its event was published",
-					slog.String("outbox_id", row.outboxID), slog.Uint64("xid", uint64(row.xid)))
-				done = append(done, row)
-			default: // Unmarked, Invisible
-				s.m.outboxRowsInvisible.Inc()
-				if row.invisibleSince.IsZero() {
-					row.invisibleSince = now
-				} else if d := now.Sub(row.invisibleSince); d >= invisibleWarnAfter && d-invisibleWarnAfter < s.cfg.FlushInterval {
-					s.log.WarnContext(ctx, "a published outbox row is still not visible to other sessions; its commit may be waiting for a synchronous standby (the slot waits)",
-						slog.String("outbox_id", row.outboxID), slog.Uint64("xid", uint64(row.xid)), slog.Duration("invisible_for", d))
-				}
-				retry = append(retry, row)
-			}
-		}
-		return nil
-	}
-	if len(chunks) == 1 {
-		if err := mark(chunks[0]); err != nil {
-			return nil, nil, err
-		}
-		return done, retry, nil
-	}
-	var g errgroup.Group
-	g.SetLimit(s.cfg.MarkConcurrency)
-	for _, chunk := range chunks {
-		g.Go(func() error { return mark(chunk) })
-	}
-	if err := g.Wait(); err != nil {
-		return nil, nil, err
-	}
-	return done, retry, nil
-}
-
-func countParks(rows []ackedRow) int {
-	n := 0
-	for _, r := range rows {
-		if r.park != nil {
-			n++
-		}
-	}
-	return n
-}
-
 // parkRows parks rows (outbox.Park), one statement each (parking is rare).
-// A row Park did not change is classified as in markChunks: found settled
-// (published or parked, by an earlier run) or gone it is done, not yet
-// visible it is retried.
+// A row Park did not change is classified (outbox.Classify): found settled
+// (published or parked, by an earlier run) or gone (deleted after its
+// commit) it is done; not yet visible (its commit not visible to other
+// sessions yet, or visible only after Park's snapshot) it is retried at the
+// next flush.
 func (s *session) parkRows(ctx context.Context, rows []ackedRow) (done, retry []ackedRow, err error) {
+	now := time.Now()
 	for _, row := range rows {
 		changed, err := outbox.Park(ctx, s.pool, row.outboxID, row.park.code, row.park.message)
 		if err != nil {
@@ -360,10 +274,21 @@ func (s *session) parkRows(ctx context.Context, rows []ackedRow) (done, retry []
 			return nil, nil, err
 		}
 		switch st[0] {
-		case outbox.Marked, outbox.Gone:
+		case outbox.Marked:
 			done = append(done, row)
-		default:
+		case outbox.Gone:
+			s.m.outboxRowsGone.Inc()
+			s.log.WarnContext(ctx, "outbox row to park was deleted after its commit; nothing is left to park",
+				slog.String("outbox_id", row.outboxID), slog.Uint64("xid", uint64(row.xid)))
+			done = append(done, row)
+		default: // Unmarked, Invisible
 			s.m.outboxRowsInvisible.Inc()
+			if row.invisibleSince.IsZero() {
+				row.invisibleSince = now
+			} else if d := now.Sub(row.invisibleSince); d >= invisibleWarnAfter && d-invisibleWarnAfter < s.cfg.FlushInterval {
+				s.log.WarnContext(ctx, "an outbox row to park is still not visible to other sessions; its commit may be waiting for a synchronous standby (the slot waits)",
+					slog.String("outbox_id", row.outboxID), slog.Uint64("xid", uint64(row.xid)), slog.Duration("invisible_for", d))
+			}
 			retry = append(retry, row)
 		}
 	}

@@ -8,15 +8,15 @@ import (
 
 // metrics are the converge_relay_* collectors (listed in doc.go).
 type metrics struct {
-	published       *prometheus.CounterVec
-	produceErrors   prometheus.Counter
-	hashMismatches  prometheus.Counter
-	commitToAck     prometheus.Histogram
-	confirmedLSN    prometheus.Gauge
-	slotLag         prometheus.Gauge
-	txnsInFlight    prometheus.Gauge
-	recordsInFlight prometheus.Gauge
-	publishedMarked prometheus.Counter
+	published            *prometheus.CounterVec
+	produceErrors        prometheus.Counter
+	hashMismatches       prometheus.Counter
+	commitToAck          prometheus.Histogram
+	confirmedLSN         prometheus.Gauge
+	slotLag              prometheus.Gauge
+	txnsInFlight         prometheus.Gauge
+	recordsInFlight      prometheus.Gauge
+	transactionsRecorded prometheus.Counter
 
 	outboxRowsInvisible prometheus.Counter
 	outboxRowsGone      prometheus.Counter
@@ -96,7 +96,7 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 		}),
 		lastAckedLSN: prometheus.NewGauge(prometheus.GaugeOpts{
 			Name: "converge_relay_last_acked_lsn",
-			Help: "Highest commit LSN (as a number) up to which every transaction's outbox events are acknowledged by Kafka and marked published: the LSN the next status update confirms.",
+			Help: "Highest commit LSN (as a number) up to which every transaction's outbox events are acknowledged by Kafka and recorded: the LSN the next status update confirms.",
 		}),
 		heartbeatsEmitted: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "converge_relay_heartbeats_emitted_total",
@@ -120,19 +120,19 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 		}),
 		recordsInFlight: prometheus.NewGauge(prometheus.GaugeOpts{
 			Name: "converge_relay_records_in_flight",
-			Help: "Records produced and not yet both acknowledged by Kafka and marked published.",
+			Help: "Records produced and not yet acknowledged by Kafka (or parked).",
 		}),
-		publishedMarked: prometheus.NewCounter(prometheus.CounterOpts{
-			Name: "converge_relay_outbox_rows_marked_published_total",
-			Help: "Outbox rows whose published_at the relay set (rows already marked by an earlier run are not counted).",
+		transactionsRecorded: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "converge_relay_outbox_transactions_recorded_total",
+			Help: "Transactions whose outbox rows the relay recorded as published (outbox_published_transaction, one row per transaction; transactions recorded by an earlier run are not counted).",
 		}),
 		outboxRowsInvisible: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "converge_relay_outbox_rows_not_yet_visible_total",
-			Help: "Times a flush found an acknowledged outbox row not yet visible to other sessions (its commit not yet visible, e.g. waiting for a synchronous standby); the row is marked at a later flush and the slot waits for it.",
+			Help: "Times a flush found an outbox row to park not yet visible to other sessions (its commit not yet visible, e.g. waiting for a synchronous standby); the row is parked at a later flush and the slot waits for it.",
 		}),
 		outboxRowsGone: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "converge_relay_outbox_rows_gone_total",
-			Help: "Acknowledged outbox rows found deleted after their commit before they could be marked published (their events were published).",
+			Help: "Outbox rows to park found deleted after their commit before they could be parked.",
 		}),
 		statusUpdatesOut: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "converge_relay_status_updates_total",
@@ -160,7 +160,7 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 		}, []string{"reason"}),
 	}
 	for _, c := range []prometheus.Collector{m.rowsParked, m.restarts, m.streaming, m.published, m.produceErrors, m.hashMismatches, m.commitToAck,
-		m.confirmedLSN, m.slotLag, m.txnsInFlight, m.recordsInFlight, m.publishedMarked, m.outboxRowsInvisible, m.outboxRowsGone, m.statusUpdatesOut,
+		m.confirmedLSN, m.slotLag, m.txnsInFlight, m.recordsInFlight, m.transactionsRecorded, m.outboxRowsInvisible, m.outboxRowsGone, m.statusUpdatesOut,
 		m.lastAckedLSN, m.slotRetained, m.slotWALStatus, m.slotSampleErrors, m.heartbeatsEmitted, m.heartbeatErrors,
 		m.heartbeatRTT, m.heartbeatLastSeen, m.pubMismatch, m.pubMismatches} {
 		if err := reg.Register(c); err != nil {

@@ -273,10 +273,13 @@ type session struct {
 	repl  *pgconn.PgConn
 	kcl   *kgo.Client
 	tr    *tracker
-	// sem holds one token per record produced and not yet completed: the
-	// relay's own bound on Kafka's buffer, so waiting for room never blocks
-	// status updates.
+	// sem holds one token per record produced and not yet acknowledged
+	// (or parked): the relay's own bound on Kafka's buffer, so waiting for
+	// room never blocks status updates.
 	sem chan struct{}
+	// txnSem holds one token per transaction tracked (from its Begin until
+	// the slot may pass it; the tracker takes the tokens back).
+	txnSem chan struct{}
 	// closing is set before the Kafka client is closed: failures after it
 	// are abandoned records, not produce errors.
 	closing atomic.Bool
@@ -310,18 +313,18 @@ type session struct {
 func (r *Relay) open(ctx context.Context) (_ *session, err error) {
 	cfg := &r.cfg
 	s := &session{r: r, cfg: cfg, log: r.log, m: r.m, relations: map[uint32]*relation{},
-		sem: make(chan struct{}, cfg.MaxBufferedRecords), checkNow: make(chan struct{}, 1)}
+		sem: make(chan struct{}, cfg.MaxBufferedRecords), txnSem: make(chan struct{}, cfg.MaxBufferedRecords), checkNow: make(chan struct{}, 1)}
 	defer func() {
 		if err != nil {
 			s.close()
 		}
 	}()
 
-	poolCfg, err := dbpool.ParseConfig(cfg.DatabaseURL)
+	poolCfg, err := dbpool.ParseConfig(cfg.DatabaseURL, "converge-relay")
 	if err != nil {
 		return nil, fmt.Errorf("parse database url: %w", err)
 	}
-	poolCfg.MaxConns = int32(cfg.MarkConcurrency) + 2 // published_at updates, heartbeats, slot samples
+	poolCfg.MaxConns = 3 // the marker's writes, heartbeats, slot samples
 	if s.pool, err = pgxpool.NewWithConfig(ctx, poolCfg); err != nil {
 		return nil, fmt.Errorf("connect to database: %w", err)
 	}
@@ -336,6 +339,9 @@ func (r *Relay) open(ctx context.Context) (_ *session, err error) {
 		return nil, fmt.Errorf("parse database url: %w", err)
 	}
 	replCfg.RuntimeParams["replication"] = "database"
+	if _, set := replCfg.RuntimeParams["application_name"]; !set {
+		replCfg.RuntimeParams["application_name"] = "converge-relay" // pg_stat_replication
+	}
 	if s.repl, err = pgconn.ConnectConfig(ctx, replCfg); err != nil {
 		return nil, fmt.Errorf("open replication connection: %w", err)
 	}
@@ -409,7 +415,7 @@ func (r *Relay) open(ctx context.Context) (_ *session, err error) {
 		return nil, err
 	}
 	r.clearStreamBefore(ctx, si.confirmed)
-	s.tr = newTracker(si.confirmed)
+	s.tr = newTracker(si.confirmed, s.txnSem)
 	r.confirmed.Store(uint64(si.confirmed))
 	s.m.confirmedLSN.Set(float64(si.confirmed))
 	s.m.lastAckedLSN.Set(float64(si.confirmed))
@@ -601,6 +607,9 @@ func (s *session) handleWAL(ctx context.Context, data []byte) error {
 		if s.inTxn {
 			return fmt.Errorf("pgoutput: Begin of xid %d inside a transaction", m.Xid)
 		}
+		if err := s.acquire(ctx, s.txnSem); err != nil {
+			return err
+		}
 		s.txnSeq = s.tr.begin(m.CommitTime, m.Xid)
 		s.txnCommitLSN = m.FinalLSN
 		s.inTxn = true
@@ -641,7 +650,7 @@ func (s *session) produce(ctx context.Context, m *pglogrepl.InsertMessage) error
 			return err // not even its id: nothing to park
 		}
 		// The row has an id but cannot be relayed: park it, and go on.
-		if err := s.acquire(ctx); err != nil {
+		if err := s.acquire(ctx, s.sem); err != nil {
 			return err
 		}
 		s.log.ErrorContext(ctx, "outbox row cannot be decoded; parking it (converge outbox list)",
@@ -656,7 +665,7 @@ func (s *session) produce(ctx context.Context, m *pglogrepl.InsertMessage) error
 		s.log.WarnContext(ctx, "outbox payload_sha256 is not the SHA-256 of the stored payload; relaying it as it is (consumers refuse it)",
 			slog.String("outbox_id", row.outboxID), slog.String("payload_sha256", row.payloadSHA256), slog.String("computed_sha256", canon.SHA256Hex(row.payload)))
 	}
-	if err := s.acquire(ctx); err != nil {
+	if err := s.acquire(ctx, s.sem); err != nil {
 		return err
 	}
 	s.tr.add(s.txnSeq)
@@ -664,19 +673,22 @@ func (s *session) produce(ctx context.Context, m *pglogrepl.InsertMessage) error
 	return nil
 }
 
-// acquire takes a token of s.sem, running housekeeping (status updates,
-// produce and marker failures) while it waits.
-func (s *session) acquire(ctx context.Context) error {
+// acquire takes a token of sem (s.sem or s.txnSem), running housekeeping
+// (status updates, produce and marker failures) while it waits, and asking
+// the marker for a flush: waiting transactions free their tokens only once
+// recorded.
+func (s *session) acquire(ctx context.Context, sem chan struct{}) error {
 	select {
-	case s.sem <- struct{}{}:
+	case sem <- struct{}{}:
 		return nil
 	default:
 	}
+	s.kickMarker()
 	for {
 		wait := min(time.Until(s.nextStatus), 10*time.Millisecond)
 		t := time.NewTimer(max(wait, time.Millisecond))
 		select {
-		case s.sem <- struct{}{}:
+		case sem <- struct{}{}:
 			t.Stop()
 			return nil
 		case <-ctx.Done():

@@ -97,7 +97,7 @@ VALUES ($1, $2, $3, $4, $5, $6)`, ev.id, ev.taskID, ev.version, ev.typ, string(e
 	wg.Wait()
 	testenv.Eventually(t, 10*time.Second, "every row marked", func() bool {
 		var n int
-		return pool.QueryRow(ctx, `SELECT count(*) FROM outbox_event WHERE published_at IS NULL`).Scan(&n) == nil && n == 0
+		return pool.QueryRow(ctx, `SELECT count(*) FROM outbox_event WHERE outbox_published_at(outbox_event) IS NULL`).Scan(&n) == nil && n == 0
 	})
 	if _, err := pool.Exec(ctx, `INSERT INTO unrelated SELECT repeat('y', 100) FROM generate_series(1, 50)`); err != nil {
 		t.Fatal(err)

@@ -11,27 +11,32 @@ import (
 // tracker decides how far the replication slot may advance.
 //
 // It holds the decoded transactions in WAL order that are not yet confirmed.
-// A transaction is done when its Commit message was seen and every row it
-// produced was acknowledged by Kafka AND marked published in outbox_event.
-// The confirmable LSN is the end LSN of the last transaction of the longest
-// done prefix: franz-go completes partitions independently, so the last
-// acknowledgement says nothing about earlier records (DESIGN.md, Pitfalls).
-// Several rows of a transaction share its commit, so a restart resumes at
-// transaction granularity.
+// A transaction is done when its Commit message was seen, every row it
+// produced is settled — acknowledged by Kafka, or parked in outbox_event —
+// and, if it had rows, the relay recorded it as published
+// (outbox.RecordTransactions, migration 00015). The confirmable LSN is the
+// end LSN of the last transaction of the longest done prefix: franz-go
+// completes partitions independently, so the last acknowledgement says
+// nothing about earlier records (DESIGN.md, Pitfalls). Several rows of a
+// transaction share its commit, so a restart resumes at transaction
+// granularity.
 //
 // The replication loop calls begin, add and commit; the producer stage calls
-// fail for rows it cannot produce; produce promises call ack and fail from
-// franz-go's goroutines; the marker goroutine calls takeAcked and markDone.
-// All methods are safe for concurrent use.
+// fail for rows it cannot produce; produce promises call ack, ackPark and
+// fail from franz-go's goroutines; the marker goroutine calls takeParks,
+// parksDone, requeueParks, takeReady and recorded. All methods are safe for
+// concurrent use.
 type tracker struct {
 	mu        sync.Mutex
 	confirmed pglogrepl.LSN
 	txns      []*txnState // unconfirmed transactions, WAL order
 	firstSeq  uint64      // seq of txns[0] (or nextSeq when empty)
 	nextSeq   uint64
-	acked     []ackedRow // acknowledged by Kafka, not yet marked published
-	inFlight  int        // rows produced and not yet done
+	parks     []ackedRow // rows to park, not parked yet
+	ready     []readyTxn // settled transactions waiting to be recorded
+	inFlight  int        // rows produced and not yet settled
 	err       error      // first produce failure
+	txnTokens chan struct{}
 	// produceFailures are the records whose produce failed this session
 	// (bounded by MaxBufferedRecords: each was in flight), recorded on
 	// their rows when the session ends.
@@ -46,21 +51,35 @@ type txnState struct {
 	committed  bool
 	failed     bool
 	produced   int
-	acked      int
-	done       int
+	acked      int  // acknowledged by Kafka, or refused for good (to park)
+	done       int  // acknowledged, or parked
+	queued     bool // in tracker.ready
+	recorded   bool // outbox.RecordTransactions committed
 }
 
-// ackedRow is a row Kafka acknowledged: its transaction (sequence number
-// and top-level xid) and outbox id. invisibleSince is set when a flush found
+// settled reports that the transaction's Commit was seen and every row of
+// it is acknowledged or parked.
+func (x *txnState) settled() bool {
+	return x.committed && !x.failed && x.done == x.produced
+}
+
+// readyTxn is a settled transaction with rows: the marker records it
+// (outbox.RecordTransactions) before the slot may pass it.
+type readyTxn struct {
+	seq uint64
+	xid uint32
+}
+
+// ackedRow is a row the broker refused for good, or that cannot be decoded:
+// its transaction (sequence number and top-level xid), outbox id and why.
+// The marker parks it (outbox.Park). invisibleSince is set when a flush found
 // the row not yet visible to other sessions (see outbox.Classify).
 type ackedRow struct {
 	seq            uint64
 	xid            uint32
 	outboxID       string
 	invisibleSince time.Time
-	// park, when set, is why the row cannot be published: the flush parks
-	// it (outbox.Park) instead of marking it published.
-	park *parkReason
+	park           *parkReason
 }
 
 // parkReason is a stable error code and the error's text.
@@ -71,15 +90,18 @@ type parkReason struct{ code, message string }
 type txnAcked struct {
 	commitTime time.Time
 	ok         bool
-	// pending is the number of acknowledged rows waiting to be marked
-	// published after this acknowledgement (set by ack only).
+	// pending is the number of transactions and rows waiting for the
+	// marker after this acknowledgement (set by ack only).
 	pending int
 }
 
 // newTracker returns a tracker whose confirmable LSN starts at confirmed (the
-// slot's confirmed_flush_lsn).
-func newTracker(confirmed pglogrepl.LSN) *tracker {
-	return &tracker{confirmed: confirmed}
+// slot's confirmed_flush_lsn). txnTokens, when not nil, holds a token for
+// every tracked transaction (the caller sends one before begin); the tracker
+// takes it back when the transaction is confirmed, which bounds the
+// transactions held in memory.
+func newTracker(confirmed pglogrepl.LSN, txnTokens chan struct{}) *tracker {
+	return &tracker{confirmed: confirmed, txnTokens: txnTokens}
 }
 
 func (t *tracker) txn(seq uint64) *txnState {
@@ -109,28 +131,31 @@ func (t *tracker) add(seq uint64) {
 	t.inFlight++
 }
 
-// ack records Kafka's acknowledgement of row outboxID of transaction seq.
-func (t *tracker) ack(seq uint64, outboxID string) txnAcked {
+// ack records Kafka's acknowledgement of a row of transaction seq: the row
+// is settled.
+func (t *tracker) ack(seq uint64) txnAcked {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	x := t.txn(seq)
 	x.acked++
-	t.acked = append(t.acked, ackedRow{seq: seq, xid: x.xid, outboxID: outboxID})
+	x.done++
+	t.inFlight--
+	t.queue(seq, x)
 	a := x.ackedResult()
-	a.pending = len(t.acked)
+	a.pending = len(t.ready) + len(t.parks)
 	return a
 }
 
 // ackPark records that row outboxID of transaction seq will never be
 // acknowledged for a reason retrying cannot fix (the broker refuses the
-// record, the row cannot be decoded): like an acknowledgement, it settles
-// the row once the flush parked it.
+// record, the row cannot be decoded): it is settled once the marker parked
+// it (parksDone).
 func (t *tracker) ackPark(seq uint64, outboxID string, why parkReason) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	x := t.txn(seq)
 	x.acked++
-	t.acked = append(t.acked, ackedRow{seq: seq, xid: x.xid, outboxID: outboxID, park: &why})
+	t.parks = append(t.parks, ackedRow{seq: seq, xid: x.xid, outboxID: outboxID, park: &why})
 }
 
 // fail records that a row of transaction seq will never be acknowledged, so
@@ -165,8 +190,19 @@ func (t *tracker) commit(seq uint64, endLSN pglogrepl.LSN) txnAcked {
 	x := t.txn(seq)
 	x.committed = true
 	x.endLSN = endLSN
+	a := x.ackedResult()
+	t.queue(seq, x)
 	t.advance()
-	return x.ackedResult()
+	return a
+}
+
+// queue puts transaction seq on the ready list once it is settled and has
+// rows; t.mu is held.
+func (t *tracker) queue(seq uint64, x *txnState) {
+	if x.produced > 0 && !x.queued && x.settled() {
+		x.queued = true
+		t.ready = append(t.ready, readyTxn{seq: seq, xid: x.xid})
+	}
 }
 
 func (x *txnState) ackedResult() txnAcked {
@@ -176,53 +212,72 @@ func (x *txnState) ackedResult() txnAcked {
 	return txnAcked{}
 }
 
-// pending returns how many acknowledged rows wait to be marked published.
+// pending returns how many transactions and rows wait for the marker.
 func (t *tracker) pending() int {
 	t.mu.Lock()
 	defer t.mu.Unlock()
-	return len(t.acked)
+	return len(t.ready) + len(t.parks)
 }
 
-// takeAcked removes and returns the acknowledged rows not yet marked
-// published, in acknowledgement order.
-func (t *tracker) takeAcked() []ackedRow {
+// take empties *list, a list of t, under t.mu and returns what it held.
+func take[T any](t *tracker, list *[]T) []T {
 	t.mu.Lock()
 	defer t.mu.Unlock()
-	rows := t.acked
-	t.acked = nil
-	return rows
+	out := *list
+	*list = nil
+	return out
 }
 
-// requeue gives back acknowledged rows that a flush could not count done
-// (not yet visible to other sessions): the next flush takes them again,
-// before the rows acknowledged since. Their transactions stay unconfirmed.
-func (t *tracker) requeue(rows []ackedRow) {
+// takeParks removes and returns the rows waiting to be parked.
+func (t *tracker) takeParks() []ackedRow { return take(t, &t.parks) }
+
+// requeueParks gives back rows that a flush could not park (not yet visible
+// to other sessions): the next flush takes them again, before the rows
+// refused since. Their transactions stay unconfirmed.
+func (t *tracker) requeueParks(rows []ackedRow) {
 	if len(rows) == 0 {
 		return
 	}
 	t.mu.Lock()
 	defer t.mu.Unlock()
-	t.acked = append(rows[:len(rows):len(rows)], t.acked...)
+	t.parks = append(rows[:len(rows):len(rows)], t.parks...)
 }
 
-// markDone counts rows as done: call it only after their published_at update
-// committed (or after they were found already marked, or gone). It advances
-// the confirmable LSN.
-func (t *tracker) markDone(rows []ackedRow) {
+// parksDone counts rows as settled: call it only after their park committed
+// (or after they were found settled already, or gone).
+func (t *tracker) parksDone(rows []ackedRow) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	for _, r := range rows {
-		t.txn(r.seq).done++
+		x := t.txn(r.seq)
+		x.done++
 		t.inFlight--
+		t.queue(r.seq, x)
+	}
+}
+
+// takeReady removes and returns the settled transactions waiting to be
+// recorded, in the order they settled.
+func (t *tracker) takeReady() []readyTxn { return take(t, &t.ready) }
+
+// recorded marks transactions as recorded: call it only after
+// outbox.RecordTransactions committed for them. It advances the confirmable
+// LSN.
+func (t *tracker) recorded(txns []readyTxn) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	for _, r := range txns {
+		t.txn(r.seq).recorded = true
 	}
 	t.advance()
 }
 
-// advance pops the done prefix of transactions; t.mu is held.
+// advance pops the done prefix of transactions and returns their tokens;
+// t.mu is held.
 func (t *tracker) advance() {
 	n := 0
 	for _, x := range t.txns {
-		if !x.committed || x.failed || x.done != x.produced {
+		if !x.settled() || (x.produced > 0 && !x.recorded) {
 			break
 		}
 		if x.endLSN > t.confirmed {
@@ -238,6 +293,11 @@ func (t *tracker) advance() {
 	t.firstSeq += uint64(n)
 	if len(t.txns) == 0 {
 		t.txns = nil // let the backing array go
+	}
+	if t.txnTokens != nil {
+		for range n {
+			<-t.txnTokens
+		}
 	}
 }
 
@@ -269,7 +329,7 @@ func (t *tracker) failure() error {
 }
 
 // stats returns the unconfirmed transactions and the produced rows not yet
-// done.
+// settled.
 func (t *tracker) stats() (txns, records int) {
 	t.mu.Lock()
 	defer t.mu.Unlock()

@@ -12,11 +12,13 @@ import (
 
 // A transaction whose commit record is flushed and decoded, but which other
 // sessions do not see yet (its COMMIT waits for a synchronous standby), is
-// relayed to Kafka; the marker's UPDATE finds none of its rows. The rows must
-// not count as done: the slot stays before the transaction, and once the
-// commit becomes visible the next flush marks them (issue 9: before, the
-// rows counted as done and published_at stayed NULL for good).
-func TestRelayWaitsForRowsCommittedButNotYetVisible(t *testing.T) {
+// relayed to Kafka and its record (outbox_published_transaction) is written
+// at once: the record is true whether or not its rows are visible yet. The
+// slot must not pass the transaction before that record committed — held
+// too here, like every commit — and once commits are visible again the rows
+// read as published (issue 9: before, the per-row mark found no row and the
+// rows counted as done with published_at NULL for good).
+func TestRelayRecordsTransactionCommittedButNotYetVisible(t *testing.T) {
 	t.Parallel()
 	h := testenv.NewCommitHold(t)
 	b := &testBundle{db: h.DB, kafka: testenv.NewKafka(t), slot: "s_held", pub: "p_held"}
@@ -42,9 +44,13 @@ VALUES ($1, $2, $3, $4, $5, $6)`, e.id, e.taskID, e.version, e.typ, string(e.pay
 	testenv.Eventually(t, 20*time.Second, "held event relayed", func() bool {
 		return len(byEventID(b.readAll(t))[e.id]) == 1
 	})
-	// ... and the marker keeps finding the row not yet visible.
-	testenv.Eventually(t, 20*time.Second, "row found not yet visible", func() bool {
-		return counterSum(t, reg, "converge_relay_outbox_rows_not_yet_visible_total") >= 3
+	// ... and the relay's record of its transaction waits for its own
+	// commit, held like the create's.
+	testenv.Eventually(t, 20*time.Second, "record of the transaction waiting for its commit", func() bool {
+		var n int
+		err := b.db.Pool.QueryRow(context.Background(), `SELECT count(*) FROM pg_stat_activity
+WHERE datname = current_database() AND query LIKE '%INSERT INTO outbox_published_transaction%' AND wait_event = 'SyncRep'`).Scan(&n)
+		return err == nil && n == 1
 	})
 	var visible int
 	if err := b.db.Pool.QueryRow(context.Background(), `SELECT count(*) FROM outbox_event`).Scan(&visible); err != nil || visible != 0 {
@@ -57,12 +63,8 @@ VALUES ($1, $2, $3, $4, $5, $6)`, e.id, e.taskID, e.version, e.typ, string(e.pay
 	if held < before {
 		t.Fatalf("slot moved back: %s < %s", held, before)
 	}
-	seen := counterSum(t, reg, "converge_relay_outbox_rows_not_yet_visible_total")
-	testenv.Eventually(t, 20*time.Second, "row found not yet visible again", func() bool {
-		return counterSum(t, reg, "converge_relay_outbox_rows_not_yet_visible_total") >= seen+3
-	})
-	if got := rr.relay.ConfirmedLSN(); got != held {
-		t.Fatalf("slot confirmed %s while its transaction is not yet visible, want it to stay at %s", got, held)
+	if n := counterSum(t, reg, "converge_relay_outbox_transactions_recorded_total"); n != 0 {
+		t.Fatalf("transactions recorded = %v while the record's commit is held, want 0", n)
 	}
 
 	h.Release(t)
@@ -74,7 +76,7 @@ VALUES ($1, $2, $3, $4, $5, $6)`, e.id, e.taskID, e.version, e.typ, string(e.pay
 	case <-time.After(20 * time.Second):
 		t.Fatal("held commit did not return after Release")
 	}
-	testenv.Eventually(t, 20*time.Second, "row marked published after it became visible", func() bool {
+	testenv.Eventually(t, 20*time.Second, "row published once commits are visible", func() bool {
 		return b.unpublished(t) == 0
 	})
 	// Once the transaction is done the slot moves on past where it was
@@ -82,17 +84,18 @@ VALUES ($1, $2, $3, $4, $5, $6)`, e.id, e.taskID, e.version, e.typ, string(e.pay
 	testenv.Eventually(t, 20*time.Second, "slot confirmed past the transaction", func() bool {
 		return rr.relay.ConfirmedLSN() > held
 	})
-	if n := counterSum(t, reg, "converge_relay_outbox_rows_marked_published_total"); n != 1 {
-		t.Fatalf("rows marked = %v, want 1", n)
+	if n := counterSum(t, reg, "converge_relay_outbox_transactions_recorded_total"); n != 1 {
+		t.Fatalf("transactions recorded = %v, want 1", n)
 	}
 	if err := rr.stop(t); err != nil {
 		t.Fatalf("Run = %v, want nil", err)
 	}
 }
 
-// A decoded row that was deleted after its commit (visible transaction, no
-// row) is counted done and the slot moves on: nothing is left to mark.
-func TestRelayRowDeletedBeforeMarking(t *testing.T) {
+// A decoded row that was deleted after its commit is relayed, its
+// transaction recorded, and the slot moves on: the record of a transaction
+// needs no row to see.
+func TestRelayRowDeletedBeforeItsTransactionIsRecorded(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
 	cfg := b.config()
@@ -116,8 +119,8 @@ func TestRelayRowDeletedBeforeMarking(t *testing.T) {
 	testenv.Eventually(t, 20*time.Second, "slot confirmed past the deleted row's transaction", func() bool {
 		return rr.relay.ConfirmedLSN() > lsn
 	})
-	if n := counterSum(t, reg, "converge_relay_outbox_rows_gone_total"); n != 1 {
-		t.Fatalf("rows gone = %v, want 1", n)
+	if n := counterSum(t, reg, "converge_relay_outbox_transactions_recorded_total"); n != 1 {
+		t.Fatalf("transactions recorded = %v, want 1", n)
 	}
 	if len(byEventID(b.readAll(t))[e.id]) != 1 {
 		t.Fatal("deleted row's event not relayed once")

@@ -95,11 +95,13 @@ func need(what, v string) error {
 	return nil
 }
 
-func openPool(ctx context.Context, url string) (*pgxpool.Pool, error) {
+// openPool opens the database pool of component who (application_name
+// "converge-" + who).
+func openPool(ctx context.Context, url, who string) (*pgxpool.Pool, error) {
 	if err := need("CONVERGE_DATABASE_URL", url); err != nil {
 		return nil, err
 	}
-	pool, err := dbpool.New(ctx, url)
+	pool, err := dbpool.New(ctx, url, "converge-"+who)
 	if err != nil {
 		return nil, fmt.Errorf("connect database: %w", err)
 	}
@@ -135,7 +137,7 @@ type APICmd struct {
 
 // Run serves the API until interrupted.
 func (c *APICmd) Run(env *runEnv) error {
-	pool, err := openPool(env.ctx, c.DatabaseURL)
+	pool, err := openPool(env.ctx, c.DatabaseURL, "api")
 	if err != nil {
 		return err
 	}
@@ -193,7 +195,6 @@ type RelayCmd struct {
 	Pipeline
 	MetricsAddr
 	HeartbeatInterval time.Duration `env:"CONVERGE_RELAY_HEARTBEAT_INTERVAL" default:"10s" help:"Interval of the relay's WAL heartbeat (pg_logical_emit_message) that advances the slot while the outbox is idle; 0 disables it."`
-	MarkConcurrency   int           `env:"CONVERGE_RELAY_MARK_CONCURRENCY" default:"2" help:"Connections on which the relay's published_at UPDATEs of one flush run at once (1 or more)."`
 }
 
 // Run relays until interrupted, then sends the final status update.
@@ -201,16 +202,13 @@ func (c *RelayCmd) Run(env *runEnv) error {
 	if err := need("CONVERGE_DATABASE_URL", c.DatabaseURL); err != nil {
 		return err
 	}
-	if c.MarkConcurrency < 1 {
-		return fmt.Errorf("CONVERGE_RELAY_MARK_CONCURRENCY %d: want 1 or more", c.MarkConcurrency)
-	}
 	reg := newRegistry()
 	heartbeat := c.HeartbeatInterval
 	if heartbeat == 0 {
 		heartbeat = -1 // disabled (cdc.Config: zero means the default)
 	}
 	r, err := cdc.New(cdc.Config{DatabaseURL: c.DatabaseURL, Brokers: c.KafkaBrokers, Topic: c.Topic, Partitions: c.TopicPartitions,
-		SlotName: c.SlotName, PublicationName: c.PublicationName, HeartbeatInterval: heartbeat, MarkConcurrency: c.MarkConcurrency,
+		SlotName: c.SlotName, PublicationName: c.PublicationName, HeartbeatInterval: heartbeat,
 		Logger: env.log, Registerer: reg, Faults: env.faults,
 		KafkaOpts: []kgo.Opt{kafkametrics.ClientMetrics(reg, "relay")}})
 	if err != nil {
@@ -229,7 +227,7 @@ type WorkerCmd struct {
 
 // Run consumes until interrupted, then commits and leaves the group.
 func (c *WorkerCmd) Run(env *runEnv) error {
-	pool, err := openPool(env.ctx, c.DatabaseURL)
+	pool, err := openPool(env.ctx, c.DatabaseURL, "worker")
 	if err != nil {
 		return err
 	}
@@ -302,7 +300,7 @@ func (r Retention) check() error {
 
 // Run reconciles until interrupted.
 func (c *ReconcilerCmd) Run(env *runEnv) error {
-	pool, err := openPool(env.ctx, c.DatabaseURL)
+	pool, err := openPool(env.ctx, c.DatabaseURL, "reconciler")
 	if err != nil {
 		return err
 	}
@@ -369,7 +367,7 @@ type MigrateCmd struct {
 
 // Run applies every pending migration.
 func (c *MigrateCmd) Run(env *runEnv) error {
-	pool, err := openPool(env.ctx, c.DatabaseURL)
+	pool, err := openPool(env.ctx, c.DatabaseURL, "migrate")
 	if err != nil {
 		return err
 	}

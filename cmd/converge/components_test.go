@@ -145,7 +145,7 @@ func TestRelayCommandReportsPublicationMismatch(t *testing.T) {
 	}
 	c := RelayCmd{Services: Services{DatabaseURL: db.URL, KafkaBrokers: kafka.Brokers},
 		Pipeline:    Pipeline{Topic: kafka.Topic, TopicPartitions: testenv.Partitions, SlotName: "s_" + db.Name, PublicationName: pub},
-		MetricsAddr: MetricsAddr{MetricsAddr: "127.0.0.1:" + strconv.Itoa(testenv.FreePort(t))}, HeartbeatInterval: time.Second, MarkConcurrency: 1}
+		MetricsAddr: MetricsAddr{MetricsAddr: "127.0.0.1:" + strconv.Itoa(testenv.FreePort(t))}, HeartbeatInterval: time.Second}
 	rctx, cancel := context.WithCancel(ctx)
 	done := make(chan error, 1)
 	go func() { done <- c.Run(&runEnv{ctx: rctx, log: slog.New(slog.NewTextHandler(io.Discard, nil))}) }()

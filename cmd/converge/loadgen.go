@@ -41,7 +41,7 @@ func (c *LoadgenCmd) Run(env *runEnv) error {
 		DocsDir: c.Docs, DocSize: c.DocSize, Wait: c.Wait, WaitTimeout: c.WaitTimeout, Progress: os.Stderr, KeyPrefix: c.KeyPrefix,
 	}
 	if c.DatabaseURL != "" && c.Wait {
-		pool, err := dbpool.New(env.ctx, c.DatabaseURL)
+		pool, err := dbpool.New(env.ctx, c.DatabaseURL, "converge-loadgen")
 		if err != nil {
 			return fmt.Errorf("loadgen: --database-url: %w", err)
 		}

@@ -92,7 +92,7 @@ func (d OperatorDB) open(ctx context.Context) (*pgxpool.Pool, error) {
 		}
 		url = strings.TrimSpace(string(b))
 	}
-	return openPool(ctx, url)
+	return openPool(ctx, url, "admin")
 }
 
 // TenantsAddCmd is `converge tenants add NAME [--quota N] [--admin]`.

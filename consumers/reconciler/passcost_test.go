@@ -28,7 +28,7 @@ func TestPassReadsOnlyWhatItLooksFor(t *testing.T) {
 	ctx := context.Background()
 	db := testenv.NewDB(t)
 	const n = 6000
-	fill, err := dbpool.New(ctx, db.URL)
+	fill, err := dbpool.New(ctx, db.URL, "")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -73,7 +73,7 @@ FROM generate_series(1, $1 / 10) g`,
 	var r *Reconciler
 	var res Result
 	for pass := range 2 {
-		pool, err := dbpool.New(ctx, db.URL+"&application_name=reconciler-pass")
+		pool, err := dbpool.New(ctx, db.URL+"&application_name=reconciler-pass", "")
 		if err != nil {
 			t.Fatal(err)
 		}

@@ -53,7 +53,7 @@ VALUES ($1, $2, $3, 'TaskCreated', $4, $5, now() - $6::interval, CASE WHEN $7 TH
 		t.Fatalf("pass = %+v; want 2 republished, 1 parked", res)
 	}
 	var unpublished []string
-	rows, err := b.db.Pool.Query(ctx, `SELECT outbox_id FROM outbox_event WHERE published_at IS NULL ORDER BY outbox_id`)
+	rows, err := b.db.Pool.Query(ctx, `SELECT outbox_id FROM outbox_event WHERE outbox_published_at(outbox_event) IS NULL ORDER BY outbox_id`)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -127,7 +127,7 @@ VALUES ($1, $1, 1, 'TaskCreated', $2, $3)`, id, payload, sum([]byte(payload))); 
 	}
 	unpublished := func() int {
 		var n int
-		if err := b.db.Pool.QueryRow(ctx, `SELECT count(*) FROM outbox_event WHERE published_at IS NULL`).Scan(&n); err != nil {
+		if err := b.db.Pool.QueryRow(ctx, `SELECT count(*) FROM outbox_event WHERE outbox_published_at(outbox_event) IS NULL`).Scan(&n); err != nil {
 			t.Fatal(err)
 		}
 		return n
@@ -147,7 +147,7 @@ VALUES ($1, $1, 1, 'TaskCreated', $2, $3)`, id, payload, sum([]byte(payload))); 
 	insert("after-recreate")
 	testenv.Eventually(t, 10*time.Second, "row after the new slot published by the relay", func() bool {
 		var pub bool
-		return b.db.Pool.QueryRow(ctx, `SELECT published_at IS NOT NULL FROM outbox_event WHERE outbox_id = 'after-recreate'`).Scan(&pub) == nil && pub
+		return b.db.Pool.QueryRow(ctx, `SELECT outbox_published_at(outbox_event) IS NOT NULL FROM outbox_event WHERE outbox_id = 'after-recreate'`).Scan(&pub) == nil && pub
 	})
 	if n := unpublished(); n != 2 {
 		t.Fatalf("%d rows unpublished after the slot was recreated, want the 2 written in between", n)
@@ -244,7 +244,7 @@ VALUES ($1, $1, 1, 'TaskCreated', $2, $3)`, id, payload, sum([]byte(payload)))
 	}
 	published := func(id string) bool {
 		var p bool
-		return b.db.Pool.QueryRow(ctx, `SELECT published_at IS NOT NULL FROM outbox_event WHERE outbox_id = $1`, id).Scan(&p) == nil && p
+		return b.db.Pool.QueryRow(ctx, `SELECT outbox_published_at(outbox_event) IS NOT NULL FROM outbox_event WHERE outbox_id = $1`, id).Scan(&p) == nil && p
 	}
 
 	insert("before-drop")
@@ -288,7 +288,7 @@ VALUES ($1, $1, 1, 'TaskCreated', $2, $3)`, id, payload, sum([]byte(payload)))
 		}
 	}
 	var markedNotProduced int
-	if err := b.db.Pool.QueryRow(ctx, `SELECT count(*) FROM outbox_event WHERE published_at IS NOT NULL AND NOT (outbox_id = ANY($1))`,
+	if err := b.db.Pool.QueryRow(ctx, `SELECT count(*) FROM outbox_event WHERE outbox_published_at(outbox_event) IS NOT NULL AND NOT (outbox_id = ANY($1))`,
 		keys(seen)).Scan(&markedNotProduced); err != nil || markedNotProduced != 0 {
 		t.Fatalf("%d rows marked published without a record in the topic (%v)", markedNotProduced, err)
 	}

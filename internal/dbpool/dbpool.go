@@ -13,8 +13,10 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 )
 
-// New opens a pool on url like pgxpool.New, with enable_seqscan=off and
-// jit=off on every connection, each unless url sets it itself.
+// New opens a pool on url like pgxpool.New, with enable_seqscan=off,
+// jit=off and application_name app (what pg_stat_activity and
+// pg_stat_statements' users show: "converge-api", "converge-worker", ...) on
+// every connection, each unless url sets it itself.
 //
 // Why: converge's statements are point lookups and bounded index scans, and
 // pgx prepares them; after five executions PostgreSQL may cache a generic
@@ -36,8 +38,8 @@ import (
 // the reconciler's passes, nearly all of it JIT). converge's statements
 // are short OLTP statements, for which JIT never pays off.
 // TestNoJITForPricedOutScans measures it.
-func New(ctx context.Context, url string) (*pgxpool.Pool, error) {
-	cfg, err := ParseConfig(url)
+func New(ctx context.Context, url, app string) (*pgxpool.Pool, error) {
+	cfg, err := ParseConfig(url, app)
 	if err != nil {
 		return nil, err
 	}
@@ -60,13 +62,17 @@ func New(ctx context.Context, url string) (*pgxpool.Pool, error) {
 // starts over from durable state.
 const IdleInTransactionTimeout = "60s"
 
-// ParseConfig is pgxpool.ParseConfig with New's enable_seqscan=off, jit=off
-// and idle_in_transaction_session_timeout (IdleInTransactionTimeout), each
-// unless url sets it itself.
-func ParseConfig(url string) (*pgxpool.Config, error) {
+// ParseConfig is pgxpool.ParseConfig with New's enable_seqscan=off, jit=off,
+// idle_in_transaction_session_timeout (IdleInTransactionTimeout) and
+// application_name app (none when app is empty), each unless url sets it
+// itself.
+func ParseConfig(url, app string) (*pgxpool.Config, error) {
 	cfg, err := pgxpool.ParseConfig(url)
 	if err != nil {
 		return nil, err
+	}
+	if _, set := cfg.ConnConfig.RuntimeParams["application_name"]; !set && app != "" {
+		cfg.ConnConfig.RuntimeParams["application_name"] = app
 	}
 	if _, set := cfg.ConnConfig.RuntimeParams["enable_seqscan"]; !set {
 		cfg.ConnConfig.RuntimeParams["enable_seqscan"] = "off"
@@ -82,13 +88,14 @@ func ParseConfig(url string) (*pgxpool.Config, error) {
 
 // Use returns pool and owned=false when pool is not nil: the caller keeps
 // owning it. Otherwise it opens a pool on url (New: pgxpool defaults, or the
-// pool_* parameters of the URL) and returns owned=true: the component must
-// close it when it stops. The error wraps pgxpool's, prefixed with who.
+// pool_* parameters of the URL; application_name "converge-" + who) and
+// returns owned=true: the component must close it when it stops. The error
+// wraps pgxpool's, prefixed with who.
 func Use(pool *pgxpool.Pool, url, who string) (p *pgxpool.Pool, owned bool, err error) {
 	if pool != nil {
 		return pool, false, nil
 	}
-	if p, err = New(context.Background(), url); err != nil {
+	if p, err = New(context.Background(), url, "converge-"+who); err != nil {
 		return nil, false, fmt.Errorf("%s: open database pool: %w", who, err)
 	}
 	return p, true, nil

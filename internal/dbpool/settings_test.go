@@ -17,7 +17,7 @@ func TestSessionSettings(t *testing.T) {
 	db := testenv.NewDB(t)
 	show := func(url, name string) string {
 		t.Helper()
-		p, err := dbpool.New(ctx, url)
+		p, err := dbpool.New(ctx, url, "")
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -58,7 +58,7 @@ func TestNoJITForPricedOutScans(t *testing.T) {
 	const stmt = `EXPLAIN (ANALYZE, FORMAT JSON) SELECT count(*) FROM dead_letter WHERE error_message = ''`
 	jitted := func(url string) bool {
 		t.Helper()
-		p, err := dbpool.New(ctx, url)
+		p, err := dbpool.New(ctx, url, "")
 		if err != nil {
 			t.Fatal(err)
 		}

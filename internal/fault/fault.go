@@ -73,9 +73,12 @@ var ErrInjected = errors.New("injected fault")
 // experiment.
 const (
 	// RelayAfterAckBeforeConfirm: the relay got Kafka's acknowledgement and
-	// marked published_at, but has not advanced the replication slot.
+	// recorded the transaction published (outbox_published_transaction),
+	// but has not advanced the replication slot.
 	RelayAfterAckBeforeConfirm = "relay.after-ack-before-confirm"
-	// RelayBeforeMarkPublished: Kafka acknowledged, published_at not yet set.
+	// RelayBeforeMarkPublished: Kafka acknowledged, the transaction not yet
+	// recorded published (the name predates migration 00015, when the relay
+	// set published_at on each row; kept for the experiments that arm it).
 	RelayBeforeMarkPublished = "relay.before-mark-published"
 	// WorkerAfterArtifactWrite: the artifact is written, the completion
 	// transaction has not run.

@@ -129,35 +129,3 @@ func TestBacklogWatermark(t *testing.T) {
 		t.Fatalf("scan after an error: %d rows, want 1", n)
 	}
 }
-
-// After migration 00008 the relay's mark is a HOT update: no index
-// references published_at.
-func TestMarkPublishedIsHOT(t *testing.T) {
-	t.Parallel()
-	ctx := context.Background()
-	db := testenv.NewDB(t)
-	ids := make([]string, 200)
-	for i := range ids {
-		ids[i] = fmt.Sprintf("row-%03d", i)
-		insertRow(t, db.Pool, ids[i], false)
-	}
-	if n, err := outbox.MarkPublished(ctx, db.Pool, ids); err != nil || n != int64(len(ids)) {
-		t.Fatalf("MarkPublished = %d, %v", n, err)
-	}
-	var upd, hot int64
-	deadline := time.Now().Add(10 * time.Second)
-	for {
-		// The statistics are sent at the end of a transaction, and read
-		// from a snapshot: clear it each time.
-		if err := db.Pool.QueryRow(ctx, `SELECT pg_stat_clear_snapshot() IS NULL, n_tup_upd, n_tup_hot_upd FROM pg_stat_user_tables WHERE relname = 'outbox_event'`).Scan(new(bool), &upd, &hot); err != nil {
-			t.Fatal(err)
-		}
-		if upd >= int64(len(ids)) || time.Now().After(deadline) {
-			break
-		}
-		time.Sleep(50 * time.Millisecond)
-	}
-	if upd != int64(len(ids)) || hot < upd*9/10 {
-		t.Fatalf("%d updates, %d of them HOT; want %d, at least 90 %% HOT", upd, hot, len(ids))
-	}
-}

@@ -1,5 +1,5 @@
 // Package outbox owns the transactional outbox (seed 4): the only code that
-// inserts outbox_event rows, builds their payloads, and marks them
+// inserts outbox_event rows, builds their payloads, and records them
 // published. The API, the worker, the reconciler and the dead-letter service
 // insert through it, in the transaction of the change each event describes;
 // the relay (package cdc) marks through it.
@@ -13,17 +13,23 @@
 //   - The payload is the canonical JSON (RFC 8785) of the event, stored as
 //     text with its SHA-256 (taskevent.Encode): the relay publishes these
 //     bytes as they are.
-//   - published_at is set only after the broker acknowledged the event
-//     (MarkPublished); a republication after a restart leaves it as it is.
-//     publish_attempts counts the attempts that set it.
-//   - A row MarkPublished does not find is not proof that it is gone: its
+//   - A row is published only after the broker acknowledged its event:
+//     either its transaction is recorded (RecordTransactions, the relay:
+//     one row of outbox_published_transaction per transaction whose rows
+//     the slot delivered and Kafka acknowledged, migration 00015) and the
+//     row is not parked, or its own published_at is set (MarkPublished, a
+//     republication by the reconciler or an operator; Decide). The SQL
+//     function outbox_published_at(row) is that rule, for every reader;
+//     outbox_publish_attempts(row) counts the failed attempts and the
+//     successful one. A republication leaves a published row as it is.
+//   - A row Park does not find is not proof that it is gone: its
 //     transaction may be committed and streamed but not visible yet
 //     (Classify, visibility.go). Only a row absent although its
 //     transaction is visible to the same statement's snapshot is gone.
 //   - Backlog.Unpublished reports the backlog (rows unpublished past a
-//     threshold) from a created_xid watermark, with no index on
-//     published_at (so MarkPublished is a HOT update, migration 00008); the
-//     reconciler logs and exports it.
+//     threshold) from a created_xid watermark (migration 00008) and an
+//     anti-join on the transaction records; the reconciler logs and
+//     exports it.
 //   - A row the relay cannot publish is parked (Park: parked_at, attempts,
 //     last error code and text) and settled for the relay; a retryable
 //     failure is counted on the row (RecordFailure). An operator decides on
@@ -31,5 +37,6 @@
 //   - Rows are removed only when published, or parked and decided (issue
 //     13 retention): past the outbox window (Backlog.Purgeable,
 //     DeletePurgeable), or with their task past the task window
-//     (DeleteOfTask). An unpublished or undecided row is never removed.
+//     (DeleteOfTask), and a transaction's record with the last row of it.
+//     An unpublished or undecided row is never removed.
 package outbox

@@ -142,19 +142,90 @@ func QueueInsertMany(b *pgx.Batch, rows []Row) {
 }
 
 // MarkPublished sets published_at and counts the attempt of the rows of ids
-// that are not marked yet (seed 4: after the broker's confirmation). Rows
-// already marked (a republication after a restart) are left as they are. It
-// returns the rows it changed: fewer than ids when some are marked already
-// or not visible to this session yet (Unmarked tells which).
+// that are not published yet (seed 4: after the broker's confirmation): the
+// row-by-row record of a republication (RepublishUnpublished, an operator's
+// republish). Rows already published — by their own mark or through their
+// transaction (RecordTransactions) — are left as they are. It returns the
+// rows it changed.
 func MarkPublished(ctx context.Context, q dbpool.Querier, ids []string) (int64, error) {
 	tag, err := q.Exec(ctx, `
 UPDATE outbox_event
 SET published_at = now(), publish_attempts = publish_attempts + 1
-WHERE outbox_id = ANY($1) AND published_at IS NULL`, ids)
+WHERE outbox_id = ANY($1) AND published_at IS NULL AND (parked_at IS NOT NULL OR `+sqlNotRecorded+`)`, ids)
 	if err != nil {
 		return 0, fmt.Errorf("mark %d outbox rows published: %w", len(ids), err)
 	}
 	return tag.RowsAffected(), nil
+}
+
+// sqlNotRecorded is true for an outbox_event row whose transaction the relay
+// has not recorded (RecordTransactions).
+const sqlNotRecorded = `NOT EXISTS (SELECT 1 FROM outbox_published_transaction pt WHERE pt.xid = outbox_event.created_xid)`
+
+// sqlUnpublishedRow is true for an outbox_event row that is neither
+// published nor parked: outbox_published_at(row) IS NULL AND parked_at IS
+// NULL (migration 00015), written out so that the planner sees an
+// anti-join.
+const sqlUnpublishedRow = `published_at IS NULL AND parked_at IS NULL AND ` + sqlNotRecorded
+
+// sqlSettledRow is true for an outbox_event row that may be removed:
+// published (its own mark, or not parked and its transaction recorded), or
+// parked and decided.
+const sqlSettledRow = `(published_at IS NOT NULL OR decision IS NOT NULL OR (parked_at IS NULL AND NOT ` + sqlNotRecorded + `))`
+
+// sqlWidenXID turns $1, an array of 32-bit transaction ids (the xids of
+// pgoutput Begin messages, as bigint), into the 64-bit ids (xid8) that
+// created_xid holds: each is taken in the epoch that puts it within 2^31 of
+// the reference, pg_current_xact_id() of the recording transaction, which
+// is newer than every transaction the slot decoded (PostgreSQL keeps every
+// live xid within 2^31 of the next one: wraparound protection). The
+// widening is wrapXIDExpr; TestWidenXID checks it across an epoch boundary.
+const wrapXIDExpr = `(r - ((((r % 4294967296) - x + 2147483648) % 4294967296 + 4294967296) % 4294967296 - 2147483648))`
+
+// RecordTransactions records that every outbox row of the transactions
+// xids (32-bit top-level transaction ids, as pgoutput's Begin message
+// carries them) was acknowledged by the broker or parked: those rows that
+// are not parked are published (outbox_published_at, migration 00015). One
+// statement and one narrow row per transaction, instead of an UPDATE of
+// every row; a transaction recorded already (a restart streamed it again)
+// is left as it is. Call it only for transactions the relay received whole
+// (their Commit seen) and all of whose rows are settled: nothing else
+// proves that a row was published. It returns how many transactions it
+// recorded.
+func RecordTransactions(ctx context.Context, q dbpool.Querier, xids []uint32) (int64, error) {
+	if len(xids) == 0 {
+		return 0, nil
+	}
+	xs := make([]int64, len(xids))
+	for i, x := range xids {
+		xs[i] = int64(x)
+	}
+	tag, err := q.Exec(ctx, `
+INSERT INTO outbox_published_transaction (xid)
+SELECT DISTINCT `+wrapXIDExpr+`::text::xid8
+FROM (SELECT pg_current_xact_id()::text::bigint AS r) ref, unnest($1::bigint[]) AS u(x)
+ON CONFLICT (xid) DO NOTHING`, xs)
+	if err != nil {
+		return 0, fmt.Errorf("record %d published outbox transactions: %w", len(xids), err)
+	}
+	return tag.RowsAffected(), nil
+}
+
+// deleteOrphanTransactions removes the recorded transactions among xids
+// that have no outbox row left (retention removed their rows). A row of a
+// transaction is never left without its record: a concurrent removal of the
+// transaction's other rows only keeps a record that could have gone.
+func deleteOrphanTransactions(ctx context.Context, q dbpool.Querier, xids []string) error {
+	if len(xids) == 0 {
+		return nil
+	}
+	if _, err := q.Exec(ctx, `
+DELETE FROM outbox_published_transaction pt
+WHERE pt.xid = ANY($1::text[]::xid8[])
+  AND NOT EXISTS (SELECT 1 FROM outbox_event e WHERE e.created_xid = pt.xid)`, xids); err != nil {
+		return fmt.Errorf("delete the records of %d published outbox transactions: %w", len(xids), err)
+	}
+	return nil
 }
 
 // Backlog finds the unpublished outbox rows without an index on
@@ -167,6 +238,11 @@ WHERE outbox_id = ANY($1) AND published_at IS NULL`, ids)
 // that xmin and the oldest unpublished row the scan found. Each scan so
 // reads the rows inserted since the oldest of those two, through
 // outbox_event_created_xid_idx. The zero Backlog starts from the first row.
+//
+// Its statements are planned at each call with the watermark they are given
+// (pgx.QueryExecModeExec: no cached generic plan, which would estimate a
+// third of the outbox above an unknown watermark and could read every
+// transaction record per scan; the scans run once per reconciler pass).
 //
 // A Backlog is one scanner's state (the reconciler keeps one); concurrent
 // scans are safe (a watermark once valid stays valid: a published row stays
@@ -184,8 +260,8 @@ type Backlog struct {
 // the slot existed, a relay down). The reconciler republishes them.
 func (b *Backlog) Stale(ctx context.Context, q dbpool.Querier, age time.Duration, limit int) ([]Stored, error) {
 	rows, err := q.Query(ctx, `SELECT `+storedColumns+` FROM outbox_event
-WHERE created_xid >= $1::text::xid8 AND published_at IS NULL AND parked_at IS NULL AND created_at < now() - make_interval(secs => $2)
-ORDER BY created_xid, created_at, outbox_id LIMIT $3`, strconv.FormatUint(b.low.Load(), 10), age.Seconds(), limit)
+WHERE created_xid >= $1::text::xid8 AND `+sqlUnpublishedRow+` AND created_at < now() - make_interval(secs => $2)
+ORDER BY created_xid, created_at, outbox_id LIMIT $3`, pgx.QueryExecModeExec, strconv.FormatUint(b.low.Load(), 10), age.Seconds(), limit)
 	if err != nil {
 		return nil, fmt.Errorf("read stale outbox rows: %w", err)
 	}
@@ -218,8 +294,8 @@ func (b *Backlog) Purgeable(ctx context.Context, q dbpool.Querier, olderThan tim
 	rows, err := q.Query(ctx, `
 SELECT outbox_id FROM outbox_event
 WHERE created_xid < $1::text::xid8 AND created_at < now() - make_interval(secs => $2)
-  AND (published_at IS NOT NULL OR decision IS NOT NULL)
-ORDER BY created_xid LIMIT $3`, strconv.FormatUint(b.low.Load(), 10), olderThan.Seconds(), limit)
+  AND `+sqlSettledRow+`
+ORDER BY created_xid LIMIT $3`, pgx.QueryExecModeExec, strconv.FormatUint(b.low.Load(), 10), olderThan.Seconds(), limit)
 	if err != nil {
 		return nil, fmt.Errorf("select purgeable outbox rows: %w", err)
 	}
@@ -231,16 +307,22 @@ ORDER BY created_xid LIMIT $3`, strconv.FormatUint(b.low.Load(), 10), olderThan.
 }
 
 // DeletePurgeable removes the rows of ids that are published, or parked and
-// decided (a row of ids in any other state stays), and returns how many.
+// decided (a row of ids in any other state stays), and the records of their
+// transactions that no row is left of, and returns how many rows it
+// removed. Run it in a transaction with the caller's other removals.
 func DeletePurgeable(ctx context.Context, q dbpool.Querier, ids []string) (int64, error) {
 	if len(ids) == 0 {
 		return 0, nil
 	}
-	tag, err := q.Exec(ctx, `DELETE FROM outbox_event WHERE outbox_id = ANY($1) AND (published_at IS NOT NULL OR decision IS NOT NULL)`, ids)
+	rows, err := q.Query(ctx, `DELETE FROM outbox_event WHERE outbox_id = ANY($1) AND `+sqlSettledRow+` RETURNING created_xid::text`, ids)
 	if err != nil {
 		return 0, fmt.Errorf("delete %d outbox rows: %w", len(ids), err)
 	}
-	return tag.RowsAffected(), nil
+	xids, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	if err != nil {
+		return 0, fmt.Errorf("delete %d outbox rows: %w", len(ids), err)
+	}
+	return int64(len(xids)), deleteOrphanTransactions(ctx, q, xids)
 }
 
 // IDsOfTask returns the ids of the outbox rows of task taskID (the message
@@ -258,15 +340,20 @@ func IDsOfTask(ctx context.Context, q dbpool.Querier, taskID string) ([]string, 
 }
 
 // DeleteOfTask removes the outbox rows of task taskID that are published, or
-// parked and decided, and returns how many: the task's removal by
+// parked and decided, and the records of their transactions that no row is
+// left of, and returns how many rows it removed: the task's removal by
 // retention, which first checked that no other row of it is left
 // (task.Hold).
 func DeleteOfTask(ctx context.Context, q dbpool.Querier, taskID string) (int64, error) {
-	tag, err := q.Exec(ctx, `DELETE FROM outbox_event WHERE aggregate_id = $1 AND (published_at IS NOT NULL OR decision IS NOT NULL)`, taskID)
+	rows, err := q.Query(ctx, `DELETE FROM outbox_event WHERE aggregate_id = $1 AND `+sqlSettledRow+` RETURNING created_xid::text`, taskID)
 	if err != nil {
 		return 0, fmt.Errorf("delete outbox rows of task %s: %w", taskID, err)
 	}
-	return tag.RowsAffected(), nil
+	xids, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	if err != nil {
+		return 0, fmt.Errorf("delete outbox rows of task %s: %w", taskID, err)
+	}
+	return int64(len(xids)), deleteOrphanTransactions(ctx, q, xids)
 }
 
 // Watermark returns the created_xid below which every row was seen
@@ -289,8 +376,8 @@ func (b *Backlog) Unpublished(ctx context.Context, q dbpool.Querier, threshold t
 SELECT count(*) FILTER (WHERE created_at < now() - make_interval(secs => $2)),
   COALESCE(EXTRACT(EPOCH FROM now() - min(created_at)), 0)::float8,
   LEAST(min(created_xid), pg_snapshot_xmin(pg_current_snapshot()))::text
-FROM outbox_event WHERE created_xid >= $1::text::xid8 AND published_at IS NULL AND parked_at IS NULL`,
-		strconv.FormatUint(b.low.Load(), 10), threshold.Seconds()).Scan(&rows, &age, &low)
+FROM outbox_event WHERE created_xid >= $1::text::xid8 AND `+sqlUnpublishedRow,
+		pgx.QueryExecModeExec, strconv.FormatUint(b.low.Load(), 10), threshold.Seconds()).Scan(&rows, &age, &low)
 	if err != nil {
 		return 0, 0, fmt.Errorf("count unpublished outbox rows: %w", err)
 	}

@@ -55,7 +55,7 @@ func Park(ctx context.Context, q dbpool.Querier, id, code, message string) (bool
 UPDATE outbox_event
 SET parked_at = now(), last_attempt_at = now(), publish_attempts = publish_attempts + 1,
     last_error_code = $2, last_error = $3
-WHERE outbox_id = $1 AND published_at IS NULL AND parked_at IS NULL`, id, code, clip(message))
+WHERE outbox_id = $1 AND `+sqlUnpublishedRow, id, code, clip(message))
 	if err != nil {
 		return false, fmt.Errorf("park outbox row %s: %w", id, err)
 	}
@@ -69,7 +69,7 @@ func RecordFailure(ctx context.Context, q dbpool.Querier, ids []string, code, me
 	tag, err := q.Exec(ctx, `
 UPDATE outbox_event
 SET last_attempt_at = now(), publish_attempts = publish_attempts + 1, last_error_code = $2, last_error = $3
-WHERE outbox_id = ANY($1) AND published_at IS NULL AND parked_at IS NULL`, ids, code, clip(message))
+WHERE outbox_id = ANY($1) AND `+sqlUnpublishedRow, ids, code, clip(message))
 	if err != nil {
 		return 0, fmt.Errorf("record failed publish attempt of %d outbox rows: %w", len(ids), err)
 	}
@@ -114,7 +114,7 @@ type Stored struct {
 }
 
 const storedColumns = `outbox_id, aggregate_id, aggregate_version, event_type, COALESCE(tenant_id, ''), payload, payload_sha256,
-  created_at, published_at, publish_attempts, COALESCE(last_error_code, ''), COALESCE(last_error, ''), last_attempt_at,
+  created_at, outbox_published_at(outbox_event), outbox_publish_attempts(outbox_event), COALESCE(last_error_code, ''), COALESCE(last_error, ''), last_attempt_at,
   parked_at, COALESCE(decision, ''), decided_at, COALESCE(decided_by, ''), COALESCE(decision_reason, '')`
 
 func scanStored(row pgx.Row) (Stored, error) {

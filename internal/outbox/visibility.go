@@ -61,8 +61,8 @@ func Classify(ctx context.Context, q dbpool.Querier, rows []Pending) ([]Status, 
 	)
 	err := q.QueryRow(ctx, `
 SELECT pg_current_snapshot()::text,
-       COALESCE((SELECT array_agg(outbox_id) FROM outbox_event WHERE outbox_id = ANY($1) AND (published_at IS NOT NULL OR parked_at IS NOT NULL)), '{}'),
-       COALESCE((SELECT array_agg(outbox_id) FROM outbox_event WHERE outbox_id = ANY($1) AND published_at IS NULL AND parked_at IS NULL), '{}')`,
+       COALESCE((SELECT array_agg(outbox_id) FROM outbox_event WHERE outbox_id = ANY($1) AND NOT (`+sqlUnpublishedRow+`)), '{}'),
+       COALESCE((SELECT array_agg(outbox_id) FROM outbox_event WHERE outbox_id = ANY($1) AND `+sqlUnpublishedRow+`), '{}')`,
 		ids).Scan(&snapText, &published, &unmarked)
 	if err != nil {
 		return nil, fmt.Errorf("read %d unmarked outbox rows: %w", len(rows), err)

@@ -103,7 +103,7 @@ func Hold(ctx context.Context, q dbpool.Querier, id string, olderThan time.Durat
 	err = q.QueryRow(ctx, `
 SELECT t.status, t.updated_at < now() - make_interval(secs => $2),
   EXISTS (SELECT 1 FROM idempotency_record ir WHERE ir.task_id = t.task_id),
-  EXISTS (SELECT 1 FROM outbox_event o WHERE o.aggregate_id = t.task_id AND o.published_at IS NULL AND o.decision IS NULL),
+  EXISTS (SELECT 1 FROM outbox_event o WHERE o.aggregate_id = t.task_id AND outbox_published_at(o) IS NULL AND o.decision IS NULL),
   EXISTS (SELECT 1 FROM dead_letter d WHERE d.task_id = t.task_id AND d.state IN ('parked', 'refused')),
   EXISTS (SELECT 1 FROM effect_ledger e WHERE e.task_id = t.task_id AND e.effect_kind IN ('artifact.put', 'artifact.hide')
           AND e.state NOT IN ('verified', 'compensated', 'failed')),

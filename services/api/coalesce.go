@@ -50,7 +50,7 @@ type createReq struct {
 	ctx   context.Context
 	k     idempotency.Key
 	p     tenant.Principal
-	build func(now time.Time) (*newTask, error)
+	draft *taskDraft
 	done  chan createResult // buffered (1): the answer
 	// afterGroup: the request runs alone because its group transaction
 	// failed (its lock wait is then afterGroupLockTimeout).
@@ -292,7 +292,7 @@ func (c *coalescer) runAlone(r *createReq) {
 	if r.afterGroup {
 		maxWait = afterGroupLockTimeout
 	}
-	n, err := c.store.createOne(r.ctx, r.k, r.p, r.build, maxWait)
+	n, err := c.store.createOne(r.ctx, r.k, r.p, r.draft, maxWait)
 	if n != nil {
 		c.sizes.Observe(1) // a transaction that inserted a task
 	}
@@ -335,7 +335,7 @@ func (s *store) createGroup(ctx context.Context, group []*createReq, faults *fau
 	b.Queue("BEGIN")
 	queueLockTimeout(&b, groupLockTimeout)
 	for _, i := range order {
-		idempotency.QueueBeginOutcome(&b, group[i].k, &now[i], &won[i])
+		idempotency.QueueInsertSucceededOutcome(&b, group[i].k, group[i].draft.TaskID, group[i].draft.Response, &now[i], &won[i])
 	}
 	if err := conn.SendBatch(ctx, &b).Close(); err != nil {
 		return nil, fmt.Errorf("insert %d idempotency records: %w", len(group), err)
@@ -351,7 +351,7 @@ func (s *store) createGroup(ctx context.Context, group []*createReq, faults *fau
 			results[i].err = errKeyTaken
 			continue
 		}
-		n, err := r.build(now[i].UTC())
+		n, err := r.draft.build(now[i].UTC())
 		if err != nil {
 			return nil, err
 		}

@@ -28,10 +28,11 @@ func groupReq(p tenant.Principal, key, doc string) *createReq {
 	k := idempotency.Key{Scope: tenant.CreateScope(p.TenantID), Key: key, Fingerprint: Fingerprint(inputSHA, OutputFormatJCS),
 		TTL: time.Hour, Lease: time.Minute}
 	req := &createRequest{Document: canonical, OutputFormat: OutputFormatJCS}
-	return &createReq{ctx: context.Background(), k: k, p: p, done: make(chan createResult, 1),
-		build: func(now time.Time) (*newTask, error) {
-			return buildTask(now, p.TenantID, req, inputSHA, int64(len(canonical)))
-		}}
+	d, err := newTaskDraft(p.TenantID, req, inputSHA, int64(len(canonical)))
+	if err != nil {
+		panic(err)
+	}
+	return &createReq{ctx: context.Background(), k: k, p: p, done: make(chan createResult, 1), draft: d}
 }
 
 // runGroup runs group as one group transaction (or its fallback) and
@@ -89,7 +90,7 @@ func TestCreateGroupOutcomes(t *testing.T) {
 	pb := tenant.Principal{TenantID: other.ID}
 
 	old := groupReq(pa, "old", "x")
-	if _, err := s.createOne(ctx, old.k, old.p, old.build, maxAloneLockTimeout); err != nil {
+	if _, err := s.createOne(ctx, old.k, old.p, old.draft, maxAloneLockTimeout); err != nil {
 		t.Fatal(err)
 	}
 	group := []*createReq{
@@ -476,7 +477,7 @@ func TestPanickingBuildFailsOnlyItsRequest(t *testing.T) {
 	c, _ := testCoalescer(t, s, nil)
 	pa := tenant.Principal{TenantID: b.tenant.ID}
 	bad := groupReq(pa, "panics", "p")
-	bad.build = func(time.Time) (*newTask, error) { panic("build broke") }
+	bad.draft.build = func(time.Time) (*newTask, error) { panic("build broke") }
 	res := runGroup(c, []*createReq{groupReq(pa, "p1", "1"), bad, groupReq(pa, "p2", "2")})
 	if res[0].err != nil || res[2].err != nil {
 		t.Fatalf("the other requests: %v, %v; want created", res[0].err, res[2].err)
@@ -577,7 +578,7 @@ func TestCommittedReadsTheRecord(t *testing.T) {
 	c, _ := testCoalescer(t, s, nil)
 	pa := tenant.Principal{TenantID: b.tenant.ID}
 	r := groupReq(pa, "settled", "1")
-	n, err := s.createOne(context.Background(), r.k, r.p, r.build, maxAloneLockTimeout)
+	n, err := s.createOne(context.Background(), r.k, r.p, r.draft, maxAloneLockTimeout)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -126,8 +126,10 @@ func (s *Server) handleCreate(w http.ResponseWriter, r *http.Request) {
 	p := principal(r)
 	k := idempotency.Key{Scope: tenant.CreateScope(p.TenantID), Key: key, Fingerprint: Fingerprint(inputSHA, req.OutputFormat),
 		TTL: s.cfg.IdempotencyTTL, Lease: s.cfg.IdempotencyLease}
-	build := func(now time.Time) (*newTask, error) {
-		return buildTask(now, p.TenantID, req, inputSHA, int64(len(canonical)))
+	draft, err := newTaskDraft(p.TenantID, req, inputSHA, int64(len(canonical)))
+	if err != nil {
+		s.writeError(w, r, err)
+		return
 	}
 
 	// One request per key waits on the database at a time (keyflight.go).
@@ -177,7 +179,7 @@ func (s *Server) handleCreate(w http.ResponseWriter, r *http.Request) {
 	// At most a few rounds: a record that vanished between our conflicting
 	// insert and our read (deleted by retention) lets the next insert win.
 	for range 3 {
-		n, err := s.store.createTask(r.Context(), k, p, build)
+		n, err := s.store.createTask(r.Context(), k, p, draft)
 		if err == nil {
 			outcome = flightSettled
 			s.metrics.idempotency.WithLabelValues(idemCreated).Inc()
@@ -216,10 +218,28 @@ func (s *Server) handleCreate(w http.ResponseWriter, r *http.Request) {
 	s.writeError(w, r, &Error{Code: CodeIdempotencyInProgress, Detail: "the idempotency record of this key is changing; retry", Err: errKeyTaken})
 }
 
-// buildTask builds the rows of a new task created at now (the creating
-// transaction's timestamp): the queued v0 snapshot, the TaskCreated event
-// and the 202 body, both in canonical form.
-func buildTask(now time.Time, tenantID string, req *createRequest, inputSHA string, inputSize int64) (*newTask, error) {
+// taskDraft is a task about to be created. Its ids and its 202 body are
+// chosen before the create transaction, whose first statement inserts the
+// idempotency record complete with them (migration 00016); its rows are
+// built once the transaction's timestamp is known (build). A draft may be
+// used by several attempts of one request: nothing of a failed attempt was
+// written.
+type taskDraft struct {
+	TaskID, OutboxID string
+	Response         []byte // canonical JSON of the 202 body
+	tenantID         string
+	req              *createRequest
+	inputSHA         string
+	inputSize        int64
+	// build returns the task's rows created at now; rows unless a test
+	// replaces it.
+	build func(now time.Time) (*newTask, error)
+}
+
+// newTaskDraft chooses the ids (UUIDv7) and the 202 body of a new task of
+// tenantID for req, whose canonical document has SHA-256 inputSHA and
+// inputSize bytes.
+func newTaskDraft(tenantID string, req *createRequest, inputSHA string, inputSize int64) (*taskDraft, error) {
 	taskID, err := uuid.NewV7()
 	if err != nil {
 		return nil, fmt.Errorf("task id: %w", err)
@@ -228,21 +248,35 @@ func buildTask(now time.Time, tenantID string, req *createRequest, inputSHA stri
 	if err != nil {
 		return nil, fmt.Errorf("outbox id: %w", err)
 	}
-	t := taskevent.Task{
-		TaskID: taskID.String(), TenantID: tenantID, Status: taskevent.StatusQueued, Version: 0, Attempt: 0,
-		OutputFormat: req.OutputFormat, InputSHA256: inputSHA, InputSize: inputSize,
+	d := &taskDraft{TaskID: taskID.String(), OutboxID: outboxID.String(), tenantID: tenantID, req: req, inputSHA: inputSHA, inputSize: inputSize}
+	d.Response = idempotency.CreatedResponse(d.snapshot(time.Time{}))
+	d.build = d.rows
+	return d, nil
+}
+
+// snapshot is the task's queued v0 snapshot created at now.
+func (d *taskDraft) snapshot(now time.Time) taskevent.Task {
+	return taskevent.Task{
+		TaskID: d.TaskID, TenantID: d.tenantID, Status: taskevent.StatusQueued, Version: 0, Attempt: 0,
+		OutputFormat: d.req.OutputFormat, InputSHA256: d.inputSHA, InputSize: d.inputSize,
 		CreatedAt: now, UpdatedAt: now,
 	}
+}
+
+// rows returns the rows of the task created at now (the creating
+// transaction's timestamp): the queued v0 snapshot and the TaskCreated
+// event in canonical form, with the draft's 202 body.
+func (d *taskDraft) rows(now time.Time) (*newTask, error) {
+	t := d.snapshot(now)
 	ev := &taskevent.Event{
-		EventID: outboxID.String(), EventType: taskevent.TypeTaskCreated, SchemaVersion: taskevent.SchemaVersion,
+		EventID: d.OutboxID, EventType: taskevent.TypeTaskCreated, SchemaVersion: taskevent.SchemaVersion,
 		TaskID: t.TaskID, TaskVersion: t.Version, OccurredAt: now, Task: t,
 	}
 	payload, payloadSHA, err := taskevent.Encode(ev)
 	if err != nil {
 		return nil, err
 	}
-	resp := idempotency.CreatedResponse(t)
-	return &newTask{Task: t, Document: req.Document, OutboxID: ev.EventID, Payload: payload, PayloadSHA256: payloadSHA, Response: resp}, nil
+	return &newTask{Task: t, Document: d.req.Document, OutboxID: ev.EventID, Payload: payload, PayloadSHA256: payloadSHA, Response: d.Response}, nil
 }
 
 // answerExisting answers a request whose key is already recorded (seed

@@ -42,13 +42,18 @@
 // byte-different encodings of the same JSON value are the same request, and
 // no timestamp or trace id enters the fingerprint.
 //
-// One PostgreSQL transaction inserts the idempotency record first (state
-// in_progress, ON CONFLICT DO NOTHING), then the task (queued, version 0),
-// its input (the document bytes as received) and the TaskCreated outbox
-// row, and completes the record to succeeded with the replayable 202
-// response. The record's primary key, never a prior SELECT, decides between
-// concurrent first uses: the loser's transaction writes nothing and reads the
-// winner's committed record. Outcomes for a key already recorded:
+// One PostgreSQL transaction inserts the idempotency record first, ON
+// CONFLICT DO NOTHING, already complete — succeeded, with the task id and
+// the replayable 202 response, both chosen before the transaction (the body
+// holds no timestamp) — then the task (queued, version 0), its input (the
+// document bytes as received) and the TaskCreated outbox row; the record's
+// foreign key to the task is checked at COMMIT (migration 00016). No other
+// session sees the record before the transaction commits, so seed 3.1's
+// in_progress state lasts exactly as long as the transaction: a concurrent
+// request with the same key waits on the primary key meanwhile. The
+// record's primary key, never a prior SELECT, decides between concurrent
+// first uses: the loser's transaction writes nothing and reads the winner's
+// committed record. Outcomes for a key already recorded:
 //
 //   - different fingerprint: 422 IDEMPOTENCY_KEY_REUSED_WITH_DIFFERENT_REQUEST;
 //   - same fingerprint, succeeded: the stored status and body again (byte

@@ -46,7 +46,11 @@ func BenchmarkCreateCPU(b *testing.B) {
 		}
 		sha := canon.SHA256Hex(c)
 		sinkFingerprint = Fingerprint(sha, req.OutputFormat)
-		if _, err := buildTask(now, "", req, sha, int64(len(c))); err != nil {
+		d, err := newTaskDraft("", req, sha, int64(len(c)))
+		if err != nil {
+			b.Fatal(err)
+		}
+		if _, err := d.build(now); err != nil {
 			b.Fatal(err)
 		}
 	}

@@ -42,11 +42,11 @@ type store struct {
 // request: in a group transaction with the concurrent ones when the store
 // coalesces creates (coalesce.go), else alone (createOne). The outcomes are
 // those of createOne.
-func (s *store) createTask(ctx context.Context, k idempotency.Key, p tenant.Principal, build func(now time.Time) (*newTask, error)) (*newTask, error) {
+func (s *store) createTask(ctx context.Context, k idempotency.Key, p tenant.Principal, d *taskDraft) (*newTask, error) {
 	if s.coalesce == nil {
-		return s.createOne(ctx, k, p, build, maxAloneLockTimeout)
+		return s.createOne(ctx, k, p, d, maxAloneLockTimeout)
 	}
-	return s.coalesce.do(&createReq{ctx: ctx, k: k, p: p, build: build, done: make(chan createResult, 1)})
+	return s.coalesce.do(&createReq{ctx: ctx, k: k, p: p, draft: d, done: make(chan createResult, 1)})
 }
 
 // newTask is everything the create transaction writes besides the
@@ -61,27 +61,25 @@ type newTask struct {
 }
 
 // createOne runs the create transaction of seed section 3.1 for one
-// request. The
-// idempotency record is inserted FIRST, state in_progress, with ON CONFLICT
+// request. The idempotency record is inserted FIRST, complete (succeeded,
+// with the draft's task id and 202 body; migration 00016), with ON CONFLICT
 // DO NOTHING: its primary key decides between concurrent first uses (a
 // concurrent inserter waits for the winner's commit or rollback). Only the
-// winner goes on: build is called with the transaction's timestamp (the
-// database clock, now()) and returns the task, its input and the TaskCreated
-// outbox row; they are inserted and the record is completed to succeeded
-// with the replayable response, all in the same transaction. A loser gets
-// errKeyTaken with nothing written; it then reads the record.
+// winner goes on: the draft builds the task, its input and the TaskCreated
+// outbox row with the transaction's timestamp (the database clock, now()),
+// and they are inserted in the same transaction; the record's foreign key
+// to the task is checked at COMMIT. A loser gets errKeyTaken with nothing
+// written; it then reads the record.
 //
 // The transaction takes two round trips to PostgreSQL, its statements
 // pipelined (pgx.Batch: one write, one Sync): BEGIN, the transaction's
 // lock_timeout (aloneLockTimeout) and the record insert, whose RETURNING
 // gives the timestamp; then the task and task_input inserts
-// (package task), the outbox insert (package outbox), the record completion
-// (package idempotency, which fails when the record is not in progress with
-// this fingerprint) and COMMIT. A statement that fails makes PostgreSQL skip
-// the rest of its batch, COMMIT included; the transaction is then rolled
-// back. A connection whose rollback fails is closed, never returned to the
-// pool mid-transaction.
-func (s *store) createOne(ctx context.Context, k idempotency.Key, p tenant.Principal, build func(now time.Time) (*newTask, error), maxWait time.Duration) (*newTask, error) {
+// (package task), the outbox insert (package outbox) and COMMIT. A
+// statement that fails makes PostgreSQL skip the rest of its batch, COMMIT
+// included; the transaction is then rolled back. A connection whose
+// rollback fails is closed, never returned to the pool mid-transaction.
+func (s *store) createOne(ctx context.Context, k idempotency.Key, p tenant.Principal, d *taskDraft, maxWait time.Duration) (*newTask, error) {
 	conn, err := s.acquireTx(ctx)
 	if err != nil {
 		return nil, err
@@ -92,7 +90,7 @@ func (s *store) createOne(ctx context.Context, k idempotency.Key, p tenant.Princ
 	var now time.Time
 	b.Queue("BEGIN")
 	queueLockTimeout(&b, aloneLockTimeout(ctx, maxWait))
-	idempotency.QueueBegin(&b, k, &now)
+	idempotency.QueueInsertSucceeded(&b, k, d.TaskID, d.Response, &now)
 	err = conn.SendBatch(ctx, &b).Close()
 	if errors.Is(err, pgx.ErrNoRows) {
 		return nil, errKeyTaken
@@ -106,7 +104,7 @@ func (s *store) createOne(ctx context.Context, k idempotency.Key, p tenant.Princ
 		return nil, fmt.Errorf("insert idempotency record: %w", err)
 	}
 
-	n, err := build(now.UTC())
+	n, err := d.build(now.UTC())
 	if err != nil {
 		return nil, err
 	}
@@ -177,8 +175,8 @@ func lockNotAvailable(err error) bool {
 
 // queueCreateRows queues on b what the create transaction writes for one
 // request after its record was inserted: the quota consumption (first: no
-// lock held long, nothing inserted when exhausted), the task and its input,
-// the TaskCreated outbox row and the record's completion. With events not
+// lock held long, nothing inserted when exhausted), the task and its input
+// and the TaskCreated outbox row. With events not
 // nil the outbox row is appended to *events instead, for the caller to
 // insert with the others of its transaction (outbox.QueueInsertMany).
 func queueCreateRows(b *pgx.Batch, k idempotency.Key, p tenant.Principal, n *newTask, events *[]outbox.Row) {
@@ -194,7 +192,6 @@ func queueCreateRows(b *pgx.Batch, k idempotency.Key, p tenant.Principal, n *new
 	} else {
 		outbox.QueueInsert(b, row)
 	}
-	idempotency.QueueComplete(b, k, t.TaskID, n.Response)
 }
 
 // queueCommit queues COMMIT on b, failing the batch unless PostgreSQL

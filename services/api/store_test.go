@@ -18,64 +18,79 @@ import (
 	"github.com/converge-run/converge/services/api/idempotency"
 )
 
-// TestCreateTaskGuardsTheRecord: the second batch of the create
-// transaction (task and task_input inserts, outbox insert, record
-// completion, COMMIT) commits nothing when the idempotency record it
-// completes is not ours and in progress: the completion fails (division by
-// zero) and PostgreSQL skips the pipelined COMMIT. The connection goes back
-// to the pool usable.
+// TestCreateTaskGuardsTheRecord: the create transaction inserts its
+// idempotency record complete (migration 00016) before the task it points
+// at; the record's foreign key is checked at COMMIT, so a transaction that
+// records a task it does not create commits nothing. The completion of a
+// record begun in_progress (a cancel's) still fails, committing nothing,
+// when the record is not ours and in progress. The connection goes back to
+// the pool usable.
 func TestCreateTaskGuardsTheRecord(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
 	ctx := context.Background()
 	s := &store{pool: b.db.Pool}
 	k := idempotency.Key{Scope: tenant.CreateScope(b.tenant.ID), Key: "guard-key-1", Fingerprint: strings.Repeat("a", 64), TTL: time.Hour, Lease: time.Minute}
-	build := func(id string) func(now time.Time) (*newTask, error) {
-		return func(now time.Time) (*newTask, error) {
-			n, err := buildTask(now, b.tenant.ID, &createRequest{Document: []byte(`{"a":1}`), OutputFormat: OutputFormatJCS}, strings.Repeat("b", 64), 7)
-			if err != nil {
-				return nil, err
-			}
-			n.Task.TaskID = id
-			return n, nil
-		}
+	d, err := newTaskDraft(b.tenant.ID, &createRequest{Document: []byte(`{"a":1}`), OutputFormat: OutputFormatJCS}, strings.Repeat("b", 64), 7)
+	if err != nil {
+		t.Fatal(err)
 	}
-	if _, err := s.createTask(ctx, k, tenant.Principal{TenantID: b.tenant.ID}, build("guard-task")); err != nil {
+	n, err := s.createTask(ctx, k, tenant.Principal{TenantID: b.tenant.ID}, d)
+	if err != nil {
 		t.Fatalf("createTask: %v", err)
 	}
-	var state string
-	if err := b.db.Pool.QueryRow(ctx, `SELECT state FROM idempotency_record WHERE idempotency_key = $1`, k.Key).Scan(&state); err != nil || state != string(idempotency.Succeeded) {
-		t.Fatalf("record state %q, err %v; want succeeded", state, err)
+	rec, err := idempotency.Get(ctx, b.db.Pool, k.Scope, k.Key)
+	if err != nil || rec.State != idempotency.Succeeded || rec.TaskID == nil || *rec.TaskID != n.Task.TaskID || *rec.TaskID != d.TaskID ||
+		rec.ResponseStatus == nil || *rec.ResponseStatus != http.StatusAccepted || string(rec.ResponseBody) == "" {
+		t.Fatalf("record %+v, err %v; want succeeded with task %s and a 202 body", rec, err, d.TaskID)
 	}
 
-	// Now the guard: a create batch whose record is not in progress with
-	// its fingerprint (here: the record of another key's first use, already
-	// succeeded) must insert nothing and commit nothing.
+	run := func(queue func(b *pgx.Batch)) error {
+		conn, err := b.db.Pool.Acquire(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer conn.Release()
+		var batch pgx.Batch
+		batch.Queue("BEGIN")
+		queue(&batch)
+		queueCommit(&batch)
+		err = conn.SendBatch(ctx, &batch).Close()
+		if _, rerr := conn.Exec(ctx, "ROLLBACK"); rerr != nil {
+			t.Fatal(rerr)
+		}
+		return err
+	}
+	// A record of a task that is never inserted: refused at COMMIT.
 	k2 := k
-	k2.Fingerprint = strings.Repeat("c", 64) // not the record's fingerprint
-	conn, err := b.db.Pool.Acquire(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer conn.Release()
-	if _, err := conn.Exec(ctx, "BEGIN"); err != nil {
-		t.Fatal(err)
-	}
-	n, err := build("guard-task-2")(time.Now().UTC())
-	if err != nil {
-		t.Fatal(err)
-	}
-	var batch pgx.Batch
-	task.QueueCreate(&batch, n.Task, k2.Fingerprint, n.Document)
-	idempotency.QueueComplete(&batch, k2, n.Task.TaskID, n.Response)
-	batch.Queue("COMMIT")
-	err = conn.SendBatch(ctx, &batch).Close()
+	k2.Key = "guard-key-2"
+	var created time.Time
+	err = run(func(batch *pgx.Batch) {
+		idempotency.QueueInsertSucceeded(batch, k2, "guard-no-such-task", d.Response, &created)
+	})
 	var pe *pgconn.PgError
+	if !errors.As(err, &pe) || pe.Code != "23503" {
+		t.Fatalf("record of a task never inserted: %v, want SQLSTATE 23503 at COMMIT", err)
+	}
+	if _, err := idempotency.Get(ctx, b.db.Pool, k2.Scope, k2.Key); !errors.Is(err, pgx.ErrNoRows) {
+		t.Fatalf("record of the refused transaction: %v, want none", err)
+	}
+
+	// The completion guard: a record that is not in progress with this
+	// fingerprint (here: the succeeded record of the first create).
+	k3 := k
+	k3.Fingerprint = strings.Repeat("c", 64) // not the record's fingerprint
+	n3, err := d.build(time.Now().UTC())
+	if err != nil {
+		t.Fatal(err)
+	}
+	n3.Task.TaskID = "guard-task-2"
+	err = run(func(batch *pgx.Batch) {
+		task.QueueCreate(batch, n3.Task, k3.Fingerprint, n3.Document)
+		idempotency.QueueCompleteWith(batch, k3, n3.Task.TaskID, http.StatusAccepted, n3.Response)
+	})
 	if !errors.As(err, &pe) || pe.Code != "22012" {
 		t.Fatalf("completion of a record that is not ours: %v, want SQLSTATE 22012", err)
-	}
-	if _, err := conn.Exec(ctx, "ROLLBACK"); err != nil {
-		t.Fatal(err)
 	}
 	var tasks int
 	if err := b.db.Pool.QueryRow(ctx, `SELECT count(*) FROM task WHERE task_id = 'guard-task-2'`).Scan(&tasks); err != nil || tasks != 0 {

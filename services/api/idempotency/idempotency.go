@@ -7,15 +7,19 @@
 //
 //   - A record is identified by (scope, idempotency key); its primary key,
 //     not a prior read, decides between concurrent first uses: the record is
-//     inserted first, in_progress, in the create transaction (QueueBegin),
-//     and the loser waits for the winner's commit or rollback.
+//     inserted first in the create transaction, and the loser waits for the
+//     winner's commit or rollback.
 //   - The key is bound to the request fingerprint it was first used with:
 //     the same key with another fingerprint never creates a second task.
-//   - The winner completes the record (QueueComplete: succeeded, the task
-//     id, the replayable response) in the transaction that creates the task
-//     and its TaskCreated outbox row; when the record is not in progress
-//     with this fingerprint, the completion fails and the transaction
-//     commits nothing.
+//   - A create inserts its record complete (QueueInsertSucceeded:
+//     succeeded, the task id, the replayable response) in the transaction
+//     that then creates the task and its TaskCreated outbox row; the record
+//     is never visible to anyone before that transaction commits, so the
+//     in_progress state of seed 3.1 lasts exactly as long as the
+//     transaction (migration 00016). A cancel inserts its record
+//     in_progress (QueueBegin) and completes it (QueueCompleteWith); when
+//     the record is not in progress with this fingerprint, the completion
+//     fails and the transaction commits nothing.
 //   - A record left in_progress past locked_until is never taken to mean
 //     that the first execution did not happen (seed 3.1): Resolve completes
 //     it from its task, or deletes it only when it has no task.
@@ -69,22 +73,28 @@ type Key struct {
 	Lease       time.Duration // locked_until = created_at + Lease
 }
 
-// QueueBegin queues the insert of k's record, in_progress, on b (the first
-// statement of the create transaction after BEGIN). When the batch is read,
-// created is the record's created_at (the transaction's now()); the callback
-// returns pgx.ErrNoRows when the key is recorded already (ON CONFLICT DO
-// NOTHING: nothing was written).
-func QueueBegin(b *pgx.Batch, k Key, created *time.Time) {
-	b.Queue(sqlBegin, k.Scope, k.Key, k.Fingerprint, k.Lease.Milliseconds(), k.TTL.Milliseconds()).
+// QueueInsertSucceeded queues the insert of k's record, complete, on b: the
+// first statement of a create transaction after BEGIN (migration 00016).
+// The record is succeeded with taskID and the 202 response (CreatedResponse),
+// which the caller chose before the transaction; the task, inserted later in
+// the same transaction, satisfies the record's deferred foreign key at
+// COMMIT. When the batch is read, created is the record's created_at (the
+// transaction's now()); the callback returns pgx.ErrNoRows when the key is
+// recorded already (ON CONFLICT DO NOTHING: nothing was written). A
+// concurrent insert of the same key waits for this transaction to end: the
+// primary key decides (seed 3.1).
+func QueueInsertSucceeded(b *pgx.Batch, k Key, taskID string, response []byte, created *time.Time) {
+	b.Queue(sqlInsertSucceeded, k.Scope, k.Key, k.Fingerprint, k.TTL.Milliseconds(), taskID, string(response)).
 		QueryRow(func(row pgx.Row) error { return row.Scan(created) })
 }
 
-// QueueBeginOutcome is QueueBegin for one of several records inserted in
-// the same transaction (the API's group commit of creates): a key recorded
-// already is not an error but won = false, so the batch's other statements
-// are read on; won = true and created set when the record was inserted.
-func QueueBeginOutcome(b *pgx.Batch, k Key, created *time.Time, won *bool) {
-	b.Queue(sqlBegin, k.Scope, k.Key, k.Fingerprint, k.Lease.Milliseconds(), k.TTL.Milliseconds()).
+// QueueInsertSucceededOutcome is QueueInsertSucceeded for one of several
+// records inserted in the same transaction (the API's group commit of
+// creates): a key recorded already is not an error but won = false, so the
+// batch's other statements are read on; won = true and created set when the
+// record was inserted.
+func QueueInsertSucceededOutcome(b *pgx.Batch, k Key, taskID string, response []byte, created *time.Time, won *bool) {
+	b.Queue(sqlInsertSucceeded, k.Scope, k.Key, k.Fingerprint, k.TTL.Milliseconds(), taskID, string(response)).
 		QueryRow(func(row pgx.Row) error {
 			err := row.Scan(created)
 			*won = err == nil
@@ -93,6 +103,23 @@ func QueueBeginOutcome(b *pgx.Batch, k Key, created *time.Time, won *bool) {
 			}
 			return err
 		})
+}
+
+const sqlInsertSucceeded = `
+INSERT INTO idempotency_record (scope, idempotency_key, request_fingerprint, state, task_id, response_status, response_body, created_at, expires_at)
+VALUES ($1, $2, $3, 'succeeded', $5, 202, $6, now(), now() + $4 * interval '1 millisecond')
+ON CONFLICT (scope, idempotency_key) DO NOTHING
+RETURNING created_at`
+
+// QueueBegin queues the insert of k's record, in_progress, on b (the first
+// statement of a transaction that completes it later with
+// QueueCompleteWith: a cancel). When the batch is read, created is the
+// record's created_at (the transaction's now()); the callback returns
+// pgx.ErrNoRows when the key is recorded already (ON CONFLICT DO NOTHING:
+// nothing was written).
+func QueueBegin(b *pgx.Batch, k Key, created *time.Time) {
+	b.Queue(sqlBegin, k.Scope, k.Key, k.Fingerprint, k.Lease.Milliseconds(), k.TTL.Milliseconds()).
+		QueryRow(func(row pgx.Row) error { return row.Scan(created) })
 }
 
 const sqlBegin = `
@@ -116,14 +143,9 @@ WITH completed AS (
   RETURNING 1)
 SELECT 1 / (SELECT count(*)::int FROM completed)`
 
-// QueueComplete queues the completion of k's record with taskID and the 202
-// response of a create on b (see sqlComplete).
-func QueueComplete(b *pgx.Batch, k Key, taskID string, response []byte) {
-	QueueCompleteWith(b, k, taskID, 202, response)
-}
-
-// QueueCompleteWith is QueueComplete with the response's status (a cancel's
-// 200).
+// QueueCompleteWith queues the completion of k's record, begun with
+// QueueBegin, with taskID, the response's status (a cancel's 200) and its
+// body on b (see sqlComplete).
 func QueueCompleteWith(b *pgx.Batch, k Key, taskID string, status int, response []byte) {
 	b.Queue(sqlComplete, k.Scope, k.Key, taskID, string(response), k.Fingerprint, status).
 		Exec(func(pgconn.CommandTag) error { return nil })
@@ -255,7 +277,7 @@ WITH victims AS (
         WHERE t.task_id = ir.task_id
           AND t.status IN ('completed', 'failed', 'compensated', 'cancelled')
           AND NOT EXISTS (SELECT 1 FROM outbox_event o
-                          WHERE o.aggregate_id = t.task_id AND o.published_at IS NULL AND o.decision IS NULL)
+                          WHERE o.aggregate_id = t.task_id AND outbox_published_at(o) IS NULL AND o.decision IS NULL)
           AND NOT EXISTS (SELECT 1 FROM effect_ledger e
                           WHERE e.task_id = t.task_id AND e.state IN ('started', 'unknown', 'compensation_required')))))
   ORDER BY ir.expires_at

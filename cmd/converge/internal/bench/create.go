@@ -75,13 +75,13 @@ func runCreate(ctx context.Context, e *env, res *Results) error {
 	pool.Close()
 	// The API's pool as `converge api` opens it (dbpool: pgxpool defaults
 	// and converge's session settings).
-	apiPool, err := dbpool.New(ctx, dbURL)
+	apiPool, err := dbpool.New(ctx, dbURL, "converge-api")
 	if err != nil {
 		return err
 	}
 	defer apiPool.Close()
 	maxClients := int32(slices.Max(e.cfg.CreateClients))
-	wideCfg, err := dbpool.ParseConfig(dbURL)
+	wideCfg, err := dbpool.ParseConfig(dbURL, "converge-api")
 	if err != nil {
 		return err
 	}
@@ -215,17 +215,18 @@ func runCreate(ctx context.Context, e *env, res *Results) error {
 }
 
 // createScript is the API's create transaction (services/api store.go
-// createTask) as a pgbench script: the same five statements on rows of the
-// same sizes. Ids come from pgbench's client id and a random number; the
+// createTask) as a pgbench script: the same four statements on rows of the
+// same sizes (the idempotency record inserted complete, its foreign key
+// checked at COMMIT: migration 00016; until 2026-12-06 it was inserted
+// in_progress and completed by a fifth statement). Ids come from pgbench's client id and a random number; the
 // API computes its ids (UUIDv7) in Go.
 func createScript(fx *fixtures) string {
 	return createReplacer(fx).Replace(`\set r random(1, 1000000000000000)
 BEGIN;
-INSERT INTO idempotency_record (scope, idempotency_key, request_fingerprint, state, locked_until, created_at, expires_at) VALUES ($SCOPE, $ID, $FP, 'in_progress', now() + 30000 * interval '1 millisecond', now(), now() + 86400000 * interval '1 millisecond') ON CONFLICT (scope, idempotency_key) DO NOTHING RETURNING created_at;
+INSERT INTO idempotency_record (scope, idempotency_key, request_fingerprint, state, task_id, response_status, response_body, created_at, expires_at) VALUES ($SCOPE, $ID, $FP, 'succeeded', $ID, 202, $RESP, now(), now() + 86400000 * interval '1 millisecond') ON CONFLICT (scope, idempotency_key) DO NOTHING RETURNING created_at;
 INSERT INTO task (task_id, tenant_id, request_fingerprint, status, version, attempt, output_format, input_sha256, input_size, created_at, updated_at) VALUES ($ID, $TENANT, $FP, 'queued', 0, 0, 'jcs', $INSHA, $INSIZE, now(), now());
 INSERT INTO task_input (task_id, document) VALUES ($ID, $DOC);
 INSERT INTO outbox_event (outbox_id, aggregate_id, aggregate_version, event_type, payload, payload_sha256, created_at) VALUES ('o' || $ID, $ID, 0, 'TaskCreated', $PAYLOAD, $PSHA, now());
-UPDATE idempotency_record SET state = 'succeeded', task_id = $ID, response_status = 202, response_body = $RESP, locked_until = NULL WHERE scope = $SCOPE AND idempotency_key = $ID AND state = 'in_progress' AND request_fingerprint = $FP;
 END;
 `)
 }
@@ -233,19 +234,17 @@ END;
 // createScriptPipelined is the create transaction exactly as the API sends
 // it (services/api store.go: the same statements, in two pipelines with one
 // Sync each): BEGIN and the idempotency record insert; then the task,
-// task_input and outbox inserts, the record completion (which fails when
-// the record is not in progress with this fingerprint) and COMMIT.
+// task_input and outbox inserts and COMMIT.
 func createScriptPipelined(fx *fixtures) string {
 	return createReplacer(fx).Replace(`\set r random(1, 1000000000000000)
 \startpipeline
 BEGIN;
-INSERT INTO idempotency_record (scope, idempotency_key, request_fingerprint, state, locked_until, created_at, expires_at) VALUES ($SCOPE, $ID, $FP, 'in_progress', now() + 30000 * interval '1 millisecond', now(), now() + 86400000 * interval '1 millisecond') ON CONFLICT (scope, idempotency_key) DO NOTHING RETURNING created_at;
+INSERT INTO idempotency_record (scope, idempotency_key, request_fingerprint, state, task_id, response_status, response_body, created_at, expires_at) VALUES ($SCOPE, $ID, $FP, 'succeeded', $ID, 202, $RESP, now(), now() + 86400000 * interval '1 millisecond') ON CONFLICT (scope, idempotency_key) DO NOTHING RETURNING created_at;
 \endpipeline
 \startpipeline
 INSERT INTO task (task_id, tenant_id, request_fingerprint, status, version, attempt, output_format, input_sha256, input_size, created_at, updated_at) VALUES ($ID, $TENANT, $FP, 'queued', 0, 0, 'jcs', $INSHA, $INSIZE, now(), now());
 INSERT INTO task_input (task_id, document) VALUES ($ID, $DOC);
 INSERT INTO outbox_event (outbox_id, aggregate_id, aggregate_version, event_type, payload, payload_sha256, created_at) VALUES ('o' || $ID, $ID, 0, 'TaskCreated', $PAYLOAD, $PSHA, now());
-WITH completed AS (UPDATE idempotency_record SET state = 'succeeded', task_id = $ID, response_status = 202, response_body = $RESP, locked_until = NULL WHERE scope = $SCOPE AND idempotency_key = $ID AND state = 'in_progress' AND request_fingerprint = $FP RETURNING 1) SELECT 1 / (SELECT count(*)::int FROM completed);
 COMMIT;
 \endpipeline
 `)

@@ -10,9 +10,8 @@
 //
 //  1. create: the API (in process, default pool) under `loadgen` in the
 //     closed model at 1, 4, 16 and 64 clients, against pgbench running the
-//     create transaction's five statements (idempotency record insert, task,
-//     task_input and outbox inserts, idempotency record completion), one
-//     round trip each, with the same client counts and the same row sizes →
+//     create transaction's four statements (idempotency record insert,
+//     complete; task, task_input and outbox inserts), one round trip each, with the same client counts and the same row sizes →
 //     ratio; and against pgbench sending the API's own statements in the
 //     API's two pipelines (\startpipeline) → the stricter ratio.
 //  2. relay: events/s from a pre-filled outbox (one row per transaction, as
@@ -20,7 +19,7 @@
 //     advanced past the last one, against a minimal pglogrepl loop that only
 //     decodes the same rows from its own slot (both slots are created before
 //     the rows) → ratio; plus the relay's serial parts alone (its
-//     published_at UPDATE, payload canonicalization, which only rows older
+//     record of published transactions, payload canonicalization, which only rows older
 //     than migration 00004 still need). Then the peak RSS
 //     (VmHWM) of a `converge relay` subprocess relaying ONE transaction of
 //     RSSRows rows.

@@ -38,8 +38,8 @@ func (r *Results) Markdown(w io.Writer) {
 			rr.Rows, rr.RelayMedian, rr.DecodeMedian, rr.Ratio, target(true, "≥ 0.80", rr.Ratio >= 0.8), cpuCell(rr.RelayCPU), cpuCell(rr.DecodeCPU))
 	}
 	if rr := r.Relay; rr != nil {
-		fmt.Fprintf(w, "| relay's serial loop, parts alone | published_at UPDATE (1000 rows, sync commit) %.0f rows/s; payload canonicalization (which the relay no longer does; for reference) %.0f rows/s | — | — | — | — |\n",
-			rr.MarkPublishedRowsPerSec, rr.CanonicalRowsPerSec)
+		fmt.Fprintf(w, "| relay's serial loop, parts alone | transaction record INSERT (1000 per statement, sync commit) %.0f transactions/s; payload canonicalization (which the relay no longer does; for reference) %.0f rows/s | — | — | — | — |\n",
+			rr.RecordTransactionsPerSec, rr.CanonicalRowsPerSec)
 	}
 	if s := r.RSS; s != nil {
 		fmt.Fprintf(w, "| relay peak RSS, one txn of %d rows | %.0f MB (%.0f events/s, completed %v) | — | — | %s | — |\n",
@@ -89,6 +89,18 @@ func (r *Results) Markdown(w io.Writer) {
 		}
 		fmt.Fprintf(w, "\nconverge / River: %.2f at River's defaults, %.2f against River tuned (target ≥ 1.5: %s).\n",
 			pr.RatioToRiver, pr.RatioToRiverTuned, target(true, "≥ 1.5", pr.RatioToRiver >= 1.5 && pr.RatioToRiverTuned >= 1.5))
+		if m := pr.Median[peerConverge]; len(m.PostgresMsPerTask) > 0 {
+			keys := make([]string, 0, len(m.PostgresMsPerTask))
+			for k := range m.PostgresMsPerTask {
+				keys = append(keys, k)
+			}
+			sort.Strings(keys)
+			parts := make([]string, len(keys))
+			for i, k := range keys {
+				parts[i] = fmt.Sprintf("%s %.2f", k, m.PostgresMsPerTask[k])
+			}
+			fmt.Fprintf(w, "\nPostgreSQL's CPU of converge's median run, ms per task, by application_name of its backends: %s.\n", strings.Join(parts, ", "))
+		}
 	}
 	r.boundsMarkdown(w)
 	if len(r.Errors) > 0 {

@@ -17,6 +17,7 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/converge-run/converge/cmd/converge/internal/pipeline"
@@ -67,6 +68,12 @@ type PeerRun struct {
 	CommitsPerTask float64 `json:"commits_per_task"`
 	// Statements are the run's costliest statements (Config.Statements).
 	Statements []StatementCost `json:"statements,omitempty"`
+	// PostgresMsPerTask splits PostgreSQL's CPU of a converge run by the
+	// application_name of the backends of the run's database (converge-api,
+	// converge-worker, converge-reconciler, converge-relay: its pool and
+	// its walsender), milliseconds per task; "other" is the rest of the
+	// cluster's (WAL writer, checkpointer, autovacuum, other databases).
+	PostgresMsPerTask map[string]float64 `json:"postgres_ms_per_task,omitempty"`
 }
 
 const (
@@ -354,7 +361,15 @@ func (p *peerPipeline) run(ctx context.Context, run int) (PeerRun, error) {
 	}
 	batched0, processed0 := p.workerCounts(ctx)
 	m := e.cpuStart()
+	byApp0, err := backendCPU(ctx, p.pool, p.db)
+	if err != nil {
+		return PeerRun{}, err
+	}
 	lgCPU, err := p.loadgen(ctx, prefix, e.cfg.PeerTasks)
+	if err != nil {
+		return PeerRun{}, err
+	}
+	byApp1, err := backendCPU(ctx, p.pool, p.db)
 	if err != nil {
 		return PeerRun{}, err
 	}
@@ -388,9 +403,53 @@ WHERE i.idempotency_key LIKE $1 || '%'`, prefix).Scan(&done, &secs, &createSecs)
 	if processed1 > processed0 {
 		e.progress("peer    converge    run %d: %.0f%% of the worker's records went through runs (batch.go)", run+1, 100*(batched1-batched0)/(processed1-processed0))
 	}
+	pgByApp := map[string]float64{}
+	var named time.Duration
+	for pid, b := range byApp1 {
+		d := b.cpu - byApp0[pid].cpu // a backend started during the run: all of its CPU
+		named += d
+		pgByApp[b.app] += float64(d.Microseconds()) / 1000 / n
+	}
+	pgByApp["other"] = (cpu.Postgres*wall.Seconds() - named.Seconds()) * 1000 / n
+	for k, v := range pgByApp {
+		pgByApp[k] = round2(v)
+	}
+	e.progress("peer    converge    run %d: PostgreSQL ms per task by application_name: %v", run+1, pgByApp)
 	return PeerRun{System: peerConverge, Seconds: round2(secs), TasksPerSec: round2(n / secs), CreateSeconds: round2(createSecs),
 		CPUMsPerTask: round2((cpu.Converge + cpu.Postgres) * wall.Seconds() * 1000 / n),
-		XIDsPerTask:  round2(float64(xid1-xid0-1) / n), CommitsPerTask: round2(float64(xact1-xact0) / n)}, nil
+		XIDsPerTask:  round2(float64(xid1-xid0-1) / n), CommitsPerTask: round2(float64(xact1-xact0) / n),
+		PostgresMsPerTask: pgByApp}, nil
+}
+
+// backend is one PostgreSQL backend's application_name and CPU time so far.
+type backend struct {
+	app string
+	cpu time.Duration
+}
+
+// backendCPU reads the backends of database db (pg_stat_activity: client
+// backends and the relay's walsender) and their CPU time (/proc), by pid.
+// The bench's own sessions (no application_name of converge's) are left
+// out.
+func backendCPU(ctx context.Context, pool *pgxpool.Pool, db string) (map[int]backend, error) {
+	rows, err := pool.Query(ctx, `SELECT pid, application_name FROM pg_stat_activity
+WHERE datname = $1 AND application_name LIKE 'converge-%'`, db)
+	if err != nil {
+		return nil, fmt.Errorf("read backends of %s: %w", db, err)
+	}
+	out := map[int]backend{}
+	var pid int
+	var app string
+	_, err = pgx.ForEachRow(rows, []any{&pid, &app}, func() error {
+		if cpu, _, ok := procCPU(strconv.Itoa(pid)); ok {
+			out[pid] = backend{app: app, cpu: cpu}
+		}
+		return nil
+	})
+	if err != nil {
+		return nil, fmt.Errorf("read backends of %s: %w", db, err)
+	}
+	return out, nil
 }
 
 // workerCounts scrapes the pipeline's /metrics for the worker's records

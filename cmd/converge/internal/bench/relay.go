@@ -20,6 +20,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/converge-run/converge/cdc"
+	"github.com/converge-run/converge/internal/outbox"
 	"github.com/converge-run/converge/internal/taskevent"
 )
 
@@ -44,12 +45,15 @@ type RelayResult struct {
 	// FillRowsPerSec is how fast the outbox was filled (not a result:
 	// synchronous_commit was off for the filling session).
 	FillRowsPerSec float64 `json:"fill_rows_per_sec"`
-	// Parts of the relay's serial loop measured alone, as rows/s: the
-	// published_at UPDATE of 1000 rows (its flush batch) committed
-	// synchronously, and canonicalizing + hashing the payload of one row
-	// (taskevent.Canonical) on one core.
-	MarkPublishedRowsPerSec float64 `json:"mark_published_rows_per_sec"`
-	CanonicalRowsPerSec     float64 `json:"canonical_rows_per_sec"`
+	// Parts of the relay's serial loop measured alone: the record of
+	// published transactions (outbox.RecordTransactions, 1000 transactions
+	// per statement, its flush batch, committed synchronously), as
+	// transactions/s, and canonicalizing + hashing the payload of one row
+	// (taskevent.Canonical) on one core, as rows/s. Runs before 2026-12-06
+	// measured the per-row published_at UPDATE instead
+	// (mark_published_rows_per_sec in their JSON).
+	RecordTransactionsPerSec float64 `json:"record_transactions_per_sec"`
+	CanonicalRowsPerSec      float64 `json:"canonical_rows_per_sec"`
 }
 
 // RSSResult is the relay subprocess relaying one big transaction.
@@ -101,9 +105,9 @@ func runRelay(ctx context.Context, e *env, res *Results) error {
 	e.progress("relay   filled %d rows (one per transaction) at %.0f rows/s", e.cfg.RelayRows, rr.FillRowsPerSec)
 	for i := range runs {
 		if i > 0 {
-			// The previous run marked every row published; a relay that
-			// finds them marked would skip the work.
-			if _, err := pool.Exec(ctx, "UPDATE outbox_event SET published_at = NULL, publish_attempts = 0"); err != nil {
+			// The previous run recorded every transaction; a relay that
+			// finds them recorded would write nothing.
+			if _, err := pool.Exec(ctx, "TRUNCATE outbox_published_transaction"); err != nil {
 				return err
 			}
 		}
@@ -132,12 +136,12 @@ func runRelay(ctx context.Context, e *env, res *Results) error {
 		e.progress("relay   run %d: relay %.0f events/s, decode-only %.0f rows/s; cpu relay %+v decode %+v",
 			i+1, rate, decodeRate, rr.RelayCPU, rr.DecodeCPU)
 	}
-	if rr.MarkPublishedRowsPerSec, err = markPublishedRate(ctx, pool, e.cfg.RelayRows); err != nil {
+	if rr.RecordTransactionsPerSec, err = recordTransactionsRate(ctx, pool, e.cfg.RelayRows); err != nil {
 		return err
 	}
 	rr.CanonicalRowsPerSec = canonicalRate(fx)
-	e.progress("relay   alone: published_at UPDATE %.0f rows/s, payload canonicalization %.0f rows/s",
-		rr.MarkPublishedRowsPerSec, rr.CanonicalRowsPerSec)
+	e.progress("relay   alone: transaction record INSERT %.0f transactions/s, payload canonicalization %.0f rows/s",
+		rr.RecordTransactionsPerSec, rr.CanonicalRowsPerSec)
 	rr.RelayMedian, rr.DecodeMedian = round2(median(rr.RelayRate)), round2(median(rr.DecodeRate))
 	rr.Ratio = round2(ratio(rr.RelayMedian, rr.DecodeMedian))
 	res.Relay = rr
@@ -506,26 +510,24 @@ func vmHWM(pid string) float64 {
 	return 0
 }
 
-// markPublishedRate runs the relay's published_at UPDATE (cdc store.go
-// markPublished) alone on batches of 1000 rows of the filled outbox, each
-// committed synchronously as the relay's is, and returns rows/s.
-func markPublishedRate(ctx context.Context, pool *pgxpool.Pool, rows int) (float64, error) {
-	if _, err := pool.Exec(ctx, "UPDATE outbox_event SET published_at = NULL, publish_attempts = 0"); err != nil {
+// recordTransactionsRate runs the relay's record of published transactions
+// (outbox.RecordTransactions) alone on batches of 1000 transaction ids, each
+// committed synchronously as the relay's is, on an emptied
+// outbox_published_transaction, and returns transactions/s.
+func recordTransactionsRate(ctx context.Context, pool *pgxpool.Pool, rows int) (float64, error) {
+	if _, err := pool.Exec(ctx, "TRUNCATE outbox_published_transaction"); err != nil {
 		return 0, err
 	}
 	const batch = 1000
 	n := min(rows, 50*batch)
 	start := time.Now()
 	for from := 0; from < n; from += batch {
-		ids := make([]string, 0, batch)
+		xids := make([]uint32, 0, batch)
 		for i := from; i < min(from+batch, n); i++ {
-			ids = append(ids, fmt.Sprintf("r-evt-%010d", i))
+			xids = append(xids, uint32(1000+i))
 		}
-		if _, err := pool.Exec(ctx, `
-UPDATE outbox_event
-SET published_at = now(), publish_attempts = publish_attempts + 1
-WHERE outbox_id = ANY($1) AND published_at IS NULL`, ids); err != nil {
-			return 0, fmt.Errorf("mark published: %w", err)
+		if _, err := outbox.RecordTransactions(ctx, pool, xids); err != nil {
+			return 0, err
 		}
 	}
 	return round2(float64(n) / time.Since(start).Seconds()), nil

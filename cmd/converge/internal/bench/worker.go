@@ -272,7 +272,7 @@ END;
 func workerOnce(ctx context.Context, e *env, dbURL, topic, group string, run, n int) (rate, join, record float64, err error) {
 	// The worker's pool as `converge worker` opens it (dbpool: pgxpool
 	// defaults and converge's session settings).
-	pool, err := dbpool.New(ctx, dbURL)
+	pool, err := dbpool.New(ctx, dbURL, "converge-bench")
 	if err != nil {
 		return 0, 0, 0, err
 	}

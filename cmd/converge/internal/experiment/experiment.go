@@ -164,7 +164,7 @@ func Run(ctx context.Context, e Experiment, env Env, out string, log *slog.Logge
 	}
 	start := time.Now()
 	x := &X{env: env, log: log, rep: &Report{Name: e.Name, Title: e.Title, Seed: e.Seed, Counts: map[string]any{}}}
-	pool, err := dbpool.New(ctx, env.DatabaseURL)
+	pool, err := dbpool.New(ctx, env.DatabaseURL, "converge-experiment")
 	if err != nil {
 		return nil, err
 	}
@@ -457,7 +457,7 @@ func (x *X) invariants(ctx context.Context) {
 	x.check("no message requeued forever", maxDel <= maxDeliveries && maxRep <= int64(x.replays),
 		"max deliveries of one message %d (bound %d), max replays of one task %d (bound %d)", maxDel, maxDeliveries, maxRep, x.replays)
 	err := until(ctx, 20*time.Second, "outbox published", func() bool {
-		return x.scalar(ctx, `SELECT count(*) FROM outbox_event WHERE published_at IS NULL`) == 0
+		return x.scalar(ctx, `SELECT count(*) FROM outbox_event WHERE outbox_published_at(outbox_event) IS NULL`) == 0
 	})
 	x.check("every outbox row published", err == nil, "%v", err)
 	x.rep.Counts["duplicate_deliveries"] = x.scalar(ctx, `SELECT COALESCE(sum(deliveries - 1), 0) FROM inbox_message`)

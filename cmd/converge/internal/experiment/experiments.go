@@ -57,7 +57,7 @@ func confirmLost(ctx context.Context, x *X) error {
 		return nil
 	}
 	x.step("the relay stopped without advancing the slot past the record (outbox row unpublished: %d)",
-		x.scalar(ctx, `SELECT count(*) FROM outbox_event WHERE aggregate_id = $1 AND published_at IS NULL`, id))
+		x.scalar(ctx, `SELECT count(*) FROM outbox_event WHERE aggregate_id = $1 AND outbox_published_at(outbox_event) IS NULL`, id))
 	if err := x.start(ctx, faults, nil); err != nil {
 		return err
 	}

@@ -273,8 +273,8 @@ func kafkaOutage(ctx context.Context, x *X) error {
 		"%d × 202, %d other answers or transport errors%s", accepted, other, otherSample)
 	// The reconciler may have re-driven the oldest of them meanwhile
 	// (TaskDeadline, 30 s here): TaskRedriveRequested rows, held too.
-	held := x.scalar(ctx, `SELECT count(*) FROM outbox_event WHERE aggregate_id = ANY($1) AND event_type = 'TaskCreated' AND published_at IS NULL`, during)
-	unpublished := x.scalar(ctx, `SELECT count(*) FROM outbox_event WHERE published_at IS NULL`)
+	held := x.scalar(ctx, `SELECT count(*) FROM outbox_event WHERE aggregate_id = ANY($1) AND event_type = 'TaskCreated' AND outbox_published_at(outbox_event) IS NULL`, during)
+	unpublished := x.scalar(ctx, `SELECT count(*) FROM outbox_event WHERE outbox_published_at(outbox_event) IS NULL`)
 	queued := x.scalar(ctx, `SELECT count(*) FROM task WHERE task_id = ANY($1) AND status = 'queued'`, during)
 	x.check("the outbox held their events: committed in PostgreSQL, not published", held == int64(len(during)) && queued == int64(len(during)),
 		"%d tasks accepted during the outage: %d still queued, %d of their TaskCreated rows unpublished (%d unpublished outbox rows in all)",

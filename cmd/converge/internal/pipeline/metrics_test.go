@@ -60,7 +60,7 @@ var documentedMetrics = []documentedMetric{
 	{doc: "cdc", name: "converge_relay_heartbeat_last_received_timestamp_seconds"},
 	{doc: "cdc", name: "converge_relay_transactions_in_flight"},
 	{doc: "cdc", name: "converge_relay_records_in_flight"},
-	{doc: "cdc", name: "converge_relay_outbox_rows_marked_published_total"},
+	{doc: "cdc", name: "converge_relay_outbox_transactions_recorded_total"},
 	{doc: "cdc", name: "converge_relay_outbox_rows_not_yet_visible_total"},
 	{doc: "cdc", name: "converge_relay_outbox_rows_gone_total"},
 	{doc: "cdc", name: "converge_relay_status_updates_total"},

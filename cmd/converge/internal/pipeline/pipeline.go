@@ -8,8 +8,7 @@ import (
 	"net"
 	"time"
 
-	"github.com/converge-run/converge/internal/tenant"
-
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
 	"github.com/redis/go-redis/v9"
@@ -25,6 +24,7 @@ import (
 	"github.com/converge-run/converge/internal/fault"
 	"github.com/converge-run/converge/internal/kafkametrics"
 	"github.com/converge-run/converge/internal/taskevent"
+	"github.com/converge-run/converge/internal/tenant"
 	"github.com/converge-run/converge/projections/taskview"
 	"github.com/converge-run/converge/schemas"
 	"github.com/converge-run/converge/services/api"
@@ -165,12 +165,24 @@ func Run(ctx context.Context, cfg Config) error {
 		return err
 	}
 	log := cfg.Logger
-	pool, err := dbpool.New(ctx, cfg.DatabaseURL)
-	if err != nil {
-		return fmt.Errorf("connect database: %w", err)
+	// A pool per component, each with its application_name (what
+	// pg_stat_activity shows) and pgxpool's default size: the API's
+	// creates, the worker's transactions and the reconciler's passes do not
+	// wait for each other's connections.
+	pools := map[string]*pgxpool.Pool{}
+	defer func() {
+		for _, p := range pools {
+			p.Close()
+		}
+	}()
+	for _, who := range []string{"api", "worker", "reconciler"} {
+		p, err := dbpool.New(ctx, cfg.DatabaseURL, "converge-"+who)
+		if err != nil {
+			return fmt.Errorf("connect database: %w", err)
+		}
+		pools[who] = p
 	}
-	defer pool.Close()
-	if err := schemas.Migrate(ctx, pool); err != nil {
+	if err := schemas.Migrate(ctx, pools["api"]); err != nil {
 		return err
 	}
 	ropt, err := taskview.ClientOptions(cfg.RedisURL)
@@ -196,7 +208,7 @@ func Run(ctx context.Context, cfg Config) error {
 		return err
 	}
 	wcfg := cfg.Worker
-	wcfg.Pool, wcfg.Brokers, wcfg.Topic, wcfg.ArtifactStore = pool, cfg.Brokers, cfg.Topic, store
+	wcfg.Pool, wcfg.Brokers, wcfg.Topic, wcfg.ArtifactStore = pools["worker"], cfg.Brokers, cfg.Topic, store
 	wcfg.Logger, wcfg.Registerer, wcfg.Faults = log.With("component", "worker"), reg, cfg.Faults
 	wcfg.KafkaOpts = append(wcfg.KafkaOpts, kafkametrics.ClientMetrics(reg, "worker"))
 	wrk, err := worker.New(wcfg)
@@ -233,22 +245,22 @@ func Run(ctx context.Context, cfg Config) error {
 	}
 	defer producer.Close()
 	rcfg := cfg.Reconciler
-	rcfg.Pool, rcfg.ArtifactStore, rcfg.Brokers, rcfg.Topic, rcfg.Redis = pool, store, cfg.Brokers, cfg.Topic, rdb
+	rcfg.Pool, rcfg.ArtifactStore, rcfg.Brokers, rcfg.Topic, rcfg.Redis = pools["reconciler"], store, cfg.Brokers, cfg.Topic, rdb
 	rcfg.Logger, rcfg.Registerer, rcfg.Cache.Faults, rcfg.Faults = log.With("component", "reconciler"), reg, cfg.Faults, cfg.Faults
 	rcfg.Producer = producer
 	rec, err := reconciler.New(rcfg)
 	if err != nil {
 		return err
 	}
-	dls, err := deadletter.New(deadletter.Config{Pool: pool, Producer: producer, MaxReplays: cfg.MaxReplays,
+	dls, err := deadletter.New(deadletter.Config{Pool: pools["reconciler"], Producer: producer, MaxReplays: cfg.MaxReplays,
 		Logger: log.With("component", "deadletter"), Registerer: reg})
 	if err != nil {
 		return err
 	}
 	srv, err := api.New(api.Config{
-		Pool: pool, Redis: rdb, ArtifactStore: store, MaxBodyBytes: cfg.MaxBodyBytes, MaxInFlightPerTenant: cfg.MaxInFlightPerTenant, CreateBatchMax: cfg.CreateBatchMax, DeadLetters: dls,
+		Pool: pools["api"], Redis: rdb, ArtifactStore: store, MaxBodyBytes: cfg.MaxBodyBytes, MaxInFlightPerTenant: cfg.MaxInFlightPerTenant, CreateBatchMax: cfg.CreateBatchMax, DeadLetters: dls,
 		OutboxProducer: producer, Topic: cfg.Topic,
-		Auth:   tenant.NewAuthenticator(pool, 0),
+		Auth:   tenant.NewAuthenticator(pools["api"], 0),
 		Logger: log.With("component", "api"), Registerer: reg, Gatherer: reg, Faults: cfg.Faults,
 	})
 	if err != nil {

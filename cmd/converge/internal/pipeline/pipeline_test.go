@@ -11,14 +11,14 @@ import (
 	"net/http"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
 	"time"
 
-	"github.com/converge-run/converge/internal/tenant"
-
 	"github.com/gowebpki/jcs"
+	"github.com/jackc/pgx/v5"
 	"github.com/twmb/franz-go/pkg/kgo"
 
 	"github.com/converge-run/converge/cmd/converge/internal/pipeline"
@@ -26,6 +26,7 @@ import (
 	"github.com/converge-run/converge/internal/canon"
 	"github.com/converge-run/converge/internal/corpus"
 	"github.com/converge-run/converge/internal/taskevent"
+	"github.com/converge-run/converge/internal/tenant"
 	"github.com/converge-run/converge/internal/testenv"
 )
 
@@ -303,7 +304,7 @@ func TestEndToEndCorpus(t *testing.T) {
 	// completed task, every outbox row published, no task left non-terminal.
 	testenv.Eventually(t, 30*time.Second, "every outbox row published", func() bool {
 		var n int
-		b.db.Pool.QueryRow(ctx, "SELECT count(*) FROM outbox_event WHERE published_at IS NULL").Scan(&n)
+		b.db.Pool.QueryRow(ctx, "SELECT count(*) FROM outbox_event WHERE outbox_published_at(outbox_event) IS NULL").Scan(&n)
 		return n == 0
 	})
 	var bad int
@@ -394,4 +395,38 @@ func TestTaskEventsReadableByAnyKafkaClient(t *testing.T) {
 	if fmt.Sprint(types) != fmt.Sprint(want) {
 		t.Errorf("events %v, want %v", types, want)
 	}
+}
+
+// TestSessionsNameTheirComponent: every PostgreSQL session of the pipeline
+// says whose it is (application_name), so that pg_stat_activity and
+// pg_stat_statements split the database's work by component: the API, the
+// worker and the reconciler have pools of their own, the relay its pool and
+// its replication connection.
+func TestSessionsNameTheirComponent(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	resp, body := b.post(t, "application-name", []byte(`{"document":{"a":1}}`))
+	if resp.StatusCode != http.StatusAccepted {
+		t.Fatalf("create: %d %s", resp.StatusCode, body)
+	}
+	want := []string{"converge-api", "converge-worker", "converge-reconciler", "converge-relay"}
+	var got []string
+	testenv.Eventually(t, 30*time.Second, "a session of every component", func() bool {
+		rows, err := b.db.Pool.Query(context.Background(), `SELECT DISTINCT application_name FROM pg_stat_activity
+WHERE datname = current_database() AND application_name LIKE 'converge-%' ORDER BY 1`)
+		if err != nil {
+			return false
+		}
+		got, err = pgx.CollectRows(rows, pgx.RowTo[string])
+		if err != nil {
+			return false
+		}
+		for _, w := range want {
+			if !slices.Contains(got, w) {
+				return false
+			}
+		}
+		return true
+	})
+	t.Logf("application names: %v", got)
 }

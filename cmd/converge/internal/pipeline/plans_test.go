@@ -55,7 +55,7 @@ func TestNoSequentialScansAfterAnalyzingEmptyTables(t *testing.T) {
 	testenv.Eventually(t, 20*time.Second, "statistics flushed", func() bool {
 		scans = map[string]int64{}
 		rows, err := db.Pool.Query(ctx, `SELECT relname, seq_scan, idx_scan FROM pg_stat_user_tables
-WHERE relname IN ('task', 'idempotency_record', 'outbox_event', 'inbox_message', 'effect_ledger', 'task_input')`)
+WHERE relname IN ('task', 'idempotency_record', 'outbox_event', 'outbox_published_transaction', 'inbox_message', 'effect_ledger', 'task_input')`)
 		if err != nil {
 			return false
 		}
@@ -148,7 +148,7 @@ FROM generate_series(1, $1::int) g`, n, prefix, effect)
 	fill("open-", 1, "queued", "in_progress", "processing", "started")
 	exec("VACUUM ANALYZE")
 
-	cfg, err := dbpool.ParseConfig(db.URL + "&application_name=keyed-transitions")
+	cfg, err := dbpool.ParseConfig(db.URL+"&application_name=keyed-transitions", "")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -180,9 +180,9 @@ FROM generate_series(1, $1::int) g`, n, prefix, effect)
 			_, err := task.FailIfRunning(ctx, tx, id, 3, "SCHEMA_INVALID")
 			return err
 		}},
-		{"idempotency.QueueComplete", func(tx pgx.Tx, id string) error {
+		{"idempotency.QueueCompleteWith", func(tx pgx.Tx, id string) error {
 			b := &pgx.Batch{}
-			idempotency.QueueComplete(b, idempotency.Key{Scope: scope, Key: id, Fingerprint: fingerprint}, id, []byte(`{}`))
+			idempotency.QueueCompleteWith(b, idempotency.Key{Scope: scope, Key: id, Fingerprint: fingerprint}, id, 200, []byte(`{}`))
 			return tx.SendBatch(ctx, b).Close()
 		}},
 		{"idempotency.Resolve", func(tx pgx.Tx, id string) error {

@@ -1,0 +1,4 @@
+package outbox
+
+// WrapXIDExpr is wrapXIDExpr, for TestWidenXID.
+const WrapXIDExpr = wrapXIDExpr
