@@ -99,7 +99,7 @@ func (r *Results) Markdown(w io.Writer) {
 			for i, k := range keys {
 				parts[i] = fmt.Sprintf("%s %.2f", k, m.PostgresMsPerTask[k])
 			}
-			fmt.Fprintf(w, "\nPostgreSQL's CPU of converge's median run, ms per task, by application_name of its backends: %s.\n", strings.Join(parts, ", "))
+			fmt.Fprintf(w, "\nPostgreSQL's CPU of converge's runs, ms per task, by application_name of its backends (median of each): %s.\n", strings.Join(parts, ", "))
 		}
 	}
 	r.boundsMarkdown(w)

@@ -163,8 +163,30 @@ func medianRun(runs []PeerRun, system string) PeerRun {
 				append(xids, r.XIDsPerTask), append(commits, r.CommitsPerTask), append(secs, r.Seconds)
 		}
 	}
+	// The split of PostgreSQL's CPU by component: each component's median.
+	var byApp map[string]float64
+	for _, r := range runs {
+		if r.System != system {
+			continue
+		}
+		for app := range r.PostgresMsPerTask {
+			if byApp == nil {
+				byApp = map[string]float64{}
+			}
+			if _, done := byApp[app]; done {
+				continue
+			}
+			var v []float64
+			for _, q := range runs {
+				if q.System == system {
+					v = append(v, q.PostgresMsPerTask[app])
+				}
+			}
+			byApp[app] = medianOf(v)
+		}
+	}
 	return PeerRun{System: system, TasksPerSec: medianOf(tps), CPUMsPerTask: medianOf(cpu), XIDsPerTask: medianOf(xids),
-		CommitsPerTask: medianOf(commits), Seconds: medianOf(secs)}
+		CommitsPerTask: medianOf(commits), Seconds: medianOf(secs), PostgresMsPerTask: byApp}
 }
 
 func medianOf(v []float64) float64 {
