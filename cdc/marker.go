@@ -206,7 +206,7 @@ func (s *session) flush(ctx context.Context) (int, error) {
 	}
 	uctx, cancel := context.WithTimeout(ctx, updateTimeout)
 	defer cancel()
-	var parked []ackedRow
+	var parked []parkRow
 	if len(parks) > 0 {
 		done, retry, err := s.parkRows(uctx, parks)
 		if err != nil {
@@ -257,15 +257,15 @@ const invisibleWarnAfter = 5 * time.Second
 // commit) it is done; not yet visible (its commit not visible to other
 // sessions yet, or visible only after Park's snapshot) it is retried at the
 // next flush.
-func (s *session) parkRows(ctx context.Context, rows []ackedRow) (done, retry []ackedRow, err error) {
+func (s *session) parkRows(ctx context.Context, rows []parkRow) (done, retry []parkRow, err error) {
 	now := time.Now()
 	for _, row := range rows {
-		changed, err := outbox.Park(ctx, s.pool, row.outboxID, row.park.code, row.park.message)
+		changed, err := outbox.Park(ctx, s.pool, row.outboxID, row.why.code, row.why.message)
 		if err != nil {
 			return nil, nil, err
 		}
 		if changed {
-			s.m.rowsParked.WithLabelValues(row.park.code).Inc()
+			s.m.rowsParked.WithLabelValues(row.why.code).Inc()
 			done = append(done, row)
 			continue
 		}

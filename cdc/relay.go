@@ -339,9 +339,7 @@ func (r *Relay) open(ctx context.Context) (_ *session, err error) {
 		return nil, fmt.Errorf("parse database url: %w", err)
 	}
 	replCfg.RuntimeParams["replication"] = "database"
-	if _, set := replCfg.RuntimeParams["application_name"]; !set {
-		replCfg.RuntimeParams["application_name"] = "converge-relay" // pg_stat_replication
-	}
+	dbpool.SetApplicationName(replCfg.RuntimeParams, "converge-relay")
 	if s.repl, err = pgconn.ConnectConfig(ctx, replCfg); err != nil {
 		return nil, fmt.Errorf("open replication connection: %w", err)
 	}

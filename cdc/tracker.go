@@ -32,7 +32,7 @@ type tracker struct {
 	txns      []*txnState // unconfirmed transactions, WAL order
 	firstSeq  uint64      // seq of txns[0] (or nextSeq when empty)
 	nextSeq   uint64
-	parks     []ackedRow // rows to park, not parked yet
+	parks     []parkRow  // rows to park, not parked yet
 	ready     []readyTxn // settled transactions waiting to be recorded
 	inFlight  int        // rows produced and not yet settled
 	err       error      // first produce failure
@@ -70,16 +70,16 @@ type readyTxn struct {
 	xid uint32
 }
 
-// ackedRow is a row the broker refused for good, or that cannot be decoded:
+// parkRow is a row the broker refused for good, or that cannot be decoded:
 // its transaction (sequence number and top-level xid), outbox id and why.
 // The marker parks it (outbox.Park). invisibleSince is set when a flush found
 // the row not yet visible to other sessions (see outbox.Classify).
-type ackedRow struct {
+type parkRow struct {
 	seq            uint64
 	xid            uint32
 	outboxID       string
 	invisibleSince time.Time
-	park           *parkReason
+	why            parkReason
 }
 
 // parkReason is a stable error code and the error's text.
@@ -155,7 +155,7 @@ func (t *tracker) ackPark(seq uint64, outboxID string, why parkReason) {
 	defer t.mu.Unlock()
 	x := t.txn(seq)
 	x.acked++
-	t.parks = append(t.parks, ackedRow{seq: seq, xid: x.xid, outboxID: outboxID, park: &why})
+	t.parks = append(t.parks, parkRow{seq: seq, xid: x.xid, outboxID: outboxID, why: why})
 }
 
 // fail records that a row of transaction seq will never be acknowledged, so
@@ -229,12 +229,12 @@ func take[T any](t *tracker, list *[]T) []T {
 }
 
 // takeParks removes and returns the rows waiting to be parked.
-func (t *tracker) takeParks() []ackedRow { return take(t, &t.parks) }
+func (t *tracker) takeParks() []parkRow { return take(t, &t.parks) }
 
 // requeueParks gives back rows that a flush could not park (not yet visible
 // to other sessions): the next flush takes them again, before the rows
 // refused since. Their transactions stay unconfirmed.
-func (t *tracker) requeueParks(rows []ackedRow) {
+func (t *tracker) requeueParks(rows []parkRow) {
 	if len(rows) == 0 {
 		return
 	}
@@ -245,7 +245,7 @@ func (t *tracker) requeueParks(rows []ackedRow) {
 
 // parksDone counts rows as settled: call it only after their park committed
 // (or after they were found settled already, or gone).
-func (t *tracker) parksDone(rows []ackedRow) {
+func (t *tracker) parksDone(rows []parkRow) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	for _, r := range rows {

@@ -142,7 +142,7 @@ func TestTracker(t *testing.T) {
 			tr := newTracker(start, tokens)
 			var seqs []uint64
 			flushTracker := func(keep string) {
-				var done, back []ackedRow
+				var done, back []parkRow
 				for _, r := range tr.takeParks() {
 					if r.outboxID == keep {
 						back = append(back, r)

@@ -71,9 +71,7 @@ func ParseConfig(url, app string) (*pgxpool.Config, error) {
 	if err != nil {
 		return nil, err
 	}
-	if _, set := cfg.ConnConfig.RuntimeParams["application_name"]; !set && app != "" {
-		cfg.ConnConfig.RuntimeParams["application_name"] = app
-	}
+	SetApplicationName(cfg.ConnConfig.RuntimeParams, app)
 	if _, set := cfg.ConnConfig.RuntimeParams["enable_seqscan"]; !set {
 		cfg.ConnConfig.RuntimeParams["enable_seqscan"] = "off"
 	}
@@ -84,6 +82,16 @@ func ParseConfig(url, app string) (*pgxpool.Config, error) {
 		cfg.ConnConfig.RuntimeParams["idle_in_transaction_session_timeout"] = IdleInTransactionTimeout
 	}
 	return cfg, nil
+}
+
+// SetApplicationName sets application_name in params (a connection's
+// RuntimeParams) to app unless params has one (from the URL) or app is
+// empty: what pg_stat_activity, pg_stat_replication and
+// pg_stat_statements' users show of a session.
+func SetApplicationName(params map[string]string, app string) {
+	if _, set := params["application_name"]; !set && app != "" {
+		params["application_name"] = app
+	}
 }
 
 // Use returns pool and owned=false when pool is not nil: the caller keeps

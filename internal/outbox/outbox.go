@@ -158,9 +158,12 @@ WHERE outbox_id = ANY($1) AND published_at IS NULL AND (parked_at IS NOT NULL OR
 	return tag.RowsAffected(), nil
 }
 
-// sqlNotRecorded is true for an outbox_event row whose transaction the relay
-// has not recorded (RecordTransactions).
-const sqlNotRecorded = `NOT EXISTS (SELECT 1 FROM outbox_published_transaction pt WHERE pt.xid = outbox_event.created_xid)`
+// sqlRecorded is true for an outbox_event row whose transaction the relay
+// recorded (RecordTransactions); sqlNotRecorded for one whose it has not.
+const (
+	sqlRecorded    = `EXISTS (SELECT 1 FROM outbox_published_transaction pt WHERE pt.xid = outbox_event.created_xid)`
+	sqlNotRecorded = `NOT ` + sqlRecorded
+)
 
 // sqlUnpublishedRow is true for an outbox_event row that is neither
 // published nor parked: outbox_published_at(row) IS NULL AND parked_at IS
@@ -171,7 +174,7 @@ const sqlUnpublishedRow = `published_at IS NULL AND parked_at IS NULL AND ` + sq
 // sqlSettledRow is true for an outbox_event row that may be removed:
 // published (its own mark, or not parked and its transaction recorded), or
 // parked and decided.
-const sqlSettledRow = `(published_at IS NOT NULL OR decision IS NOT NULL OR (parked_at IS NULL AND NOT ` + sqlNotRecorded + `))`
+const sqlSettledRow = `(published_at IS NOT NULL OR decision IS NOT NULL OR (parked_at IS NULL AND ` + sqlRecorded + `))`
 
 // sqlWidenXID turns $1, an array of 32-bit transaction ids (the xids of
 // pgoutput Begin messages, as bigint), into the 64-bit ids (xid8) that
@@ -202,7 +205,7 @@ func RecordTransactions(ctx context.Context, q dbpool.Querier, xids []uint32) (i
 	}
 	tag, err := q.Exec(ctx, `
 INSERT INTO outbox_published_transaction (xid)
-SELECT DISTINCT `+wrapXIDExpr+`::text::xid8
+SELECT `+wrapXIDExpr+`::text::xid8
 FROM (SELECT pg_current_xact_id()::text::bigint AS r) ref, unnest($1::bigint[]) AS u(x)
 ON CONFLICT (xid) DO NOTHING`, xs)
 	if err != nil {

@@ -84,8 +84,7 @@ type Key struct {
 // concurrent insert of the same key waits for this transaction to end: the
 // primary key decides (seed 3.1).
 func QueueInsertSucceeded(b *pgx.Batch, k Key, taskID string, response []byte, created *time.Time) {
-	b.Queue(sqlInsertSucceeded, k.Scope, k.Key, k.Fingerprint, k.TTL.Milliseconds(), taskID, string(response)).
-		QueryRow(func(row pgx.Row) error { return row.Scan(created) })
+	queueInsertSucceeded(b, k, taskID, response, func(row pgx.Row) error { return row.Scan(created) })
 }
 
 // QueueInsertSucceededOutcome is QueueInsertSucceeded for one of several
@@ -94,15 +93,20 @@ func QueueInsertSucceeded(b *pgx.Batch, k Key, taskID string, response []byte, c
 // batch's other statements are read on; won = true and created set when the
 // record was inserted.
 func QueueInsertSucceededOutcome(b *pgx.Batch, k Key, taskID string, response []byte, created *time.Time, won *bool) {
-	b.Queue(sqlInsertSucceeded, k.Scope, k.Key, k.Fingerprint, k.TTL.Milliseconds(), taskID, string(response)).
-		QueryRow(func(row pgx.Row) error {
-			err := row.Scan(created)
-			*won = err == nil
-			if errors.Is(err, pgx.ErrNoRows) {
-				return nil
-			}
-			return err
-		})
+	queueInsertSucceeded(b, k, taskID, response, func(row pgx.Row) error {
+		err := row.Scan(created)
+		*won = err == nil
+		if errors.Is(err, pgx.ErrNoRows) {
+			return nil
+		}
+		return err
+	})
+}
+
+// queueInsertSucceeded queues sqlInsertSucceeded for k on b; scan reads its
+// RETURNING row.
+func queueInsertSucceeded(b *pgx.Batch, k Key, taskID string, response []byte, scan func(pgx.Row) error) {
+	b.Queue(sqlInsertSucceeded, k.Scope, k.Key, k.Fingerprint, k.TTL.Milliseconds(), taskID, string(response)).QueryRow(scan)
 }
 
 const sqlInsertSucceeded = `
