@@ -231,35 +231,42 @@ func (w *Worker) perRecord(ctx context.Context, cl *kgo.Client, run []*job, done
 }
 
 // intakeRun is the intake of a run in tx: for every record, the inbox row
-// registered, the task started, its document and live effect read (one
-// round trip for all); the documents canonicalized; the effect rows planned
-// (one more round trip). It fails with errNotFresh, and the transaction is
+// registered and the task started, reading its document (one round trip
+// for all, two statements a record); the documents canonicalized; the
+// effect rows planned (one more round trip, a statement a record:
+// ledger.QueuePlanNew). It fails with errNotFresh, and the transaction is
 // rolled back, when a record is a redelivery, its task does not start (not
-// queued, or not visible yet), has no document or an effect to resume, or
-// its document does not canonicalize.
+// queued, or not visible yet) or starts an attempt other than its first,
+// has no document or an effect recorded already, or its document does not
+// canonicalize.
+//
+// Why the first attempt only: the per-record path reads the task's live
+// effect (ledger.Live) to resume an earlier attempt's effect instead of
+// writing a second artifact. Put effects are written only by the worker,
+// with an attempt no higher than the task's, which only the start raises
+// (from 0 at creation); so a task this transaction starts at attempt 1 can
+// have no put effect but the one of attempt 1, whose identity the plan's
+// insert finds (ON CONFLICT): no Live read is needed. A re-opened or
+// re-driven task (attempt 2 or more) takes the per-record path.
 func (w *Worker) intakeRun(ctx context.Context, tx pgx.Tx, run []*job) error {
 	n := len(run)
 	var (
-		inserted  = make([]bool, n)
-		started   = make([]task.Changed, n)
-		docs      = make([][]byte, n)
-		docFound  = make([]bool, n)
-		live      = make([]ledger.Effect, n)
-		liveFound = make([]bool, n)
+		inserted = make([]bool, n)
+		started  = make([]task.Changed, n)
+		docs     = make([][]byte, n)
+		docFound = make([]bool, n)
 	)
 	b := &pgx.Batch{}
 	for i, j := range run {
 		inbox.QueueRegister(b, w.cfg.Group, j.ev.EventID, j.sha, w.lease, &inserted[i])
-		task.QueueStartIfQueued(b, j.ev.TaskID, j.ev.TaskVersion, &started[i])
-		task.QueueDocument(b, j.ev.TaskID, &docs[i], &docFound[i])
-		ledger.QueueLive(b, j.ev.TaskID, &live[i], &liveFound[i])
+		task.QueueStartIfQueuedReadingDocument(b, j.ev.TaskID, j.ev.TaskVersion, &started[i], &docs[i], &docFound[i])
 	}
 	if err := tx.SendBatch(ctx, b).Close(); err != nil {
 		return fmt.Errorf("intake of %d records: %w", n, err)
 	}
 	want := make([]ledger.Effect, n)
 	for i, j := range run {
-		if !inserted[i] || !started[i].Applied || !docFound[i] || liveFound[i] {
+		if !inserted[i] || !started[i].Applied || started[i].Task.Attempt != 1 || !docFound[i] {
 			return errNotFresh
 		}
 		out, err := canon.Transform(docs[i])
@@ -273,7 +280,7 @@ func (w *Worker) intakeRun(ctx context.Context, tx pgx.Tx, run []*job) error {
 	planned := make([]bool, n)
 	b = &pgx.Batch{}
 	for i := range run {
-		ledger.QueuePlan(b, want[i], &effs[i], &planned[i])
+		ledger.QueuePlanNew(b, want[i], &effs[i], &planned[i])
 	}
 	if err := tx.SendBatch(ctx, b).Close(); err != nil {
 		return fmt.Errorf("plan %d effects: %w", n, err)

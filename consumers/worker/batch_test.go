@@ -1,9 +1,12 @@
 package worker
 
 import (
+	"context"
 	"fmt"
 	"testing"
 
+	"github.com/converge-run/converge/internal/artifact"
+	"github.com/converge-run/converge/internal/canon"
 	"github.com/converge-run/converge/internal/fault"
 	"github.com/converge-run/converge/internal/ledger"
 	"github.com/converge-run/converge/internal/taskevent"
@@ -112,4 +115,65 @@ func (b *testBundle) waitCompleted(t *testing.T, tasks []created) {
 		}
 		return true
 	})
+}
+
+// A run takes tasks at their first attempt only: a re-opened task (a
+// dead-letter replay, here at attempt 1 with its verified artifact) among
+// fresh records starts attempt 2, which the run refuses, so the records go
+// the per-record path, where the task resumes its attempt-1 effect instead
+// of planning a second artifact (seed 7, 13.3): every task completes, the
+// re-opened ones with their one effect and one object.
+func TestRunRefusesTasksPastTheirFirstAttempt(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	ctx := context.Background()
+	const n = 12
+	var tasks []created
+	reopened := map[int]string{} // index -> artifact SHA-256
+	for i := range n {
+		doc := []byte(fmt.Sprintf(`{"attempt":%d}`, i))
+		c := createTask(t, b.db.Pool, doc)
+		tasks = append(tasks, c)
+		if i != 3 && i != 8 {
+			continue
+		}
+		out, err := canon.Transform(doc)
+		if err != nil {
+			t.Fatal(err)
+		}
+		token := artifact.Token(c.taskID, 1)
+		if _, err := b.store.Put(token, c.taskID, 1, out); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := b.db.Pool.Exec(ctx, `UPDATE task SET status = 'queued', version = 3, attempt = 1 WHERE task_id = $1`, c.taskID); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := b.db.Pool.Exec(ctx, `
+INSERT INTO effect_ledger (effect_id, task_id, attempt, effect_kind, idempotency_token, target_identity, state, request_sha256, request_size, observed_result_sha256)
+VALUES ($1, $2, 1, 'artifact.put', $1, 'artifact://' || $1, 'verified', $3, $4, $3)`, token, c.taskID, canon.SHA256Hex(out), len(out)); err != nil {
+			t.Fatal(err)
+		}
+		reopened[i] = canon.SHA256Hex(out)
+	}
+	for _, c := range tasks {
+		b.produce(t, c.record())
+	}
+	rw := b.start(t, nil)
+	b.waitCompleted(t, tasks)
+	if rw.count(OutcomeProcessed) != n {
+		t.Errorf("processed=%v, want %d", rw.count(OutcomeProcessed), n)
+	}
+	for i, sha := range reopened {
+		c := tasks[i]
+		tk := b.task(t, c.taskID)
+		if tk.Attempt != 2 || tk.ArtifactSHA256 == nil || *tk.ArtifactSHA256 != sha {
+			t.Errorf("re-opened task %s: %+v, want attempt 2 completed with its attempt-1 artifact", c.taskID, tk)
+		}
+		if got := b.scalar(t, `SELECT count(*) FROM effect_ledger WHERE task_id = $1`, c.taskID); got != int64(1) {
+			t.Errorf("re-opened task %s: %v effects, want its one verified", c.taskID, got)
+		}
+		if got := b.objects(t, c.taskID); got != 1 {
+			t.Errorf("re-opened task %s: %d objects, want 1", c.taskID, got)
+		}
+	}
 }

@@ -150,8 +150,7 @@ func (w *Worker) intake(ctx context.Context, tx pgx.Tx, j *job) (string, error) 
 		live                ledger.Effect
 	)
 	b := &pgx.Batch{}
-	task.QueueStartIfQueued(b, ev.TaskID, ev.TaskVersion, &started)
-	task.QueueDocument(b, ev.TaskID, &doc, &docFound)
+	task.QueueStartIfQueuedReadingDocument(b, ev.TaskID, ev.TaskVersion, &started, &doc, &docFound)
 	ledger.QueueLive(b, ev.TaskID, &live, &liveFound)
 	if err := tx.SendBatch(ctx, b).Close(); err != nil {
 		return "", err

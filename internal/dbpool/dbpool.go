@@ -7,6 +7,7 @@ package dbpool
 import (
 	"context"
 	"fmt"
+	"strings"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
@@ -72,16 +73,31 @@ func ParseConfig(url, app string) (*pgxpool.Config, error) {
 		return nil, err
 	}
 	SetApplicationName(cfg.ConnConfig.RuntimeParams, app)
-	if _, set := cfg.ConnConfig.RuntimeParams["enable_seqscan"]; !set {
-		cfg.ConnConfig.RuntimeParams["enable_seqscan"] = "off"
-	}
-	if _, set := cfg.ConnConfig.RuntimeParams["jit"]; !set {
-		cfg.ConnConfig.RuntimeParams["jit"] = "off"
-	}
-	if _, set := cfg.ConnConfig.RuntimeParams["idle_in_transaction_session_timeout"]; !set {
-		cfg.ConnConfig.RuntimeParams["idle_in_transaction_session_timeout"] = IdleInTransactionTimeout
+	for _, kv := range sessionSettings {
+		if _, set := cfg.ConnConfig.RuntimeParams[kv[0]]; !set {
+			cfg.ConnConfig.RuntimeParams[kv[0]] = kv[1]
+		}
 	}
 	return cfg, nil
+}
+
+// sessionSettings are the settings ParseConfig gives every session (name,
+// value), in this order.
+var sessionSettings = [][2]string{
+	{"enable_seqscan", "off"},
+	{"jit", "off"},
+	{"idle_in_transaction_session_timeout", IdleInTransactionTimeout},
+}
+
+// PGOptions returns New's session settings as libpq's PGOPTIONS value
+// ("-c enable_seqscan=off -c jit=off ..."): a libpq client such as pgbench
+// run with it plans converge's statements as converge's own sessions do.
+func PGOptions() string {
+	opts := make([]string, 0, len(sessionSettings))
+	for _, kv := range sessionSettings {
+		opts = append(opts, "-c "+kv[0]+"="+kv[1])
+	}
+	return strings.Join(opts, " ")
 }
 
 // SetApplicationName sets application_name in params (a connection's

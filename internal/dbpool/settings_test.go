@@ -4,6 +4,8 @@ import (
 	"context"
 	"testing"
 
+	"github.com/jackc/pgx/v5"
+
 	"github.com/converge-run/converge/internal/dbpool"
 	"github.com/converge-run/converge/internal/testenv"
 )
@@ -88,3 +90,31 @@ func TestNoJITForPricedOutScans(t *testing.T) {
 
 // TestMain stops the test PostgreSQL and checks for leaked goroutines.
 func TestMain(m *testing.M) { testenv.Main(m) }
+
+// PGOptions gives a libpq client (pgbench in make bench) the sessions
+// settings of New: a plain connection carrying it as its options shows
+// each of them.
+func TestPGOptionsCarryTheSessionSettings(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	db := testenv.NewDB(t)
+	cfg, err := pgx.ParseConfig(db.URL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg.RuntimeParams["options"] = dbpool.PGOptions()
+	conn, err := pgx.ConnectConfig(ctx, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close(ctx)
+	for name, want := range map[string]string{"enable_seqscan": "off", "jit": "off", "idle_in_transaction_session_timeout": "1min"} {
+		var got string
+		if err := conn.QueryRow(ctx, "SHOW "+name).Scan(&got); err != nil {
+			t.Fatal(err)
+		}
+		if got != want {
+			t.Errorf("%s = %q with PGOPTIONS %q, want %q", name, got, dbpool.PGOptions(), want)
+		}
+	}
+}

@@ -154,13 +154,17 @@ func Plan(ctx context.Context, q dbpool.Querier, e Effect) (stored Effect, plann
 	return stored, planned, nil
 }
 
+// sqlPlanInsert is Plan's insert of an effect's row ($1..$9: effect id,
+// task id, attempt, kind, token, target, state, request SHA-256 and size).
+const sqlPlanInsert = `
+INSERT INTO effect_ledger (effect_id, task_id, attempt, effect_kind, idempotency_token, target_identity, state, request_sha256, request_size)
+VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)
+ON CONFLICT (effect_kind, idempotency_token) DO NOTHING`
+
 // QueuePlan queues Plan's insert and read on b; stored and planned are set
 // when the batch's results are read.
 func QueuePlan(b *pgx.Batch, e Effect, stored *Effect, planned *bool) {
-	b.Queue(`
-INSERT INTO effect_ledger (effect_id, task_id, attempt, effect_kind, idempotency_token, target_identity, state, request_sha256, request_size)
-VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)
-ON CONFLICT (effect_kind, idempotency_token) DO NOTHING`,
+	b.Queue(sqlPlanInsert,
 		e.EffectID, e.TaskID, e.Attempt, e.Kind, e.Token, e.TargetIdentity, e.State, e.RequestSHA256, e.RequestSize).
 		Exec(func(tag pgconn.CommandTag) error { *planned = tag.RowsAffected() == 1; return nil })
 	b.Queue(`SELECT `+columns+` FROM effect_ledger WHERE effect_kind = $1 AND idempotency_token = $2`, e.Kind, e.Token).
@@ -169,6 +173,32 @@ ON CONFLICT (effect_kind, idempotency_token) DO NOTHING`,
 			if *stored, err = scanEffect(row); err != nil {
 				return fmt.Errorf("read effect %s: %w", e.EffectID, err)
 			}
+			return nil
+		})
+}
+
+// QueuePlanNew queues on b the insert of e's ledger row unless its
+// identity (kind, token) is recorded: Plan's insert, returning the row
+// (one statement where Plan takes two). planned is set when the batch's
+// results are read: true when this call inserted the row, which stored then
+// holds as written; false, stored untouched, when the identity was recorded
+// (the caller reads it with Plan or Get). The worker's batch path plans the
+// put of a task's first attempt with it: no other put effect of the task
+// can exist then (see consumers/worker, batch.go).
+func QueuePlanNew(b *pgx.Batch, e Effect, stored *Effect, planned *bool) {
+	b.Queue(sqlPlanInsert+`
+RETURNING `+columns,
+		e.EffectID, e.TaskID, e.Attempt, e.Kind, e.Token, e.TargetIdentity, e.State, e.RequestSHA256, e.RequestSize).
+		QueryRow(func(row pgx.Row) error {
+			eff, err := scanEffect(row)
+			switch {
+			case errors.Is(err, pgx.ErrNoRows):
+				*planned = false
+				return nil
+			case err != nil:
+				return fmt.Errorf("plan effect %s: %w", e.EffectID, err)
+			}
+			*stored, *planned = eff, true
 			return nil
 		})
 }

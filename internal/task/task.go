@@ -20,17 +20,27 @@ artifact_sha256, artifact_size, terminal_error_code, created_at, updated_at, com
 // Scan reads a row of Columns into a snapshot; times are UTC.
 func Scan(row pgx.Row) (taskevent.Task, error) {
 	var t taskevent.Task
-	err := row.Scan(&t.TaskID, &t.TenantID, &t.Status, &t.Version, &t.Attempt, &t.OutputFormat, &t.InputSHA256, &t.InputSize,
-		&t.ArtifactSHA256, &t.ArtifactSize, &t.TerminalErrorCode, &t.CreatedAt, &t.UpdatedAt, &t.CompletedAt)
+	err := row.Scan(dests(&t)...)
 	if err != nil {
 		return t, err
 	}
+	inUTC(&t)
+	return t, nil
+}
+
+// dests are the scan destinations of Columns in t, in their order.
+func dests(t *taskevent.Task) []any {
+	return []any{&t.TaskID, &t.TenantID, &t.Status, &t.Version, &t.Attempt, &t.OutputFormat, &t.InputSHA256, &t.InputSize,
+		&t.ArtifactSHA256, &t.ArtifactSize, &t.TerminalErrorCode, &t.CreatedAt, &t.UpdatedAt, &t.CompletedAt}
+}
+
+// inUTC puts t's times in UTC.
+func inUTC(t *taskevent.Task) {
 	t.CreatedAt, t.UpdatedAt = t.CreatedAt.UTC(), t.UpdatedAt.UTC()
 	if t.CompletedAt != nil {
 		c := t.CompletedAt.UTC()
 		t.CompletedAt = &c
 	}
-	return t, nil
 }
 
 // Changed is the outcome of a compare-and-set transition: Applied reports
@@ -110,16 +120,6 @@ func Document(ctx context.Context, q dbpool.Querier, id string) (doc []byte, fou
 
 const sqlDocument = `SELECT document FROM task_input WHERE task_id = $1`
 
-// QueueDocument queues the read of Document on b; doc and found are set when
-// the batch's results are read.
-func QueueDocument(b *pgx.Batch, id string, doc *[]byte, found *bool) {
-	b.Queue(sqlDocument, id).QueryRow(func(row pgx.Row) error {
-		var err error
-		*doc, *found, err = scanDocument(row, id)
-		return err
-	})
-}
-
 func scanDocument(row pgx.Row, id string) ([]byte, bool, error) {
 	var doc []byte
 	err := row.Scan(&doc)
@@ -153,11 +153,31 @@ func StartIfQueued(ctx context.Context, q dbpool.Querier, id string, minVersion 
 	return c, err
 }
 
-// QueueStartIfQueued queues StartIfQueued on b; out is set when the batch's
-// results are read.
-func QueueStartIfQueued(b *pgx.Batch, id string, minVersion int64, out *Changed) {
-	b.Queue(sqlStartIfQueued, id, minVersion).QueryRow(func(row pgx.Row) error {
-		return scanChanged(row, out, "start task "+id)
+// sqlStartIfQueuedReadingDocument is sqlStartIfQueued that also returns, after
+// Columns, the task's document (Document; NULL when task_input has no row):
+// the worker's intake reads the document in the statement that starts the
+// task instead of one of its own.
+const sqlStartIfQueuedReadingDocument = sqlStartIfQueued + `,
+  (SELECT document FROM task_input WHERE task_input.task_id = task.task_id)`
+
+// QueueStartIfQueuedReadingDocument queues StartIfQueued on b, reading the
+// task's document in the same statement: out is set when the batch's
+// results are read; doc and docFound only when the start applied (doc is
+// Document's bytes; docFound is false when the task has no input row).
+func QueueStartIfQueuedReadingDocument(b *pgx.Batch, id string, minVersion int64, out *Changed, doc *[]byte, docFound *bool) {
+	b.Queue(sqlStartIfQueuedReadingDocument, id, minVersion).QueryRow(func(row pgx.Row) error {
+		var t taskevent.Task
+		*doc, *docFound, *out = nil, false, Changed{}
+		err := row.Scan(append(dests(&t), doc)...)
+		if errors.Is(err, pgx.ErrNoRows) {
+			return nil
+		}
+		if err != nil {
+			return fmt.Errorf("start task %s: %w", id, err)
+		}
+		inUTC(&t)
+		*out, *docFound = Changed{Task: t, Applied: true}, *doc != nil
+		return nil
 	})
 }
 

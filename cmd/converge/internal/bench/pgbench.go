@@ -11,6 +11,7 @@ import (
 	"strconv"
 	"time"
 
+	"github.com/converge-run/converge/internal/dbpool"
 	"github.com/converge-run/converge/internal/localpg"
 )
 
@@ -58,6 +59,9 @@ func (e *env) pgbench(ctx context.Context, db, script string, clients int, secon
 	}
 	args = append(args, db)
 	cmd := exec.CommandContext(ctx, pgbenchPath(), args...)
+	// The components' session settings (enable_seqscan=off, jit=off, ...):
+	// pgbench's prepared statements then get the plans converge's get.
+	cmd.Env = append(os.Environ(), "PGOPTIONS="+dbpool.PGOptions())
 	var out bytes.Buffer
 	cmd.Stdout, cmd.Stderr = &out, &out
 	err := cmd.Run()

@@ -228,9 +228,10 @@ func fillPgbenchTasks(ctx context.Context, pool *pgxpool.Pool, fx *fixtures, run
 	return err
 }
 
-// workerScript is the worker's database work for one task (consumers/worker
-// store.go and process.go: the intake transaction, then the completion
-// transaction) as a pgbench script. It takes the next task from a sequence
+// workerScript is the worker's database work for one task on its batch path
+// (consumers/worker batch.go: the intake transaction, then the completion
+// transaction; a batch sends these statements for all of its records) as a
+// pgbench script. It takes the next task from a sequence
 // (one extra, trivial statement the worker does not have) and leaves out
 // everything that is not SQL: Kafka, canonicalization, the artifact file.
 func workerScript(fx *fixtures, run int) string {
@@ -251,10 +252,8 @@ func workerScript(fx *fixtures, run int) string {
 	return r.Replace(`SELECT nextval('bench_pgw_seq') AS n \gset
 BEGIN;
 INSERT INTO inbox_message (consumer_name, message_id, payload_sha256, state) VALUES ('pgbench-worker', $EVT, $SHA, 'processing') ON CONFLICT (consumer_name, message_id) DO NOTHING;
-UPDATE task SET status = 'running', version = version + 1, attempt = attempt + 1, updated_at = now() WHERE task_id = $TASK AND status = 'queued' AND version = 0 RETURNING $COLS;
-SELECT document FROM task_input WHERE task_id = $TASK;
-INSERT INTO effect_ledger (effect_id, task_id, attempt, effect_kind, idempotency_token, target_identity, state, request_sha256, request_size) VALUES ($EFF, $TASK, 1, 'artifact.put', $EFF, 'artifact://' || $EFF, 'started', $ASHA, $ASIZE) ON CONFLICT (effect_kind, idempotency_token) DO NOTHING;
-SELECT effect_id, task_id, attempt, effect_kind, idempotency_token, target_identity, state, request_sha256, request_size, observed_result_sha256, error_code FROM effect_ledger WHERE effect_kind = 'artifact.put' AND idempotency_token = $EFF;
+UPDATE task SET status = 'running', version = version + 1, attempt = attempt + 1, updated_at = now() WHERE task_id = $TASK AND status = 'queued' AND version = 0 RETURNING $COLS, (SELECT document FROM task_input WHERE task_input.task_id = task.task_id);
+INSERT INTO effect_ledger (effect_id, task_id, attempt, effect_kind, idempotency_token, target_identity, state, request_sha256, request_size) VALUES ($EFF, $TASK, 1, 'artifact.put', $EFF, 'artifact://' || $EFF, 'started', $ASHA, $ASIZE) ON CONFLICT (effect_kind, idempotency_token) DO NOTHING RETURNING effect_id, task_id, attempt, effect_kind, idempotency_token, target_identity, state, request_sha256, request_size, observed_result_sha256, error_code, updated_at;
 END;
 BEGIN;
 UPDATE inbox_message SET state = 'completed', result_json = '{"artifact_sha256":"x","task_version":2}'::jsonb, completed_at = now(), last_seen_at = now() WHERE consumer_name = 'pgbench-worker' AND message_id = $EVT AND state = 'processing';

@@ -1,0 +1,57 @@
+package ledger_test
+
+import (
+	"context"
+	"strings"
+	"testing"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/converge-run/converge/internal/dbpool"
+	"github.com/converge-run/converge/internal/ledger"
+	"github.com/converge-run/converge/internal/testenv"
+)
+
+// planNew runs ledger.QueuePlanNew alone.
+func planNew(t *testing.T, q dbpool.Querier, e ledger.Effect) (ledger.Effect, bool) {
+	t.Helper()
+	stored, planned := ledger.Effect{EffectID: "untouched"}, true
+	b := &pgx.Batch{}
+	ledger.QueuePlanNew(b, e, &stored, &planned)
+	if err := q.SendBatch(context.Background(), b).Close(); err != nil {
+		t.Fatalf("plan %s: %v", e.EffectID, err)
+	}
+	return stored, planned
+}
+
+// QueuePlanNew inserts an effect's row once and returns it as written; the
+// same identity again is refused and leaves stored untouched, and the row
+// keeps what the first plan wrote (seed 7: the ledger row is written before
+// the effect, once per identity).
+func TestPlanNewInsertsOnceAndReturnsTheRow(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	db := testenv.NewDB(t)
+	sha := strings.Repeat("ab", 32)
+	tk := testenv.MustStartTask(t, db.Pool, testenv.MustCreateTask(t, db.Pool, []byte(`{"first":1}`)).Task.TaskID)
+
+	want := ledger.NewPut(tk.TaskID, tk.Attempt, sha, 42)
+	stored, planned := planNew(t, db.Pool, want)
+	if !planned {
+		t.Fatal("plan of a new identity refused")
+	}
+	if stored.EffectID != want.EffectID || stored.TaskID != want.TaskID || stored.Attempt != want.Attempt || stored.Kind != want.Kind ||
+		stored.Token != want.Token || stored.TargetIdentity != want.TargetIdentity || stored.State != ledger.Started ||
+		stored.RequestSHA256 != sha || stored.RequestSize != 42 || stored.ObservedSHA256 != nil || stored.ErrorCode != nil || stored.UpdatedAt.IsZero() {
+		t.Fatalf("stored %+v, want %+v as written", stored, want)
+	}
+
+	again := ledger.NewPut(tk.TaskID, tk.Attempt, strings.Repeat("cd", 32), 7)
+	if stored, planned = planNew(t, db.Pool, again); planned || stored.EffectID != "untouched" {
+		t.Fatalf("the same identity planned twice (planned %v, stored %+v)", planned, stored)
+	}
+	row, found, err := ledger.Get(ctx, db.Pool, want.Kind, want.Token)
+	if err != nil || !found || row.RequestSHA256 != sha || row.RequestSize != 42 {
+		t.Fatalf("row %+v found %v err %v, want the first plan's request", row, found, err)
+	}
+}
