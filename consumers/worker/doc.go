@@ -82,10 +82,13 @@
 // (tokens, read-back verification, compensation) in internal/ledger, the
 // outbox in internal/outbox. This package composes them into transactions.
 //
-// Round trips: the intake transaction starts the task, reads the document
-// and the live effect in one batch, and writes and reads the effect's
-// ledger row in another; the completion transaction moves inbox, task and
-// effect in one batch before the outbox insert.
+// Round trips: the per-record intake transaction starts the task, reads
+// the document and the live effect in one batch, and writes and reads the
+// effect's ledger row in another. A run's intake registers the inbox rows
+// and starts the tasks, reading their documents, in one batch, and inserts
+// the effects' ledger rows, returning them, in another (first attempts
+// only: batch.go). The completion transaction moves inbox, task and effect
+// in one batch before the outbox insert.
 //
 // # Errors
 //
