@@ -206,27 +206,33 @@ func TestGetTaskWithoutRedis(t *testing.T) {
 
 // Answers of Go's HTTP server that never reach converge (README, Errors):
 // an invalid percent-escape in the path and a control character in a header
-// value are 400 text/plain.
+// value are 400 text/plain; a header section over http.DefaultMaxHeaderBytes
+// (1 MiB) is 431 text/plain.
 func TestServerLevelBadRequests(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
-	for name, req := range map[string]string{
-		"invalid escape":        "GET /v1/tasks/%zz HTTP/1.1\r\nHost: x\r\n\r\n",
-		"NUL in a header value": "GET /v1/tasks/x HTTP/1.1\r\nHost: x\r\nX-A: a\x00b\r\n\r\n",
+	for name, c := range map[string]struct {
+		req  string
+		want int
+	}{
+		"invalid escape":        {"GET /v1/tasks/%zz HTTP/1.1\r\nHost: x\r\n\r\n", http.StatusBadRequest},
+		"NUL in a header value": {"GET /v1/tasks/x HTTP/1.1\r\nHost: x\r\nX-A: a\x00b\r\n\r\n", http.StatusBadRequest},
+		"header over 1 MiB": {"POST /v1/tasks HTTP/1.1\r\nHost: x\r\nIdempotency-Key: " + strings.Repeat("k", http.DefaultMaxHeaderBytes+8192) + "\r\n\r\n",
+			http.StatusRequestHeaderFieldsTooLarge},
 	} {
 		conn, err := net.Dial("tcp", strings.TrimPrefix(b.ts.URL, "http://"))
 		if err != nil {
 			t.Fatal(err)
 		}
-		if _, err := conn.Write([]byte(req)); err != nil {
+		if _, err := conn.Write([]byte(c.req)); err != nil {
 			t.Fatal(err)
 		}
 		resp, err := http.ReadResponse(bufio.NewReader(conn), nil)
 		if err != nil {
 			t.Fatalf("%s: %v", name, err)
 		}
-		if resp.StatusCode != http.StatusBadRequest || !strings.HasPrefix(resp.Header.Get("Content-Type"), "text/plain") {
-			t.Errorf("%s: %d %s, want 400 text/plain", name, resp.StatusCode, resp.Header.Get("Content-Type"))
+		if resp.StatusCode != c.want || !strings.HasPrefix(resp.Header.Get("Content-Type"), "text/plain") {
+			t.Errorf("%s: %d %s, want %d text/plain", name, resp.StatusCode, resp.Header.Get("Content-Type"), c.want)
 		}
 		resp.Body.Close()
 		conn.Close()

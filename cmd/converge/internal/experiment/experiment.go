@@ -459,7 +459,11 @@ func (x *X) invariants(ctx context.Context) {
 	err := until(ctx, 20*time.Second, "outbox published", func() bool {
 		return x.scalar(ctx, `SELECT count(*) FROM outbox_event WHERE outbox_published_at(outbox_event) IS NULL`) == 0
 	})
-	x.check("every outbox row published", err == nil, "%v", err)
+	detail := "every row reads as published (outbox_published_at)"
+	if err != nil {
+		detail = err.Error()
+	}
+	x.check("every outbox row published", err == nil, "%s", detail)
 	x.rep.Counts["duplicate_deliveries"] = x.scalar(ctx, `SELECT COALESCE(sum(deliveries - 1), 0) FROM inbox_message`)
 	x.rep.Counts["inbox_conflicts"] = x.scalar(ctx, `SELECT count(*) FROM inbox_conflict`)
 	x.rep.Counts["dead_letters"] = x.scalar(ctx, `SELECT count(*) FROM dead_letter`)
