@@ -96,14 +96,14 @@ func (w *Worker) runOf(recs []*kgo.Record) (run []*job, span int) {
 		if len(run) == w.cfg.MaxBatchRecords {
 			break
 		}
-		hdr := headers(r)
-		t, ok := hdr[taskevent.HeaderEventType]
+		t, ok := eventType(r)
 		if !ok {
 			break
 		}
 		if !drives(t) {
 			continue
 		}
+		hdr := headers(r)
 		ev, err := verifyRecord(r, hdr)
 		if err != nil || !drives(ev.EventType) || tasks[ev.TaskID] {
 			break

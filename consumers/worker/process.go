@@ -44,10 +44,27 @@ func (w *Worker) handle(ctx context.Context, r *kgo.Record) (string, error) {
 
 // drives reports whether an event type asks the worker to drive its task:
 // TaskCreated, and TaskRedriveRequested from the reconciler.
-func drives(eventType string) bool {
-	return eventType == taskevent.TypeTaskCreated || eventType == taskevent.TypeTaskRedriveRequested
+func drives[T string | []byte](eventType T) bool {
+	return string(eventType) == taskevent.TypeTaskCreated || string(eventType) == taskevent.TypeTaskRedriveRequested
 }
 
+// eventType returns the value of r's event-type header
+// (taskevent.HeaderEventType; the last one, as headers keeps it) without
+// copying it, and whether r has one. runOf reads it for every record it
+// passes over, most of them events the worker ignores: headers would copy
+// all of a record's headers into a new map.
+func eventType(r *kgo.Record) ([]byte, bool) {
+	var v []byte
+	found := false
+	for _, kv := range r.Headers {
+		if kv.Key == taskevent.HeaderEventType {
+			v, found = kv.Value, true
+		}
+	}
+	return v, found
+}
+
+// headers returns r's headers as a map (the last value of a repeated key).
 func headers(r *kgo.Record) map[string]string {
 	h := make(map[string]string, len(r.Headers))
 	for _, kv := range r.Headers {
