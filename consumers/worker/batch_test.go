@@ -177,3 +177,63 @@ VALUES ($1, $2, 1, 'artifact.put', $1, 'artifact://' || $1, 'verified', $3, $4, 
 		}
 	}
 }
+
+// A run's fresh effect is put without looking its token up first (Put
+// does): an object already under the token — which no worker writes before
+// the token's ledger row, so only a stray file can be one — is decided as
+// the per-record path decides it. The same bytes are kept and verified (one
+// object, task completed); other bytes fail the read-back (task failed,
+// ARTIFACT_VERIFICATION_FAILED), never overwritten.
+func TestRunFindsAnObjectUnderItsToken(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	const n, same, other = 10, 2, 6
+	var tasks []created
+	for i := range n {
+		doc := []byte(fmt.Sprintf(`{"stray":%d}`, i))
+		c := createTask(t, b.db.Pool, doc)
+		tasks = append(tasks, c)
+		out, err := canon.Transform(doc)
+		if err != nil {
+			t.Fatal(err)
+		}
+		switch i {
+		case same:
+		case other:
+			out = []byte(`{"other":true}`)
+		default:
+			continue
+		}
+		if _, err := b.store.Put(artifact.Token(c.taskID, 1), c.taskID, 1, out); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for _, c := range tasks {
+		b.produce(t, c.record())
+	}
+	rw := b.start(t, nil)
+	testenv.Eventually(t, waitFor, "every task terminal", func() bool {
+		for _, c := range tasks {
+			if s := b.task(t, c.taskID).Status; s != "completed" && s != "failed" {
+				return false
+			}
+		}
+		return true
+	})
+	if got := counterValue(rw.w.m.batched); got < n/2 {
+		t.Errorf("%v records through runs, want most of %d", got, n)
+	}
+	for i, c := range tasks {
+		tk := b.task(t, c.taskID)
+		switch {
+		case i == other:
+			if tk.Status != "failed" || tk.TerminalErrorCode == nil || *tk.TerminalErrorCode != CodeArtifactVerificationFailed {
+				t.Errorf("task %d with another object under its token: %+v, want failed %s", i, tk, CodeArtifactVerificationFailed)
+			}
+		case tk.Status != "completed":
+			t.Errorf("task %d: %s, want completed", i, tk.Status)
+		case b.objects(t, c.taskID) != 1:
+			t.Errorf("task %d: %d objects, want 1", i, b.objects(t, c.taskID))
+		}
+	}
+}

@@ -301,7 +301,23 @@ func (w *Worker) perform(ctx context.Context, j *job) (verifiedEffect, string, e
 		return verifiedEffect{}, outcome, err
 	}
 	from := eff.State // planned, started, unknown or completed: not known to be done
-	_, err := w.store.Head(eff.Token)
+	invalidToken := func() (verifiedEffect, string, error) {
+		outcome, err := w.fail(ctx, j, ledger.Failed, func(tx pgx.Tx) (bool, error) {
+			return ledger.MarkFailed(ctx, tx, eff.EffectID, from, CodeArtifactTokenInvalid)
+		}, CodeArtifactTokenInvalid)
+		return verifiedEffect{}, outcome, err
+	}
+	var err error
+	if j.planned && j.unsynced {
+		// Planned by this run's intake, which inserted the ledger row: no
+		// object can be under its token yet (seed 7: the row comes first).
+		// Put looks the token up itself and decides an object it finds
+		// (same content: kept; other: ErrTokenConflict, caught by the
+		// read-back), and the run syncs the directory: no Head here.
+		err = artifact.ErrNotFound
+	} else {
+		_, err = w.store.Head(eff.Token)
+	}
 	switch {
 	case err == nil:
 		// present: resolved by observation, never written twice (seed 13.3).
@@ -313,10 +329,7 @@ func (w *Worker) perform(ctx context.Context, j *job) (verifiedEffect, string, e
 			}
 		}
 	case errors.Is(err, artifact.ErrInvalidToken):
-		outcome, err := w.fail(ctx, j, ledger.Failed, func(tx pgx.Tx) (bool, error) {
-			return ledger.MarkFailed(ctx, tx, eff.EffectID, from, CodeArtifactTokenInvalid)
-		}, CodeArtifactTokenInvalid)
-		return verifiedEffect{}, outcome, err
+		return invalidToken()
 	case errors.Is(err, artifact.ErrNotFound):
 		put := w.store.Put
 		if j.unsynced {
@@ -326,6 +339,8 @@ func (w *Worker) perform(ctx context.Context, j *job) (verifiedEffect, string, e
 		switch {
 		case perr == nil, errors.Is(perr, artifact.ErrTokenConflict):
 			// a conflict is caught by the read-back below
+		case errors.Is(perr, artifact.ErrInvalidToken):
+			return invalidToken()
 		case errors.Is(perr, artifact.ErrTimeout):
 			// A timeout is not "did not happen" (seed 7): record unknown,
 			// then resolve by observing the same token.
