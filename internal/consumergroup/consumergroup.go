@@ -88,6 +88,7 @@ const (
 	DefaultRebalanceTimeout  = 30 * time.Second
 	DefaultCommitTimeout     = 10 * time.Second
 	DefaultCommitInterval    = 100 * time.Millisecond
+	DefaultFetchMaxWait      = 250 * time.Millisecond
 )
 
 // Config configures a consumer. Zero values take the defaults noted.
@@ -134,6 +135,16 @@ type Config struct {
 	// on a broker that syncs its group log (the embedded one), an fsync.
 	// Defaults to 100ms; negative commits after every batch.
 	CommitInterval time.Duration
+	// FetchMaxWait is how long the broker may hold a fetch that finds no
+	// new records (kgo.FetchMaxWait, Kafka's fetch.max.wait.ms). The client
+	// has one fetch in flight per broker and a partition whose fetching is
+	// resumed (its queue drained, see the package doc) joins the next one,
+	// so while the other partitions have nothing new, a resumed partition
+	// waits for the held fetch to end: up to franz-go's default of 5s (the
+	// worker stage of make bench stalled 4.1s of its 8.1s on one such
+	// resume; BENCHMARKS.md, session of 2026-12-06, second). Shorter costs
+	// an idle member one fetch request per FetchMaxWait. Defaults to 250ms.
+	FetchMaxWait time.Duration
 	// ResetOffset is where a partition without a committed offset starts.
 	// Defaults to the start of the partition.
 	ResetOffset *kgo.Offset
@@ -165,6 +176,9 @@ func (c *Config) setDefaults() {
 	}
 	if c.RebalanceTimeout <= 0 {
 		c.RebalanceTimeout = DefaultRebalanceTimeout
+	}
+	if c.FetchMaxWait <= 0 {
+		c.FetchMaxWait = DefaultFetchMaxWait
 	}
 	if c.CommitInterval == 0 {
 		c.CommitInterval = DefaultCommitInterval
@@ -249,6 +263,7 @@ func New(cfg Config, h Handler) (*Consumer, error) {
 		kgo.SessionTimeout(cfg.SessionTimeout),
 		kgo.HeartbeatInterval(cfg.HeartbeatInterval),
 		kgo.RebalanceTimeout(cfg.RebalanceTimeout),
+		kgo.FetchMaxWait(cfg.FetchMaxWait),
 		kgo.WithLogger(kafkalog.New(cfg.Logger)),
 	}
 	if cfg.ClientID != "" {

@@ -196,3 +196,45 @@ func TestCommitInterval(t *testing.T) {
 		t.Errorf("committed offsets %v sum to %d, want %d", got, sum, n)
 	}
 }
+
+// Fetches ask the broker to hold them at most FetchMaxWait (250ms by
+// default, not franz-go's 5s): a partition resumed after its queue drained
+// joins the next fetch only, and while the other partitions have nothing
+// new the fetch in flight is held that long (the worker stage of make
+// bench stalled 4.1s of 8.1s on one resume; BENCHMARKS.md).
+func TestFetchesAreHeldAtMostFetchMaxWait(t *testing.T) {
+	t.Parallel()
+	k := testenv.NewKafka(t)
+	produce(t, k, 2*testenv.Partitions)
+	var fetches, longest atomic.Int64
+	k.Cluster.ControlKey(int16(kmsg.Fetch), func(req kmsg.Request) (kmsg.Response, error, bool) {
+		k.Cluster.KeepControl()
+		fetches.Add(1)
+		if w := int64(req.(*kmsg.FetchRequest).MaxWaitMillis); w > longest.Load() {
+			longest.Store(w)
+		}
+		return nil, nil, false
+	})
+	var handled atomic.Int64
+	h := consumergroup.HandlerFunc(func(ctx context.Context, b consumergroup.Batch) int {
+		handled.Add(int64(len(b.Records)))
+		return len(b.Records)
+	})
+	c, err := consumergroup.New(consumergroup.Config{Brokers: k.Brokers, Group: "g-fetch-wait", Topics: []string{k.Topic}}, h)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- c.Run(ctx) }()
+	testenv.Eventually(t, 20*time.Second, "every record handled and an idle fetch sent", func() bool {
+		return handled.Load() == 2*testenv.Partitions && fetches.Load() >= 2
+	})
+	cancel()
+	if err := <-done; err != nil {
+		t.Fatal(err)
+	}
+	if got, want := longest.Load(), consumergroup.DefaultFetchMaxWait.Milliseconds(); got != want {
+		t.Errorf("fetches held up to %dms, want %dms", got, want)
+	}
+}
