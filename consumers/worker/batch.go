@@ -11,6 +11,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/twmb/franz-go/pkg/kgo"
 
+	"github.com/converge-run/converge/internal/artifact"
 	"github.com/converge-run/converge/internal/canon"
 	"github.com/converge-run/converge/internal/consumergroup"
 	"github.com/converge-run/converge/internal/inbox"
@@ -137,8 +138,15 @@ func (w *Worker) processRun(ctx context.Context, cl *kgo.Client, run []*job) int
 	ended := make([]string, len(run)) // an outcome of the effect path (failed)
 	var wg sync.WaitGroup
 	sem := make(chan struct{}, w.cfg.Concurrency)
+	// The run's objects, written together: their fsyncs share the
+	// filesystem's flushes (PutManyUnsynced); each is then read back.
+	items := make([]artifact.Item, len(run))
 	for i, j := range run {
-		j.unsynced = true
+		items[i] = artifact.Item{Token: j.effect.Token, TaskID: j.task.TaskID, Attempt: j.effect.Attempt, Data: j.artifact}
+	}
+	_, writeErrs := w.store.PutManyUnsynced(items)
+	for i, j := range run {
+		j.written, j.writeErr = true, writeErrs[i]
 		sem <- struct{}{}
 		wg.Go(func() {
 			defer func() { <-sem }()
@@ -156,9 +164,6 @@ func (w *Worker) processRun(ctx context.Context, cl *kgo.Client, run []*job) int
 		})
 	}
 	wg.Wait()
-	for _, j := range run {
-		j.unsynced = false // the per-record path syncs on its own
-	}
 	// One directory fsync makes the names of the run's artifacts durable
 	// before any of them is recorded verified; if it fails, none is, and the
 	// per-record path (which syncs again) takes them.

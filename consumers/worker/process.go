@@ -93,10 +93,12 @@ type job struct {
 	effect   ledger.Effect
 	planned  bool   // this delivery inserted the effect row
 	artifact []byte // canonical bytes, the effect's request
-	// unsynced: the effect is performed as part of a run, whose caller
-	// syncs the artifact store's directory once for all of them before
-	// their completion (artifact.Store.PutUnsynced).
-	unsynced bool
+	// written: the effect is performed as part of a run, which wrote the
+	// run's objects together (artifact.Store.PutManyUnsynced) with writeErr
+	// this one's outcome, and syncs the artifact store's directory once for
+	// all of them before their completion; perform reads it back.
+	written  bool
+	writeErr error
 	// idx is the record's index in its run's records (runOf).
 	idx int
 }
@@ -308,12 +310,11 @@ func (w *Worker) perform(ctx context.Context, j *job) (verifiedEffect, string, e
 		return verifiedEffect{}, outcome, err
 	}
 	var err error
-	if j.planned && j.unsynced {
-		// Planned by this run's intake, which inserted the ledger row: no
-		// object can be under its token yet (seed 7: the row comes first).
-		// Put looks the token up itself and decides an object it finds
-		// (same content: kept; other: ErrTokenConflict, caught by the
-		// read-back), and the run syncs the directory: no Head here.
+	if j.written {
+		// Written by the run after its intake planned the effect: the write
+		// looked the token up itself and decided an object it found (same
+		// content: kept; other: ErrTokenConflict, caught by the read-back);
+		// no object can be there before the ledger row anyway (seed 7).
 		err = artifact.ErrNotFound
 	} else {
 		_, err = w.store.Head(eff.Token)
@@ -323,19 +324,16 @@ func (w *Worker) perform(ctx context.Context, j *job) (verifiedEffect, string, e
 		// present: resolved by observation, never written twice (seed 13.3).
 		// An earlier delivery may have linked it without its directory
 		// fsync (a crash inside a run): make its name durable first.
-		if !j.unsynced {
-			if err := w.store.SyncObjects(); err != nil {
-				return verifiedEffect{}, "", fmt.Errorf("artifact %s: %w", eff.Token, err)
-			}
+		if err := w.store.SyncObjects(); err != nil {
+			return verifiedEffect{}, "", fmt.Errorf("artifact %s: %w", eff.Token, err)
 		}
 	case errors.Is(err, artifact.ErrInvalidToken):
 		return invalidToken()
 	case errors.Is(err, artifact.ErrNotFound):
-		put := w.store.Put
-		if j.unsynced {
-			put = w.store.PutUnsynced
+		perr := j.writeErr
+		if !j.written {
+			_, perr = w.store.Put(eff.Token, j.task.TaskID, eff.Attempt, j.artifact)
 		}
-		_, perr := put(eff.Token, j.task.TaskID, eff.Attempt, j.artifact)
 		switch {
 		case perr == nil, errors.Is(perr, artifact.ErrTokenConflict):
 			// a conflict is caught by the read-back below
