@@ -4,7 +4,8 @@
 //
 //   - Per-partition order: the records of a partition are handed to its own
 //     goroutine (started on the partition's first records), in offset order,
-//     one batch (a poll's share of the partition) at a time; a slow
+//     one batch at a time: what the polls queued for the partition, up to
+//     MaxPollRecords records (at least one poll's share); a slow
 //     partition does not hold up the others, and the poll loop never waits
 //     for a partition. When a partition's queue reaches 2 × MaxPollRecords
 //     records its fetching is paused (the client drops what it buffered and
@@ -105,8 +106,9 @@ type Config struct {
 	// Logger receives the engine's and franz-go's logs (kslog). Defaults to
 	// slog.Default().
 	Logger *slog.Logger
-	// MaxPollRecords bounds the records of one poll; a partition's share of
-	// a poll is one Batch. Defaults to 500.
+	// MaxPollRecords bounds the records of one poll and of one Batch (a
+	// partition's queued polls are joined up to it; a batch is never less
+	// than one poll's share). Defaults to 500.
 	MaxPollRecords int
 	// SessionTimeout is how long the group coordinator waits for a
 	// heartbeat before it removes a member (a crashed process): the time
@@ -347,17 +349,35 @@ func (c *Consumer) dispatch(ctx context.Context, topic string, part int32, recs 
 	}
 }
 
-// next takes the partition's oldest queued batch (nil when there is none)
-// and resumes fetching the partition when the queue got short again.
+// next takes the partition's oldest queued poll's records and those of the
+// polls queued after it, in order, while they fit in MaxPollRecords (nil
+// when nothing is queued), and resumes fetching the partition when the
+// queue got short again. A handler that fell behind thus gets its backlog
+// in one batch, not one poll's few records at a time: under a steady
+// trickle every poll brings a few records, and the worker's fixed cost per
+// batch (two transactions, their commits and the artifact fsyncs) kept it
+// behind at 607 of 750 tasks/s with batches of 2 (BENCHMARKS.md, session of
+// 2026-12-06, second).
 func (c *Consumer) next(p *partition) []*kgo.Record {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if len(p.batches) == 0 {
 		return nil
 	}
+	k, n := 1, len(p.batches[0])
+	for k < len(p.batches) && n+len(p.batches[k]) <= c.cfg.MaxPollRecords {
+		n += len(p.batches[k])
+		k++
+	}
 	recs := p.batches[0]
-	p.batches[0] = nil
-	p.batches = p.batches[1:]
+	if k > 1 {
+		recs = make([]*kgo.Record, 0, n)
+		for _, b := range p.batches[:k] {
+			recs = append(recs, b...)
+		}
+	}
+	clear(p.batches[:k])
+	p.batches = p.batches[k:]
 	p.queued -= len(recs)
 	if p.paused && p.queued < c.cfg.MaxPollRecords {
 		c.resumeLocked(p)
