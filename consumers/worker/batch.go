@@ -21,8 +21,8 @@ import (
 	"github.com/converge-run/converge/internal/taskevent"
 )
 
-// Batches (issue 11). A partition's poll is handed to the worker as one
-// batch (internal/consumergroup). A run of consecutive records that are
+// Batches (issue 11). The polls queued for a partition are handed to the
+// worker as one batch, up to MaxPollRecords (internal/consumergroup). A run of consecutive records that are
 // fresh driving events of distinct tasks goes through one intake
 // transaction and one completion transaction for the whole run, instead of
 // two per record; each record's inbox row, task start and effect row are

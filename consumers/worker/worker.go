@@ -108,8 +108,9 @@ type Config struct {
 	// outcome is durable before the next record's offset can be committed.
 	// Defaults to 4.
 	Concurrency int
-	// MaxPollRecords bounds the records of one poll; a partition's share of
-	// a poll is one batch of its goroutine (one offset mark).
+	// MaxPollRecords bounds the records of one poll and of one batch of a
+	// partition's goroutine (one offset mark): the polls queued for the
+	// partition are joined up to it (internal/consumergroup).
 	// Defaults to 500.
 	MaxPollRecords int
 	// MaxBatchRecords bounds a run of a batch's fresh records that share

@@ -52,7 +52,9 @@ import (
 	"github.com/converge-run/converge/internal/kafkalog"
 )
 
-// Batch is one partition's share of a poll, handed to the Handler.
+// Batch is records of one partition, in offset order, handed to the Handler:
+// what the polls queued for the partition, up to MaxPollRecords (at least
+// one poll's share).
 type Batch struct {
 	// Client is the group's client (for producing, e.g. to a dead-letter
 	// topic).
