@@ -303,59 +303,36 @@ func (w *Worker) perform(ctx context.Context, j *job) (verifiedEffect, string, e
 		return verifiedEffect{}, outcome, err
 	}
 	from := eff.State // planned, started, unknown or completed: not known to be done
-	invalidToken := func() (verifiedEffect, string, error) {
+	// Put looks the token up first and writes only when it is absent
+	// (seed 13.3: an object already there is resolved by observation,
+	// never written twice; its name is synced all the same); a run wrote
+	// its objects already (PutManyUnsynced).
+	perr := j.writeErr
+	if !j.written {
+		_, perr = w.store.Put(eff.Token, j.task.TaskID, eff.Attempt, j.artifact)
+	}
+	switch {
+	case perr == nil, errors.Is(perr, artifact.ErrTokenConflict):
+		// a conflict is caught by the read-back below
+	case errors.Is(perr, artifact.ErrInvalidToken):
 		outcome, err := w.fail(ctx, j, ledger.Failed, func(tx pgx.Tx) (bool, error) {
 			return ledger.MarkFailed(ctx, tx, eff.EffectID, from, CodeArtifactTokenInvalid)
 		}, CodeArtifactTokenInvalid)
 		return verifiedEffect{}, outcome, err
-	}
-	var err error
-	if j.written {
-		// Written by the run after its intake planned the effect: the write
-		// looked the token up itself and decided an object it found (same
-		// content: kept; other: ErrTokenConflict, caught by the read-back);
-		// no object can be there before the ledger row anyway (seed 7).
-		err = artifact.ErrNotFound
-	} else {
-		_, err = w.store.Head(eff.Token)
-	}
-	switch {
-	case err == nil:
-		// present: resolved by observation, never written twice (seed 13.3).
-		// An earlier delivery may have linked it without its directory
-		// fsync (a crash inside a run): make its name durable first.
-		if err := w.store.SyncObjects(); err != nil {
-			return verifiedEffect{}, "", fmt.Errorf("artifact %s: %w", eff.Token, err)
+	case errors.Is(perr, artifact.ErrTimeout):
+		// A timeout is not "did not happen" (seed 7): record unknown,
+		// then resolve by observing the same token.
+		ok, err := ledger.MarkUnknown(ctx, w.pool, eff.EffectID, from)
+		if err != nil {
+			return verifiedEffect{}, "", err
 		}
-	case errors.Is(err, artifact.ErrInvalidToken):
-		return invalidToken()
-	case errors.Is(err, artifact.ErrNotFound):
-		perr := j.writeErr
-		if !j.written {
-			_, perr = w.store.Put(eff.Token, j.task.TaskID, eff.Attempt, j.artifact)
+		if !ok {
+			return verifiedEffect{}, "", fmt.Errorf("effect %s: %w", eff.EffectID, errConcurrentChange)
 		}
-		switch {
-		case perr == nil, errors.Is(perr, artifact.ErrTokenConflict):
-			// a conflict is caught by the read-back below
-		case errors.Is(perr, artifact.ErrInvalidToken):
-			return invalidToken()
-		case errors.Is(perr, artifact.ErrTimeout):
-			// A timeout is not "did not happen" (seed 7): record unknown,
-			// then resolve by observing the same token.
-			ok, err := ledger.MarkUnknown(ctx, w.pool, eff.EffectID, from)
-			if err != nil {
-				return verifiedEffect{}, "", err
-			}
-			if !ok {
-				return verifiedEffect{}, "", fmt.Errorf("effect %s: %w", eff.EffectID, errConcurrentChange)
-			}
-			w.m.effects.WithLabelValues(string(ledger.KindArtifactPut), string(ledger.Unknown)).Inc()
-			from = ledger.Unknown
-		default:
-			return verifiedEffect{}, "", fmt.Errorf("put artifact %s: %w", eff.Token, perr)
-		}
+		w.m.effects.WithLabelValues(string(ledger.KindArtifactPut), string(ledger.Unknown)).Inc()
+		from = ledger.Unknown
 	default:
-		return verifiedEffect{}, "", fmt.Errorf("head artifact %s: %w", eff.Token, err)
+		return verifiedEffect{}, "", fmt.Errorf("put artifact %s: %w", eff.Token, perr)
 	}
 	obs, err := w.store.Observe(eff.Token)
 	if err != nil {

@@ -159,7 +159,11 @@ func (s *Store) path(dir, token, ext string) string {
 }
 
 // Put stores data under token with the given task id and attempt, durably,
-// and returns the committed Meta. See the package doc for idempotency.
+// and returns the committed Meta. See the package doc for idempotency. When
+// the token is committed already, Put writes nothing but still fsyncs the
+// objects directory: a PutUnsynced may have linked the object without its
+// SyncObjects (a crash inside a worker run), and a Put that returns the
+// object's Meta leaves its name durable.
 // Fault points: artifact.corrupt-after-write (stored bytes altered, the Meta
 // unchanged), artifact.put-timeout-after-commit (ErrTimeout after the commit).
 func (s *Store) Put(token, taskID string, attempt int, data []byte) (Meta, error) {
@@ -224,10 +228,14 @@ type newObject struct {
 func (s *Store) putMany(items []Item, sync bool) ([]Meta, []error) {
 	metas, errs := make([]Meta, len(items)), make([]error, len(items))
 	news := make([]newObject, 0, len(items))
+	var found []int // items committed before: by an earlier or a concurrent Put
 	for i, it := range items {
 		o, done, m, err := s.prepare(it)
 		if done {
 			metas[i], errs[i] = m, err
+			if err == nil || errors.Is(err, ErrTokenConflict) {
+				found = append(found, i)
+			}
 			continue
 		}
 		o.i = i
@@ -245,16 +253,22 @@ func (s *Store) putMany(items []Item, sync bool) ([]Meta, []error) {
 				continue
 			}
 			metas[o.i], errs[o.i] = decide(old, o.meta)
+			found = append(found, o.i)
 		case o.err != nil:
 			errs[o.i] = o.err
 		default:
 			linked = append(linked, o)
 		}
 	}
-	if sync && len(linked) > 0 {
+	// Put syncs found objects' names too: one may have been linked by a
+	// PutUnsynced whose SyncObjects never ran (a crash inside a worker run).
+	if sync && len(linked)+len(found) > 0 {
 		if err := s.SyncObjects(); err != nil {
 			for _, o := range linked {
 				errs[o.i] = err
+			}
+			for _, i := range found {
+				errs[i] = err
 			}
 			return metas, errs
 		}
