@@ -63,14 +63,7 @@ func TestRunWithARecordNotFreshFallsBack(t *testing.T) {
 		tasks = append(tasks, createTask(t, b.db.Pool, []byte(fmt.Sprintf(`{"fallback":%d}`, i))))
 	}
 	testenv.MustStartTask(t, b.db.Pool, tasks[5].taskID) // running, no inbox row: resumed
-	for _, c := range tasks {
-		b.produce(t, c.record())
-	}
-	rw := b.start(t, nil)
-	b.waitCompleted(t, tasks)
-	if rw.count(OutcomeProcessed) != n {
-		t.Errorf("processed=%v, want %d", rw.count(OutcomeProcessed), n)
-	}
+	b.processAll(t, tasks)
 }
 
 // Events the worker ignores (here TaskCompleted, which shares the topic)
@@ -102,6 +95,22 @@ func TestRunsSpanIgnoredEvents(t *testing.T) {
 	if rw.count(OutcomeProcessed) != n || rw.count(OutcomeIgnored) != n {
 		t.Errorf("processed=%v ignored=%v, want %d each", rw.count(OutcomeProcessed), rw.count(OutcomeIgnored), n)
 	}
+}
+
+// processAll produces the TaskCreated records of tasks, starts a worker,
+// waits until every task is completed and checks that each record was
+// processed once.
+func (b *testBundle) processAll(t *testing.T, tasks []created) *runningWorker {
+	t.Helper()
+	for _, c := range tasks {
+		b.produce(t, c.record())
+	}
+	rw := b.start(t, nil)
+	b.waitCompleted(t, tasks)
+	if got := rw.count(OutcomeProcessed); got != float64(len(tasks)) {
+		t.Errorf("processed=%v, want %d", got, len(tasks))
+	}
+	return rw
 }
 
 // waitCompleted waits until every task of tasks is completed.
@@ -155,14 +164,7 @@ VALUES ($1, $2, 1, 'artifact.put', $1, 'artifact://' || $1, 'verified', $3, $4, 
 		}
 		reopened[i] = canon.SHA256Hex(out)
 	}
-	for _, c := range tasks {
-		b.produce(t, c.record())
-	}
-	rw := b.start(t, nil)
-	b.waitCompleted(t, tasks)
-	if rw.count(OutcomeProcessed) != n {
-		t.Errorf("processed=%v, want %d", rw.count(OutcomeProcessed), n)
-	}
+	b.processAll(t, tasks)
 	for i, sha := range reopened {
 		c := tasks[i]
 		tk := b.task(t, c.taskID)

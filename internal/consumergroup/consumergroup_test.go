@@ -44,6 +44,26 @@ func produce(t *testing.T, k *testenv.Kafka, n int) {
 	}
 }
 
+// run starts a member with cfg and h; stop cancels it and fails the test
+// when Run returns an error.
+func run(t *testing.T, cfg consumergroup.Config, h consumergroup.Handler) (stop func()) {
+	t.Helper()
+	c, err := consumergroup.New(cfg, h)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- c.Run(ctx) }()
+	return func() {
+		t.Helper()
+		cancel()
+		if err := <-done; err != nil {
+			t.Fatal(err)
+		}
+	}
+}
+
 // Only offsets of records the handler reports durable are committed: a
 // handler that makes only the first record of each batch durable, then
 // stops, leaves the committed offset right after that record.
@@ -57,18 +77,9 @@ func TestCommitsOnlyDurableOffsets(t *testing.T) {
 		<-ctx.Done() // processing of the rest never finishes
 		return 1
 	})
-	c, err := consumergroup.New(consumergroup.Config{Brokers: k.Brokers, Group: "g-durable", Topics: []string{k.Topic}}, h)
-	if err != nil {
-		t.Fatal(err)
-	}
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- c.Run(ctx) }()
+	stop := run(t, consumergroup.Config{Brokers: k.Brokers, Group: "g-durable", Topics: []string{k.Topic}}, h)
 	testenv.Eventually(t, 20*time.Second, "every record handed out", func() bool { return handled.Load() == 4*testenv.Partitions })
-	cancel()
-	if err := <-done; err != nil {
-		t.Fatal(err)
-	}
+	stop()
 	got := committed(t, k, "g-durable")
 	for p := int32(0); p < testenv.Partitions; p++ {
 		if got[p] != 1 {
@@ -168,21 +179,12 @@ func TestCommitInterval(t *testing.T) {
 		handled.Add(int64(len(b.Records)))
 		return len(b.Records)
 	})
-	c, err := consumergroup.New(consumergroup.Config{Brokers: k.Brokers, Group: "g-interval", Topics: []string{k.Topic},
-		MaxPollRecords: 1, CommitInterval: 250 * time.Millisecond}, h)
-	if err != nil {
-		t.Fatal(err)
-	}
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
 	start := time.Now()
-	go func() { done <- c.Run(ctx) }()
+	stop := run(t, consumergroup.Config{Brokers: k.Brokers, Group: "g-interval", Topics: []string{k.Topic},
+		MaxPollRecords: 1, CommitInterval: 250 * time.Millisecond}, h)
 	testenv.Eventually(t, 20*time.Second, "every record handled", func() bool { return handled.Load() == n })
 	elapsed := time.Since(start)
-	cancel()
-	if err := <-done; err != nil {
-		t.Fatal(err)
-	}
+	stop()
 	// One commit per started interval, plus the shutdown's and revoke's.
 	if limit := int64(elapsed/(250*time.Millisecond)) + 3; commits.Load() > limit || commits.Load() >= batches.Load() {
 		t.Errorf("%d commits for %d batches in %v, want at most %d", commits.Load(), batches.Load(), elapsed, limit)
@@ -220,20 +222,11 @@ func TestFetchesAreHeldAtMostFetchMaxWait(t *testing.T) {
 		handled.Add(int64(len(b.Records)))
 		return len(b.Records)
 	})
-	c, err := consumergroup.New(consumergroup.Config{Brokers: k.Brokers, Group: "g-fetch-wait", Topics: []string{k.Topic}}, h)
-	if err != nil {
-		t.Fatal(err)
-	}
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- c.Run(ctx) }()
+	stop := run(t, consumergroup.Config{Brokers: k.Brokers, Group: "g-fetch-wait", Topics: []string{k.Topic}}, h)
 	testenv.Eventually(t, 20*time.Second, "every record handled and an idle fetch sent", func() bool {
 		return handled.Load() == 2*testenv.Partitions && fetches.Load() >= 2
 	})
-	cancel()
-	if err := <-done; err != nil {
-		t.Fatal(err)
-	}
+	stop()
 	if got, want := longest.Load(), consumergroup.DefaultFetchMaxWait.Milliseconds(); got != want {
 		t.Errorf("fetches held up to %dms, want %dms", got, want)
 	}
