@@ -113,8 +113,11 @@
 //     pg_current_wal_lsn() - confirmed_flush_lsn, - restart_lsn and
 //     wal_status of its slot from pg_replication_slots (the slot_* metrics;
 //     wal_status is also exported when Run fails with ErrSlotLost).
-//   - Every receive from the replication connection has its own deadline, so
-//     flushes and status updates happen while the stream is idle.
+//   - Receives from the replication connection are bounded by its read
+//     deadline (at most ReceiveTimeout, and never past the next status
+//     update), moved about twice per interval rather than per message
+//     (receive.go), so flushes and status updates happen while the stream
+//     is idle; cancelling Run's context wakes a waiting receive.
 //   - Publication checks: see the section below.
 //   - Parking (seed 4.1, issue 13): a record the producer or the broker
 //     refuses for good (MESSAGE_TOO_LARGE, RECORD_LIST_TOO_LARGE,

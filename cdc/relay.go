@@ -442,9 +442,9 @@ func (s *session) close() {
 // errStopping is returned inside the loop when ctx was cancelled.
 var errStopping = errors.New("stopping")
 
-// stream is the replication loop. It owns the replication connection: every
-// receive has its own deadline, so status updates happen while the stream is
-// idle (the PeerDB pattern). The published_at UPDATE runs in the marker
+// stream is the replication loop. It owns the replication connection: its
+// receives are bounded by a read deadline (receiveDeadline), so status
+// updates happen while the stream is idle (the PeerDB pattern). The published_at UPDATE runs in the marker
 // goroutine (marker.go).
 func (s *session) stream(ctx context.Context) error {
 	s.produceCtx = context.WithoutCancel(ctx)
@@ -457,29 +457,37 @@ func (s *session) stream(ctx context.Context) error {
 		s.stopMarker()
 	}()
 	s.nextStatus = time.Now().Add(s.cfg.StatusInterval)
+	rd := newReceiveDeadline(ctx, s.repl.Conn(), s.cfg.ReceiveTimeout)
+	defer rd.release()
+	shutdown := func() error {
+		rd.release()
+		return s.shutdown(ctx)
+	}
 	for {
 		if ctx.Err() != nil {
-			return s.shutdown(ctx)
+			return shutdown()
 		}
-		if err := s.housekeeping(); err != nil {
+		now := time.Now()
+		if err := s.housekeeping(now); err != nil {
 			return err
 		}
-		deadline := time.Now().Add(s.cfg.ReceiveTimeout)
-		if s.nextStatus.Before(deadline) {
-			deadline = s.nextStatus
+		if err := rd.before(now, s.nextStatus); err != nil {
+			return fmt.Errorf("receive from replication slot %s: set read deadline: %w", s.cfg.SlotName, err)
 		}
-		rctx, cancel := context.WithDeadline(ctx, deadline)
-		msg, err := s.repl.ReceiveMessage(rctx)
-		cancel()
+		if ctx.Err() != nil {
+			return shutdown()
+		}
+		msg, err := s.repl.ReceiveMessage(context.Background())
 		if err != nil {
 			if pgconn.Timeout(err) || ctx.Err() != nil {
+				rd.expired()
 				continue
 			}
 			return fmt.Errorf("receive from replication slot %s: %w", s.cfg.SlotName, err)
 		}
 		if err := s.handle(ctx, msg); err != nil {
 			if errors.Is(err, errStopping) {
-				return s.shutdown(ctx)
+				return shutdown()
 			}
 			return err
 		}
@@ -488,14 +496,14 @@ func (s *session) stream(ctx context.Context) error {
 
 // housekeeping fails on a produce or marker failure and sends a status
 // update when due.
-func (s *session) housekeeping() error {
+func (s *session) housekeeping(now time.Time) error {
 	if err := s.tr.failure(); err != nil {
 		return err
 	}
 	if err := s.markFailure(); err != nil {
 		return err
 	}
-	if !time.Now().Before(s.nextStatus) {
+	if !now.Before(s.nextStatus) {
 		return s.sendStatus()
 	}
 	return nil
@@ -693,7 +701,7 @@ func (s *session) acquire(ctx context.Context, sem chan struct{}) error {
 			t.Stop()
 			return errStopping
 		case <-t.C:
-			if err := s.housekeeping(); err != nil {
+			if err := s.housekeeping(time.Now()); err != nil {
 				return err
 			}
 		}

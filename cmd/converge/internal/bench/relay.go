@@ -252,14 +252,25 @@ func decodeOnly(ctx context.Context, dbURL, slot string, rows int) (int, float64
 	}
 	var inserts, bytes int
 	var last pglogrepl.LSN
+	var readUntil time.Time
 	deadline := time.Now().Add(30 * time.Minute)
 	for inserts < rows {
 		if time.Now().After(deadline) {
 			return inserts, 0, fmt.Errorf("decode-only loop: %d of %d rows after 30 minutes", inserts, rows)
 		}
-		rctx, cancel := context.WithTimeout(ctx, 10*time.Second)
-		msg, err := conn.ReceiveMessage(rctx)
-		cancel()
+		if ctx.Err() != nil {
+			return inserts, 0, ctx.Err()
+		}
+		// A read deadline moved every few seconds rather than a context
+		// per message, as the relay does (cdc's receiveDeadline): the
+		// limit must not pay a cost the relay does not.
+		if now := time.Now(); readUntil.Sub(now) < 5*time.Second {
+			readUntil = now.Add(10 * time.Second)
+			if err := conn.Conn().SetReadDeadline(readUntil); err != nil {
+				return inserts, 0, err
+			}
+		}
+		msg, err := conn.ReceiveMessage(context.Background())
 		if err != nil {
 			return inserts, 0, fmt.Errorf("decode-only loop: receive: %w (%d of %d rows)", err, inserts, rows)
 		}
