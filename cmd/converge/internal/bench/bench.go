@@ -427,6 +427,20 @@ func benchTenant(ctx context.Context, pool *pgxpool.Pool) (tenant.Tenant, string
 	return t, tok, nil
 }
 
+// benchTenants adds n tenants without quota (bench-1 … bench-n) and
+// returns their API tokens.
+func benchTenants(ctx context.Context, pool *pgxpool.Pool, n int) ([]string, error) {
+	toks := make([]string, n)
+	for i := range toks {
+		_, tok, err := tenant.Add(ctx, pool, fmt.Sprintf("bench-%d", i+1), false, nil)
+		if err != nil {
+			return nil, fmt.Errorf("bench tenant %d: %w", i+1, err)
+		}
+		toks[i] = tok
+	}
+	return toks, nil
+}
+
 // profile starts a CPU profile named name when ProfileDir is set; the
 // returned function stops it.
 func (e *env) profile(name string) func() {

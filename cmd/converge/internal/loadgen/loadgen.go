@@ -65,6 +65,12 @@ type Config struct {
 	// Token is the API token of the tenant the load is sent as
 	// ("Authorization: Bearer <Token>"); empty sends none.
 	Token string
+	// Tokens, when not empty, replaces Token with several tenants: request
+	// i is sent as Tokens[i mod len(Tokens)], so that a rate above one
+	// tenant's bound of requests in process (the API's
+	// MaxInFlightPerTenant, answered 429 RATE_LIMITED) measures the
+	// pipeline rather than that bound.
+	Tokens []string
 	// Rate is the fixed arrival rate in requests per second (open model).
 	// Zero selects the closed model.
 	Rate float64
@@ -128,10 +134,21 @@ func (c *Config) setDefaults() error {
 		tr.MaxIdleConnsPerHost = c.Clients + 16
 		c.HTTP = &http.Client{Transport: tr, Timeout: 60 * time.Second}
 	}
+	if len(c.Tokens) == 0 && c.Token != "" {
+		c.Tokens = []string{c.Token}
+	}
 	if c.Tasks == nil {
-		c.Tasks = &HTTPTasks{BaseURL: c.BaseURL, Token: c.Token, HTTP: c.HTTP}
+		c.Tasks = &HTTPTasks{BaseURL: c.BaseURL, Token: c.token(0), HTTP: c.HTTP}
 	}
 	return nil
+}
+
+// token is the API token request i is sent as ("" for none).
+func (c *Config) token(i int) string {
+	if len(c.Tokens) == 0 {
+		return ""
+	}
+	return c.Tokens[i%len(c.Tokens)]
 }
 
 // Rate bounds of the open model, in requests per second: below MinRate
@@ -303,8 +320,16 @@ func Run(ctx context.Context, cfg Config) (*Result, error) {
 		res.FirstErrors = r.firstErr
 	}
 	slices.SortFunc(r.created, func(a, b created) int { return a.seq - b.seq })
+	h, _ := cfg.Tasks.(*HTTPTasks)
+	several := h != nil && len(cfg.Tokens) > 1
+	if several {
+		h.TokenOf = make(map[string]string, len(r.created))
+	}
 	for _, c := range r.created {
 		res.TaskIDs = append(res.TaskIDs, c.taskID)
+		if several {
+			h.TokenOf[c.taskID] = cfg.token(c.seq)
+		}
 	}
 	res.Accepted = len(res.TaskIDs)
 	res.Pending = res.Accepted
@@ -445,8 +470,8 @@ func (r *run) do(ctx context.Context, i int, from time.Time) {
 	}
 	req.Header.Set("Content-Type", "application/json")
 	req.Header.Set("Idempotency-Key", r.cfg.KeyPrefix+strconv.Itoa(i))
-	if r.cfg.Token != "" {
-		req.Header.Set("Authorization", "Bearer "+r.cfg.Token)
+	if tok := r.cfg.token(i); tok != "" {
+		req.Header.Set("Authorization", "Bearer "+tok)
 	}
 	r.sent.Add(1)
 	resp, err := r.cfg.HTTP.Do(req)
@@ -566,6 +591,10 @@ type TaskReader interface {
 type HTTPTasks struct {
 	BaseURL string
 	Token   string // as Config.Token
+	// TokenOf, when it holds a task's id, is the token that task is read
+	// with instead of Token (a task is read as the tenant that created it;
+	// Run fills it when Config.Tokens names several tenants).
+	TokenOf map[string]string
 	HTTP    *http.Client
 }
 
@@ -603,8 +632,12 @@ func (h *HTTPTasks) get(ctx context.Context, id string) (TaskState, error) {
 	if err != nil {
 		return TaskState{}, err
 	}
-	if h.Token != "" {
-		req.Header.Set("Authorization", "Bearer "+h.Token)
+	tok := h.Token
+	if t, ok := h.TokenOf[id]; ok {
+		tok = t
+	}
+	if tok != "" {
+		req.Header.Set("Authorization", "Bearer "+tok)
 	}
 	resp, err := h.HTTP.Do(req)
 	if err != nil {

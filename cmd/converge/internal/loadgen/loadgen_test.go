@@ -8,6 +8,7 @@ import (
 	"math"
 	"net/http"
 	"net/http/httptest"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -238,5 +239,58 @@ func TestWaitReportsReadFailures(t *testing.T) {
 	}
 	if res.Pending != 3 || !strings.Contains(res.WaitError, "connection refused") {
 		t.Fatalf("pending %d wait error %q, want 3 and the read error", res.Pending, res.WaitError)
+	}
+}
+
+// TestRunSpreadsRequestsOverTokens: with several Tokens, request i is sent
+// as Tokens[i mod n], and the wait reads each task as the tenant that
+// created it (the API answers 404 for another tenant's task).
+func TestRunSpreadsRequestsOverTokens(t *testing.T) {
+	t.Parallel()
+	var mu sync.Mutex
+	owner := map[string]string{} // task id → token that created it
+	perToken := map[string]int{}
+	created := time.Now()
+	ts := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.URL.Path == "/healthz" {
+			io.WriteString(w, `{"status":"ok"}`)
+			return
+		}
+		tok := strings.TrimPrefix(r.Header.Get("Authorization"), "Bearer ")
+		mu.Lock()
+		defer mu.Unlock()
+		if r.Method == http.MethodGet {
+			if owner[strings.TrimPrefix(r.URL.Path, "/v1/tasks/")] != tok {
+				w.WriteHeader(http.StatusNotFound)
+				return
+			}
+			json.NewEncoder(w).Encode(map[string]any{"status": "completed", "created_at": created, "completed_at": created.Add(time.Millisecond)})
+			return
+		}
+		io.Copy(io.Discard, r.Body)
+		id := "t-" + r.Header.Get("Idempotency-Key")
+		owner[id] = tok
+		perToken[tok]++
+		w.WriteHeader(http.StatusAccepted)
+		json.NewEncoder(w).Encode(map[string]string{"task_id": id})
+	}))
+	defer ts.Close()
+	res, err := Run(context.Background(), Config{BaseURL: ts.URL, Tokens: []string{"a", "b", "c"}, Clients: 4, Count: 30, Wait: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if res.Accepted != 30 || res.Completed != 30 || res.Pending != 0 || res.WaitError != "" {
+		t.Fatalf("accepted %d completed %d pending %d wait error %q", res.Accepted, res.Completed, res.Pending, res.WaitError)
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	if perToken["a"] != 10 || perToken["b"] != 10 || perToken["c"] != 10 || len(perToken) != 3 {
+		t.Errorf("requests per token %v, want 10 each of a, b, c", perToken)
+	}
+	for i := range 30 {
+		want := []string{"a", "b", "c"}[i%3]
+		if got := owner["t-"+res.KeyPrefix+strconv.Itoa(i)]; got != want {
+			t.Errorf("request %d sent as %q, want %q", i, got, want)
+		}
 	}
 }
