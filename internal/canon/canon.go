@@ -116,7 +116,9 @@ func Validate(doc []byte) error {
 		off := invalidUTF8Offset(doc)
 		return &Error{Code: CodeInvalidUTF8, Detail: "input is not valid UTF-8", Offset: off}
 	}
-	dec := jsontext.NewDecoder(bytes.NewReader(doc))
+	// A *bytes.Buffer is parsed in place; any other reader is copied into
+	// the decoder's growing buffer (half the bytes a create allocated).
+	dec := jsontext.NewDecoder(bytes.NewBuffer(doc))
 	depth := 0
 	for {
 		tok, err := dec.ReadToken()

@@ -91,8 +91,9 @@ func parseCreateRequest(body []byte) (*createRequest, error) {
 		return nil, canonError(canon.CodeInvalidUTF8, "request body is not valid UTF-8", invalidUTF8Offset(body))
 	}
 	// Duplicate names and lone surrogates are allowed here so that, inside
-	// the document, canon reports them with their own codes.
-	dec := jsontext.NewDecoder(bytes.NewReader(body), jsontext.AllowDuplicateNames(true), jsontext.AllowInvalidUTF8(true))
+	// the document, canon reports them with their own codes. A
+	// *bytes.Buffer is parsed in place, without a copy (canon.Validate).
+	dec := jsontext.NewDecoder(bytes.NewBuffer(body), jsontext.AllowDuplicateNames(true), jsontext.AllowInvalidUTF8(true))
 	tok, err := dec.ReadToken()
 	if err != nil {
 		return nil, syntaxError(err, dec, body)
