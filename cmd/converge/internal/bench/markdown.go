@@ -50,7 +50,7 @@ func (r *Results) Markdown(w io.Writer) {
 			wr.Tasks, wr.WorkerMedian, wr.PgbenchMedian, wr.PgbenchClients, wr.ArtifactMed, wr.Ratio, cpuCell(wr.WorkerCPU), cpuCell(wr.PgbenchCPU))
 	}
 	if wr := r.Worker; wr != nil && len(wr.RecordMS) > 0 {
-		fmt.Fprintf(w, "| worker, one record | %.2f ms from first attempt to durable outcome; %.2f records in process on average (of %d allowed); a poll spans %.2f partitions | — | — | — | — |\n",
+		fmt.Fprintf(w, "| worker, one record | %.2f ms from first attempt to durable outcome; %.2f records in process on average (a batch's run holds all its records; Concurrency %d bounds the effects performed at once); a poll spans %.2f partitions | — | — | — | — |\n",
 			median(wr.RecordMS), median(wr.Concurrency), wr.PgbenchClients, wr.PartitionsPerPoll)
 	}
 	if wr := r.Worker; wr != nil {
