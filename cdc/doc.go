@@ -115,8 +115,8 @@
 //     wal_status is also exported when Run fails with ErrSlotLost).
 //   - Receives from the replication connection are bounded by its read
 //     deadline (at most ReceiveTimeout, and never past the next status
-//     update), moved about twice per interval rather than per message
-//     (receive.go), so flushes and status updates happen while the stream
+//     update), moved about once per status interval rather than per
+//     message (receive.go), so flushes and status updates happen while the stream
 //     is idle; cancelling Run's context wakes a waiting receive.
 //   - Publication checks: see the section below.
 //   - Parking (seed 4.1, issue 13): a record the producer or the broker

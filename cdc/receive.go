@@ -48,8 +48,10 @@ func newReceiveDeadline(ctx context.Context, conn net.Conn, timeout time.Duratio
 // before makes the next receive return by min(now+timeout, status), the
 // time the next status update is due. It moves the connection's deadline
 // only when the current one has passed, is later than wanted, or is more
-// than half a timeout earlier than wanted: while messages flow, about twice
-// per timeout or status interval, not per message. The caller checks its
+// than half a timeout earlier than wanted. While messages flow that is once
+// per status interval when the interval is the shorter (the deadline is then
+// the status time; with the defaults, 1 s each, once a second), else about
+// twice per timeout; never per message. The caller checks its
 // context after before returns: a cancellation that came between the check
 // and a deadline set here was overwritten by it.
 func (d *receiveDeadline) before(now, status time.Time) error {

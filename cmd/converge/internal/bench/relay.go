@@ -253,6 +253,9 @@ func decodeOnly(ctx context.Context, dbURL, slot string, rows int) (int, float64
 	var inserts, bytes int
 	var last pglogrepl.LSN
 	var readUntil time.Time
+	const receiveWait = 10 * time.Second
+	wake := context.AfterFunc(ctx, func() { _ = conn.Conn().SetReadDeadline(time.Now()) })
+	defer wake()
 	deadline := time.Now().Add(30 * time.Minute)
 	for inserts < rows {
 		if time.Now().After(deadline) {
@@ -261,17 +264,21 @@ func decodeOnly(ctx context.Context, dbURL, slot string, rows int) (int, float64
 		if ctx.Err() != nil {
 			return inserts, 0, ctx.Err()
 		}
-		// A read deadline moved every few seconds rather than a context
-		// per message, as the relay does (cdc's receiveDeadline): the
-		// limit must not pay a cost the relay does not.
-		if now := time.Now(); readUntil.Sub(now) < 5*time.Second {
-			readUntil = now.Add(10 * time.Second)
+		// A read deadline moved twice a second rather than a context per
+		// message, as the relay does (cdc's receiveDeadline): the limit
+		// must not pay a cost the relay does not. A receive may still wait
+		// at least 9.5 s, and a cancelled ctx wakes it (wake, above).
+		if now := time.Now(); readUntil.Sub(now) < receiveWait-500*time.Millisecond {
+			readUntil = now.Add(receiveWait)
 			if err := conn.Conn().SetReadDeadline(readUntil); err != nil {
 				return inserts, 0, err
 			}
 		}
 		msg, err := conn.ReceiveMessage(context.Background())
 		if err != nil {
+			if ctx.Err() != nil {
+				return inserts, 0, ctx.Err()
+			}
 			return inserts, 0, fmt.Errorf("decode-only loop: receive: %w (%d of %d rows)", err, inserts, rows)
 		}
 		cd, ok := msg.(*pgproto3.CopyData)

@@ -69,7 +69,8 @@ type Config struct {
 	// i is sent as Tokens[i mod len(Tokens)], so that a rate above one
 	// tenant's bound of requests in process (the API's
 	// MaxInFlightPerTenant, answered 429 RATE_LIMITED) measures the
-	// pipeline rather than that bound.
+	// pipeline rather than that bound. With several tokens and a Tasks of
+	// the caller's, that reader must read each task as its own tenant.
 	Tokens []string
 	// Rate is the fixed arrival rate in requests per second (open model).
 	// Zero selects the closed model.
@@ -282,6 +283,7 @@ func Run(ctx context.Context, cfg Config) (*Result, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
+	ownTasks := cfg.Tasks == nil // the default reader, which Run may fill (TokenOf)
 	if err := cfg.setDefaults(); err != nil {
 		return nil, err
 	}
@@ -321,7 +323,7 @@ func Run(ctx context.Context, cfg Config) (*Result, error) {
 	}
 	slices.SortFunc(r.created, func(a, b created) int { return a.seq - b.seq })
 	h, _ := cfg.Tasks.(*HTTPTasks)
-	several := h != nil && len(cfg.Tokens) > 1
+	several := ownTasks && h != nil && len(cfg.Tokens) > 1
 	if several {
 		h.TokenOf = make(map[string]string, len(r.created))
 	}
@@ -592,8 +594,9 @@ type HTTPTasks struct {
 	BaseURL string
 	Token   string // as Config.Token
 	// TokenOf, when it holds a task's id, is the token that task is read
-	// with instead of Token (a task is read as the tenant that created it;
-	// Run fills it when Config.Tokens names several tenants).
+	// with instead of Token (a task is read as the tenant that created it).
+	// Run fills it in the reader it creates itself when Config.Tokens names
+	// several tenants; a caller's reader is left as given.
 	TokenOf map[string]string
 	HTTP    *http.Client
 }
