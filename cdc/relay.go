@@ -354,7 +354,18 @@ func (r *Relay) open(ctx context.Context) (_ *session, err error) {
 			return nil, err
 		}
 		if created {
-			s.log.InfoContext(ctx, "created replication slot")
+			// After events were written, a new slot means the rows
+			// committed before it are not streamed: an operator should
+			// see that (the reconciler republishes them).
+			history, err := s.store.outboxHasHistory(ctx)
+			switch {
+			case err != nil:
+				s.log.WarnContext(ctx, "created replication slot; could not tell whether outbox rows were written before it", slog.String("error", err.Error()))
+			case history:
+				s.log.WarnContext(ctx, "created replication slot after outbox rows were written: rows committed before it are not streamed; the reconciler republishes those not recorded published (was the slot dropped or lost?)")
+			default:
+				s.log.InfoContext(ctx, "created replication slot")
+			}
 		}
 		if si, err = s.store.slot(ctx, cfg.SlotName); err != nil {
 			return nil, err

@@ -135,6 +135,22 @@ type slotInfo struct {
 	confirmed pglogrepl.LSN
 }
 
+// outboxHasHistory reports whether the outbox holds rows, or the relay's
+// record of published transactions does: whether a slot created now starts
+// after events were already written (its first start on a database the API
+// wrote to first, or a slot dropped or lost and created again). The slot
+// delivers only transactions that commit after it exists; older rows not
+// recorded published wait for the reconciler's republication.
+func (s *store) outboxHasHistory(ctx context.Context) (bool, error) {
+	var has bool
+	err := s.pool.QueryRow(ctx, `
+SELECT EXISTS (SELECT 1 FROM outbox_event) OR EXISTS (SELECT 1 FROM outbox_published_transaction)`).Scan(&has)
+	if err != nil {
+		return false, fmt.Errorf("look for earlier outbox rows: %w", err)
+	}
+	return has, nil
+}
+
 // slot reads replication slot name from pg_replication_slots.
 func (s *store) slot(ctx context.Context, name string) (slotInfo, error) {
 	var (
