@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/redis/go-redis/v9"
+	"github.com/twmb/franz-go/pkg/kadm"
 	"github.com/twmb/franz-go/pkg/kgo"
 
 	"github.com/converge-run/converge/cdc"
@@ -87,24 +88,55 @@ func confirmLost(ctx context.Context, x *X) error {
 	return nil
 }
 
-// countRecords counts the records of topic whose event-id header is id.
+// countRecords counts the records of topic whose event-id header is id,
+// reading every partition up to its end offset at the call (within 30 s): a
+// fixed number of short polls could end before a loaded broker answered the
+// first fetch and count nothing.
 func countRecords(ctx context.Context, brokers []string, topic, id string) (int, error) {
+	ctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+	defer cancel()
 	cl, err := kgo.NewClient(kgo.SeedBrokers(brokers...), kgo.ConsumeTopics(topic), kgo.ConsumeResetOffset(kgo.NewOffset().AtStart()))
 	if err != nil {
 		return 0, err
 	}
 	defer cl.Close()
-	n := 0
-	for i := 0; i < 3; i++ {
-		pctx, cancel := context.WithTimeout(ctx, time.Second)
-		cl.PollFetches(pctx).EachRecord(func(r *kgo.Record) {
+	ends, err := kadm.NewClient(cl).ListEndOffsets(ctx, topic)
+	if err != nil {
+		return 0, fmt.Errorf("end offsets of %s: %w", topic, err)
+	}
+	want := map[int32]int64{}
+	var listErr error
+	ends.Each(func(o kadm.ListedOffset) {
+		if o.Err != nil && listErr == nil {
+			listErr = o.Err
+		}
+		if o.Offset > 0 {
+			want[o.Partition] = o.Offset
+		}
+	})
+	if listErr != nil {
+		return 0, fmt.Errorf("end offsets of %s: %w", topic, listErr)
+	}
+	n, remaining := 0, len(want)
+	for remaining > 0 {
+		fs := cl.PollFetches(ctx)
+		if ctx.Err() != nil {
+			return n, fmt.Errorf("read %s to its end offsets: %w", topic, ctx.Err())
+		}
+		fs.EachRecord(func(r *kgo.Record) {
+			end, ok := want[r.Partition]
+			if !ok || r.Offset >= end {
+				return
+			}
 			for _, h := range r.Headers {
 				if h.Key == taskevent.HeaderEventID && string(h.Value) == id {
 					n++
 				}
 			}
+			if r.Offset == end-1 {
+				remaining--
+			}
 		})
-		cancel()
 	}
 	return n, nil
 }
