@@ -455,8 +455,8 @@ var errStopping = errors.New("stopping")
 
 // stream is the replication loop. It owns the replication connection: its
 // receives are bounded by a read deadline (receiveDeadline), so status
-// updates happen while the stream is idle (the PeerDB pattern). The published_at UPDATE runs in the marker
-// goroutine (marker.go).
+// updates happen while the stream is idle (the PeerDB pattern). The record
+// of published transactions is written by the marker goroutine (marker.go).
 func (s *session) stream(ctx context.Context) error {
 	s.produceCtx = context.WithoutCancel(ctx)
 	markCtx, cancelMark := context.WithCancel(context.WithoutCancel(ctx))
