@@ -357,12 +357,16 @@ func (r *Relay) open(ctx context.Context) (_ *session, err error) {
 			// After events were written, a new slot means the rows
 			// committed before it are not streamed: an operator should
 			// see that (the reconciler republishes them).
-			history, err := s.store.outboxHasHistory(ctx)
+			hctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+			history, err := s.store.outboxHasHistory(hctx)
+			cancel()
 			switch {
-			case err != nil:
+			case err != nil && ctx.Err() == nil:
 				s.log.WarnContext(ctx, "created replication slot; could not tell whether outbox rows were written before it", slog.String("error", err.Error()))
+			case err != nil:
+				// stopping: open fails on ctx below
 			case history:
-				s.log.WarnContext(ctx, "created replication slot after outbox rows were written: rows committed before it are not streamed; the reconciler republishes those not recorded published (was the slot dropped or lost?)")
+				s.log.WarnContext(ctx, "created replication slot after outbox rows were written: rows committed before it are not streamed; a reconciler with Kafka brokers republishes those not recorded published (was the slot dropped or lost?)")
 			default:
 				s.log.InfoContext(ctx, "created replication slot")
 			}

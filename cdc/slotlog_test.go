@@ -55,7 +55,7 @@ func TestCreatedSlotWarnsAfterEarlierOutboxRows(t *testing.T) {
 		if earlier {
 			wantLevel = "level=WARN"
 		}
-		if !strings.Contains(created, wantLevel) || (earlier && !strings.Contains(created, "reconciler republishes")) {
+		if !strings.Contains(created, wantLevel) || (earlier && !strings.Contains(created, "republishes those not recorded published")) {
 			t.Errorf("earlier outbox rows %v: slot creation logged as %q, want %s", earlier, created, wantLevel)
 		}
 	}

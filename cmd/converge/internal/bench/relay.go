@@ -261,18 +261,19 @@ func decodeOnly(ctx context.Context, dbURL, slot string, rows int) (int, float64
 		if time.Now().After(deadline) {
 			return inserts, 0, fmt.Errorf("decode-only loop: %d of %d rows after 30 minutes", inserts, rows)
 		}
-		if ctx.Err() != nil {
-			return inserts, 0, ctx.Err()
-		}
 		// A read deadline moved twice a second rather than a context per
 		// message, as the relay does (cdc's receiveDeadline): the limit
 		// must not pay a cost the relay does not. A receive may still wait
-		// at least 9.5 s, and a cancelled ctx wakes it (wake, above).
+		// at least 9.5 s, and a cancelled ctx wakes it (wake, above; ctx is
+		// checked after the deadline moves, which could undo the wake-up).
 		if now := time.Now(); readUntil.Sub(now) < receiveWait-500*time.Millisecond {
 			readUntil = now.Add(receiveWait)
 			if err := conn.Conn().SetReadDeadline(readUntil); err != nil {
 				return inserts, 0, err
 			}
+		}
+		if ctx.Err() != nil {
+			return inserts, 0, ctx.Err()
 		}
 		msg, err := conn.ReceiveMessage(context.Background())
 		if err != nil {

@@ -68,15 +68,17 @@ func confirmLost(ctx context.Context, x *X) error {
 	}
 	var eventID string
 	_ = x.pool.QueryRow(ctx, `SELECT outbox_id FROM outbox_event WHERE aggregate_id = $1 AND event_type = 'TaskCreated'`, id).Scan(&eventID)
-	published, err := countRecords(ctx, x.env.Brokers, taskevent.DefaultTopic, eventID)
-	if err != nil {
-		return err
-	}
+	// The task may have completed from the first copy before the restart:
+	// the second copy is on Kafka once the inbox saw it, not before.
 	var deliveries int64
 	_ = until(ctx, 20*time.Second, "both copies delivered", func() bool {
 		deliveries = x.scalar(ctx, `SELECT deliveries FROM inbox_message WHERE message_id = $1`, eventID)
 		return deliveries >= 2
 	})
+	published, err := countRecords(ctx, x.env.Brokers, taskevent.DefaultTopic, eventID)
+	if err != nil {
+		return err
+	}
 	x.check("the TaskCreated record is on Kafka at least twice", published >= 2, "%d records with event-id %s", published, eventID)
 	x.check("the inbox absorbed the duplicate", deliveries >= 2, "inbox deliveries of %s: %d", eventID, deliveries)
 	_, v, _ := x.status(ctx, id)
@@ -122,6 +124,9 @@ func countRecords(ctx context.Context, brokers []string, topic, id string) (int,
 		fs := cl.PollFetches(ctx)
 		if ctx.Err() != nil {
 			return n, fmt.Errorf("read %s to its end offsets: %w", topic, ctx.Err())
+		}
+		if errs := fs.Errors(); len(errs) > 0 {
+			return n, fmt.Errorf("read %s: partition %d: %w", topic, errs[0].Partition, errs[0].Err)
 		}
 		fs.EachRecord(func(r *kgo.Record) {
 			end, ok := want[r.Partition]
