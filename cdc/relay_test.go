@@ -17,12 +17,12 @@ import (
 	"github.com/jackc/pglogrepl"
 	"github.com/jackc/pgx/v5"
 	"github.com/prometheus/client_golang/prometheus"
-	"github.com/twmb/franz-go/pkg/kadm"
 	"github.com/twmb/franz-go/pkg/kerr"
 	"github.com/twmb/franz-go/pkg/kgo"
 	"github.com/twmb/franz-go/pkg/kmsg"
 
 	"github.com/converge-run/converge/internal/fault"
+	"github.com/converge-run/converge/internal/kafkatopic"
 	"github.com/converge-run/converge/internal/outbox"
 	"github.com/converge-run/converge/internal/taskevent"
 	"github.com/converge-run/converge/internal/testenv"
@@ -235,50 +235,11 @@ func (b *testBundle) readAll(t *testing.T) []*kgo.Record {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	admCl, err := kgo.NewClient(kgo.SeedBrokers(b.kafka.Brokers...))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer admCl.Close()
-	ends, err := kadm.NewClient(admCl).ListEndOffsets(ctx, b.kafka.Topic)
-	if err != nil {
-		t.Fatal(err)
-	}
-	want := map[int32]int64{}
-	ends.Each(func(o kadm.ListedOffset) {
-		if o.Err != nil {
-			t.Fatalf("list end offsets: %v", o.Err)
-		}
-		if o.Offset > 0 {
-			want[o.Partition] = o.Offset
-		}
-	})
 	byPart := map[int32][]*kgo.Record{}
-	if len(want) > 0 {
-		cl, err := kgo.NewClient(kgo.SeedBrokers(b.kafka.Brokers...), kgo.ConsumeTopics(b.kafka.Topic),
-			kgo.ConsumeResetOffset(kgo.NewOffset().AtStart()))
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer cl.Close()
-		remaining := len(want)
-		for remaining > 0 {
-			fs := cl.PollFetches(ctx)
-			if ctx.Err() != nil {
-				t.Fatalf("read topic: %v", ctx.Err())
-			}
-			fs.EachError(func(topic string, p int32, err error) { t.Fatalf("fetch %s/%d: %v", topic, p, err) })
-			fs.EachRecord(func(r *kgo.Record) {
-				end, ok := want[r.Partition]
-				if !ok || r.Offset >= end {
-					return
-				}
-				byPart[r.Partition] = append(byPart[r.Partition], r)
-				if r.Offset == end-1 {
-					remaining--
-				}
-			})
-		}
+	if err := kafkatopic.ReadToEnd(ctx, b.kafka.Brokers, b.kafka.Topic, func(r *kgo.Record) {
+		byPart[r.Partition] = append(byPart[r.Partition], r)
+	}); err != nil {
+		t.Fatal(err)
 	}
 	var out []*kgo.Record
 	for p := int32(0); p < testenv.Partitions; p++ {

@@ -22,17 +22,17 @@ import (
 )
 
 // Batches (issue 11). The polls queued for a partition are handed to the
-// worker as one batch, up to MaxPollRecords (internal/consumergroup). A run of consecutive records that are
-// fresh driving events of distinct tasks goes through one intake
-// transaction and one completion transaction for the whole run, instead of
-// two per record; each record's inbox row, task start and effect row are
-// still written, in the intake transaction, before its effect, and each
-// offset is still committed only after the transaction recording its
-// outcome. Anything off the happy path — a redelivery, a task not queued or
-// not visible yet, an effect to resume, a failed effect, a concurrent
-// change — sends the records concerned through the per-record path
-// (processRecord), which resumes each from its durable state; so every rule
-// of the package doc holds for batches too. Batching is off while fault
+// worker as one batch, up to MaxPollRecords (internal/consumergroup). A run
+// of consecutive records that are fresh driving events of distinct tasks
+// goes through one intake transaction and one completion transaction for the
+// whole run, instead of two per record; each record's inbox row, task start
+// and effect row are still written, in the intake transaction, before its
+// effect, and each offset is still committed only after the transaction
+// recording its outcome. Anything off the happy path — a redelivery, a task
+// not queued or not visible yet, an effect to resume, a failed effect, a
+// concurrent change — sends the records concerned through the per-record
+// path (processRecord), which resumes each from its durable state; so every
+// rule of the package doc holds for batches too. Batching is off while fault
 // points are armed (their passes are counted per record).
 
 // errNotFresh makes a run's intake transaction roll back: some record of the
@@ -302,10 +302,10 @@ func (w *Worker) intakeRun(ctx context.Context, tx pgx.Tx, run []*job) error {
 // completeRun is the completion of the verified jobs of a run in tx, as
 // completeInTx for each (inbox -> completed, task running -> completed,
 // effect -> verified: one round trip for all), then their TaskCompleted
-// outbox rows (one more, one statement: outbox.QueueInsertMany). Any transition that does not apply is
-// errConcurrentChange; a second verified artifact of a task violates
-// ledger.OneVerifiedIndex. Either rolls the transaction back, and the jobs
-// go through the per-record path.
+// outbox rows (one more, one statement: outbox.QueueInsertMany). Any
+// transition that does not apply is errConcurrentChange; a second verified
+// artifact of a task violates ledger.OneVerifiedIndex. Either rolls the
+// transaction back, and the jobs go through the per-record path.
 func (w *Worker) completeRun(ctx context.Context, tx pgx.Tx, jobs []*job, vs []verifiedEffect) ([]taskevent.Task, error) {
 	n := len(jobs)
 	finished := make([]bool, n)

@@ -11,17 +11,18 @@
 //	tmp/put-*            temporary files of Puts in progress (or crashed)
 //
 // Put writes the header line and the bytes to one temporary file, fsyncs it,
-// hard-links it to objects/<token>.obj, removes the temporary name and fsyncs
-// the objects directory (PutManyUnsynced: the same for several objects, their
-// fsyncs sharing flushes, without the directory's). The link is the commit point: it fails when the name
-// exists, so nothing is ever overwritten, an object is either absent or
-// complete, and of concurrent Puts of one token exactly one commits; the
-// others return what the winner's Meta decides. Put with a token that is
-// already committed with the same content returns the existing Meta and
-// writes nothing (the store honours the idempotency token); with different
-// content it returns ErrTokenConflict. The Meta records the SHA-256 and size
-// the writer intended, so read-back verification (Observe) detects stored
-// bytes that differ from it.
+// hard-links it to objects/<token>.obj, removes the temporary name and
+// fsyncs the objects directory (PutManyUnsynced: the same for several
+// objects, their fsyncs sharing flushes, without the directory's). The link
+// is the commit point: it fails when the name exists, so nothing is ever
+// overwritten, an object is either absent or complete, and of concurrent
+// Puts of one token exactly one commits; the others return what the winner's
+// Meta decides. Put with a token that is already committed with the same
+// content returns the existing Meta and writes nothing (the store honours
+// the idempotency token); with different content it returns
+// ErrTokenConflict. The Meta records the SHA-256 and size the writer
+// intended, so read-back verification (Observe) detects stored bytes that
+// differ from it.
 //
 // Hide moves an object to hidden/ (a compensation); Delete removes an
 // object, readable or hidden, for good (the retention of its task), and

@@ -9,7 +9,6 @@ import (
 	"time"
 
 	"github.com/redis/go-redis/v9"
-	"github.com/twmb/franz-go/pkg/kadm"
 	"github.com/twmb/franz-go/pkg/kgo"
 
 	"github.com/converge-run/converge/cdc"
@@ -19,6 +18,7 @@ import (
 	"github.com/converge-run/converge/internal/artifact"
 	"github.com/converge-run/converge/internal/canon"
 	"github.com/converge-run/converge/internal/fault"
+	"github.com/converge-run/converge/internal/kafkatopic"
 	"github.com/converge-run/converge/internal/outbox"
 	"github.com/converge-run/converge/internal/task"
 	"github.com/converge-run/converge/internal/taskevent"
@@ -91,59 +91,19 @@ func confirmLost(ctx context.Context, x *X) error {
 }
 
 // countRecords counts the records of topic whose event-id header is id,
-// reading every partition up to its end offset at the call (within 30 s): a
-// fixed number of short polls could end before a loaded broker answered the
-// first fetch and count nothing.
+// reading the topic to its end offsets at the call (within 30 s).
 func countRecords(ctx context.Context, brokers []string, topic, id string) (int, error) {
 	ctx, cancel := context.WithTimeout(ctx, 30*time.Second)
 	defer cancel()
-	cl, err := kgo.NewClient(kgo.SeedBrokers(brokers...), kgo.ConsumeTopics(topic), kgo.ConsumeResetOffset(kgo.NewOffset().AtStart()))
-	if err != nil {
-		return 0, err
-	}
-	defer cl.Close()
-	ends, err := kadm.NewClient(cl).ListEndOffsets(ctx, topic)
-	if err != nil {
-		return 0, fmt.Errorf("end offsets of %s: %w", topic, err)
-	}
-	want := map[int32]int64{}
-	var listErr error
-	ends.Each(func(o kadm.ListedOffset) {
-		if o.Err != nil && listErr == nil {
-			listErr = o.Err
-		}
-		if o.Offset > 0 {
-			want[o.Partition] = o.Offset
+	n := 0
+	err := kafkatopic.ReadToEnd(ctx, brokers, topic, func(r *kgo.Record) {
+		for _, h := range r.Headers {
+			if h.Key == taskevent.HeaderEventID && string(h.Value) == id {
+				n++
+			}
 		}
 	})
-	if listErr != nil {
-		return 0, fmt.Errorf("end offsets of %s: %w", topic, listErr)
-	}
-	n, remaining := 0, len(want)
-	for remaining > 0 {
-		fs := cl.PollFetches(ctx)
-		if ctx.Err() != nil {
-			return n, fmt.Errorf("read %s to its end offsets: %w", topic, ctx.Err())
-		}
-		if errs := fs.Errors(); len(errs) > 0 {
-			return n, fmt.Errorf("read %s: partition %d: %w", topic, errs[0].Partition, errs[0].Err)
-		}
-		fs.EachRecord(func(r *kgo.Record) {
-			end, ok := want[r.Partition]
-			if !ok || r.Offset >= end {
-				return
-			}
-			for _, h := range r.Headers {
-				if h.Key == taskevent.HeaderEventID && string(h.Value) == id {
-					n++
-				}
-			}
-			if r.Offset == end-1 {
-				remaining--
-			}
-		})
-	}
-	return n, nil
+	return n, err
 }
 
 func effectTimeout(ctx context.Context, x *X) error {
