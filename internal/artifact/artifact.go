@@ -8,12 +8,16 @@
 //	                     size, sha256, time) ending in "\n", then the
 //	                     artifact bytes
 //	hidden/<token>.*     objects hidden by a compensation (seed section 8)
-//	tmp/put-*            temporary files of Puts in progress (or crashed)
+//	tmp/put-*            named temporary files of Puts in progress (or
+//	                     crashed), where unnamed ones are not supported
 //
 // Put writes the header line and the bytes to one temporary file, fsyncs it,
-// hard-links it to objects/<token>.obj, removes the temporary name and
-// fsyncs the objects directory (PutManyUnsynced: the same for several
-// objects, their fsyncs sharing flushes, without the directory's). The link
+// hard-links it to objects/<token>.obj and fsyncs the objects directory
+// (PutManyUnsynced: the same for several objects, their fsyncs sharing
+// flushes, without the directory's). On Linux the temporary file has no
+// name (O_TMPFILE, where the filesystem supports it: Open probes tmp/), so
+// a crashed Put leaves nothing behind; elsewhere it is a tmp/put-* file,
+// removed after the link (or by RemoveLeftovers after a crash). The link
 // is the commit point: it fails when the name exists, so nothing is ever
 // overwritten, an object is either absent or complete, and of concurrent
 // Puts of one token exactly one commits; the others return what the winner's
@@ -99,6 +103,10 @@ const (
 type Store struct {
 	root   string
 	faults *fault.Set
+	// unnamed: Puts write unnamed temporary files (O_TMPFILE; Open probes
+	// tmp/ once), which need neither a name in tmp/ nor its removal, and
+	// which a crash cannot leave behind.
+	unnamed bool
 }
 
 // Open prepares root (creating it when missing) and returns a Store. faults
@@ -109,7 +117,7 @@ func Open(root string, faults *fault.Set) (*Store, error) {
 			return nil, fmt.Errorf("artifact store %s: %w", root, err)
 		}
 	}
-	return &Store{root: root, faults: faults}, nil
+	return &Store{root: root, faults: faults, unnamed: unnamedSupported(filepath.Join(root, "tmp"))}, nil
 }
 
 // LeftoverAge is how old a temporary file of tmp/ must be before
@@ -334,20 +342,32 @@ func decide(old, m Meta) (Meta, error) {
 // links it to its name, setting its err (wrapping os.ErrExist when the name
 // exists: it is never replaced). All files are written before any is
 // fsynced, and with more than one their writeback is started first
-// (startWriteback), so that the disk works on all of them at once.
+// (startWriteback), so that the disk works on all of them at once. The
+// temporary files are unnamed where the store supports it (s.unnamed:
+// linked from their descriptor, before they are closed), else tmp/put-*
+// files, linked by name and then removed.
 func (s *Store) writeNew(news []newObject) {
 	files := make([]*os.File, len(news))
 	defer func() {
 		for _, f := range files {
 			if f != nil {
 				_ = f.Close()
-				_ = os.Remove(f.Name())
+				if !s.unnamed {
+					_ = os.Remove(f.Name())
+				}
 			}
 		}
 	}()
+	tmp := filepath.Join(s.root, "tmp")
 	for k := range news {
 		o := &news[k]
-		f, err := os.CreateTemp(filepath.Join(s.root, "tmp"), "put-*")
+		var f *os.File
+		var err error
+		if s.unnamed {
+			f, err = openUnnamed(tmp)
+		} else {
+			f, err = os.CreateTemp(tmp, "put-*")
+		}
 		if err != nil {
 			o.err = fmt.Errorf("artifact temp file: %w", err)
 			continue
@@ -374,13 +394,22 @@ func (s *Store) writeNew(news []newObject) {
 		if o.err == nil {
 			o.err = f.Sync()
 		}
-		if cerr := f.Close(); o.err == nil {
-			o.err = cerr
+		if s.unnamed {
+			if o.err == nil {
+				o.err = linkUnnamed(f, o.dst)
+			}
+			if cerr := f.Close(); o.err == nil {
+				o.err = cerr
+			}
+		} else {
+			if cerr := f.Close(); o.err == nil {
+				o.err = cerr
+			}
+			if o.err == nil {
+				o.err = os.Link(f.Name(), o.dst)
+			}
+			_ = os.Remove(f.Name())
 		}
-		if o.err == nil {
-			o.err = os.Link(f.Name(), o.dst)
-		}
-		_ = os.Remove(f.Name())
 		files[k] = nil
 		if o.err != nil {
 			o.err = fmt.Errorf("artifact write %s: %w", filepath.Base(o.dst), o.err)

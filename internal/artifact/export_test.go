@@ -1,0 +1,9 @@
+package artifact
+
+// NamedTemporaryFiles makes s write its temporary files with names in tmp/
+// (the fallback where O_TMPFILE is not supported), so that tests cover it
+// on machines where the unnamed files are.
+func NamedTemporaryFiles(s *Store) { s.unnamed = false }
+
+// UnnamedTemporaryFiles reports whether s writes unnamed temporary files.
+func UnnamedTemporaryFiles(s *Store) bool { return s.unnamed }
