@@ -7,7 +7,9 @@
 // # Invariants
 //
 //   - An effect's ledger row is written (Plan, state started) before the
-//     store is called; its identity is (kind, idempotency token), unique,
+//     store is called; its identity is (kind, idempotency token), unique:
+//     the token is also the row's effect_id, its primary key (a CHECK
+//     since migration 00017; the tokens of different kinds never meet),
 //     so a retry of the same attempt finds the same row and the same token
 //     (PutToken: "<task_id>.attempt-<n>"; CompensationToken:
 //     "compensation-for-<effect_id>").

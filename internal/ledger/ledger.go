@@ -131,7 +131,7 @@ func scanEffect(row pgx.Row) (Effect, error) {
 // Get reads the effect of identity (kind, token); found is false when it is
 // not recorded.
 func Get(ctx context.Context, q dbpool.Querier, kind Kind, token string) (e Effect, found bool, err error) {
-	e, err = scanEffect(q.QueryRow(ctx, `SELECT `+columns+` FROM effect_ledger WHERE effect_kind = $1 AND idempotency_token = $2`, kind, token))
+	e, err = scanEffect(q.QueryRow(ctx, `SELECT `+columns+` FROM effect_ledger WHERE effect_id = $2 AND effect_kind = $1`, kind, token))
 	if errors.Is(err, pgx.ErrNoRows) {
 		return e, false, nil
 	}
@@ -159,7 +159,7 @@ func Plan(ctx context.Context, q dbpool.Querier, e Effect) (stored Effect, plann
 const sqlPlanInsert = `
 INSERT INTO effect_ledger (effect_id, task_id, attempt, effect_kind, idempotency_token, target_identity, state, request_sha256, request_size)
 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)
-ON CONFLICT (effect_kind, idempotency_token) DO NOTHING`
+ON CONFLICT (effect_id) DO NOTHING`
 
 // QueuePlan queues Plan's insert and read on b; stored and planned are set
 // when the batch's results are read.
@@ -167,7 +167,7 @@ func QueuePlan(b *pgx.Batch, e Effect, stored *Effect, planned *bool) {
 	b.Queue(sqlPlanInsert,
 		e.EffectID, e.TaskID, e.Attempt, e.Kind, e.Token, e.TargetIdentity, e.State, e.RequestSHA256, e.RequestSize).
 		Exec(func(tag pgconn.CommandTag) error { *planned = tag.RowsAffected() == 1; return nil })
-	b.Queue(`SELECT `+columns+` FROM effect_ledger WHERE effect_kind = $1 AND idempotency_token = $2`, e.Kind, e.Token).
+	b.Queue(`SELECT `+columns+` FROM effect_ledger WHERE effect_id = $2 AND effect_kind = $1`, e.Kind, e.Token).
 		QueryRow(func(row pgx.Row) error {
 			var err error
 			if *stored, err = scanEffect(row); err != nil {

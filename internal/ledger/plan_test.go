@@ -2,10 +2,12 @@ package ledger_test
 
 import (
 	"context"
+	"errors"
 	"strings"
 	"testing"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/converge-run/converge/internal/dbpool"
 	"github.com/converge-run/converge/internal/ledger"
@@ -53,5 +55,38 @@ func TestPlanNewInsertsOnceAndReturnsTheRow(t *testing.T) {
 	row, found, err := ledger.Get(ctx, db.Pool, want.Kind, want.Token)
 	if err != nil || !found || row.RequestSHA256 != sha || row.RequestSize != 42 {
 		t.Fatalf("row %+v found %v err %v, want the first plan's request", row, found, err)
+	}
+}
+
+// An effect's id is its token (migration 00017): the primary key carries
+// the identity (kind, token), so a row whose id differs from its token is
+// refused, and a plan of a recorded identity finds the row by its id.
+func TestEffectIDIsItsToken(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	db := testenv.NewDB(t)
+	tk := testenv.MustStartTask(t, db.Pool, testenv.MustCreateTask(t, db.Pool, []byte(`{"id":1}`)).Task.TaskID)
+	put := ledger.NewPut(tk.TaskID, tk.Attempt, strings.Repeat("ab", 32), 1)
+	if put.EffectID != put.Token {
+		t.Fatalf("NewPut: effect id %q, token %q", put.EffectID, put.Token)
+	}
+	for _, e := range []ledger.Effect{ledger.NewCompensation(put, put.RequestSHA256, 1), ledger.NewDelete(put)} {
+		if e.EffectID != e.Token {
+			t.Errorf("%s: effect id %q, token %q", e.Kind, e.EffectID, e.Token)
+		}
+	}
+	_, err := db.Pool.Exec(ctx, `
+INSERT INTO effect_ledger (effect_id, task_id, attempt, effect_kind, idempotency_token, target_identity, state, request_sha256, request_size)
+VALUES ('other-id', $1, 1, 'artifact.put', $2, $2, 'started', $3, 1)`, tk.TaskID, put.Token, put.RequestSHA256)
+	var pe *pgconn.PgError
+	if !errors.As(err, &pe) || pe.Code != "23514" || pe.ConstraintName != "effect_ledger_id_is_token" {
+		t.Fatalf("insert of an id other than the token: err = %v, want check violation effect_ledger_id_is_token", err)
+	}
+	if _, planned, err := ledger.Plan(ctx, db.Pool, put); err != nil || !planned {
+		t.Fatalf("Plan: planned %v, err %v", planned, err)
+	}
+	stored, planned, err := ledger.Plan(ctx, db.Pool, put)
+	if err != nil || planned || stored.EffectID != put.EffectID {
+		t.Fatalf("Plan again: stored %+v, planned %v, err %v; want the recorded row", stored, planned, err)
 	}
 }

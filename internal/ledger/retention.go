@@ -27,7 +27,7 @@ func Undeleted(ctx context.Context, q dbpool.Querier, taskID string) ([]Effect, 
 SELECT `+columns+` FROM effect_ledger p
 WHERE p.task_id = $1 AND p.effect_kind = 'artifact.put' AND p.state <> 'failed'
   AND NOT EXISTS (SELECT 1 FROM effect_ledger d
-                  WHERE d.effect_kind = 'artifact.delete' AND d.idempotency_token = 'delete-for-' || p.effect_id
+                  WHERE d.effect_id = 'delete-for-' || p.effect_id AND d.effect_kind = 'artifact.delete'
                     AND d.state = 'verified')
 ORDER BY p.attempt, p.effect_id`, taskID)
 	if err != nil {
@@ -99,13 +99,14 @@ func DeleteArtifact(ctx context.Context, q dbpool.Querier, store *artifact.Store
 // putToken has a deletion recorded (an artifact.delete effect of token
 // DeleteToken(put's effect id), in any state): the task is being removed
 // by retention, and its artifact is gone or about to be (the API answers
-// 410 ARTIFACT_EXPIRED). Two lookups of the unique (kind, token) index.
+// 410 ARTIFACT_EXPIRED). Two lookups of the primary key (an effect's id is
+// its token: migration 00017).
 func ArtifactDeleted(ctx context.Context, q dbpool.Querier, putToken string) (bool, error) {
 	var ok bool
 	err := q.QueryRow(ctx, `
 SELECT EXISTS (SELECT 1 FROM effect_ledger p JOIN effect_ledger d
-                 ON d.effect_kind = 'artifact.delete' AND d.idempotency_token = 'delete-for-' || p.effect_id
-               WHERE p.effect_kind = 'artifact.put' AND p.idempotency_token = $1)`, putToken).Scan(&ok)
+                 ON d.effect_id = 'delete-for-' || p.effect_id AND d.effect_kind = 'artifact.delete'
+               WHERE p.effect_id = $1 AND p.effect_kind = 'artifact.put')`, putToken).Scan(&ok)
 	if err != nil {
 		return false, fmt.Errorf("read deletion of artifact %s: %w", putToken, err)
 	}

@@ -108,8 +108,8 @@ SELECT t.status, t.updated_at < now() - make_interval(secs => $2),
   EXISTS (SELECT 1 FROM effect_ledger e WHERE e.task_id = t.task_id AND e.effect_kind IN ('artifact.put', 'artifact.hide')
           AND e.state NOT IN ('verified', 'compensated', 'failed')),
   EXISTS (SELECT 1 FROM effect_ledger p WHERE p.task_id = t.task_id AND p.effect_kind = 'artifact.put' AND p.state <> 'failed'
-          AND NOT EXISTS (SELECT 1 FROM effect_ledger d WHERE d.effect_kind = 'artifact.delete'
-                          AND d.idempotency_token = 'delete-for-' || p.effect_id AND d.state = 'verified'))
+          AND NOT EXISTS (SELECT 1 FROM effect_ledger d WHERE d.effect_id = 'delete-for-' || p.effect_id
+                          AND d.effect_kind = 'artifact.delete' AND d.state = 'verified'))
 FROM task t WHERE t.task_id = $1`, id, olderThan.Seconds()).
 		Scan(&status, &old, &keyed, &unpublished, &deadLetter, &unsettled, &undeleted)
 	if errors.Is(err, pgx.ErrNoRows) {

@@ -27,7 +27,7 @@ func completeTask(t *testing.T, b *testBundle, id string, data []byte) string {
 	}
 	if _, err := b.db.Pool.Exec(ctx, `
 INSERT INTO effect_ledger (effect_id, task_id, attempt, effect_kind, idempotency_token, target_identity, state, request_sha256, request_size, observed_result_sha256)
-VALUES ($1, $2, 1, 'artifact.put', $3, $3, 'verified', $4, $5, $4)`, "effect-"+id, id, token, meta.SHA256, meta.Size); err != nil {
+VALUES ($1, $2, 1, 'artifact.put', $1, $1, 'verified', $3, $4, $3)`, token, id, meta.SHA256, meta.Size); err != nil {
 		t.Fatal(err)
 	}
 	tag, err := b.db.Pool.Exec(ctx, `

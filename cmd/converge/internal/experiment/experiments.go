@@ -151,11 +151,11 @@ func corruptArtifact(ctx context.Context, x *X) error {
 	x.check("task failed with a stable code", code == worker.CodeArtifactVerificationFailed, "terminal_error_code %q", code)
 	token := artifact.Token(id, 1)
 	if err := until(ctx, 20*time.Second, "effect compensated", func() bool {
-		return x.scalar(ctx, `SELECT count(*) FROM effect_ledger WHERE idempotency_token = $1 AND state = 'compensated'`, token) == 1
+		return x.scalar(ctx, `SELECT count(*) FROM effect_ledger WHERE effect_id = $1 AND state = 'compensated'`, token) == 1
 	}); err != nil {
 		return err
 	}
-	hide := x.scalar(ctx, `SELECT count(*) FROM effect_ledger WHERE effect_kind = 'artifact.hide' AND idempotency_token = $1 AND state = 'verified'`, "compensation-for-"+token)
+	hide := x.scalar(ctx, `SELECT count(*) FROM effect_ledger WHERE effect_id = $1 AND effect_kind = 'artifact.hide' AND state = 'verified'`, "compensation-for-"+token)
 	x.check("compensation is its own verified ledger entry", hide == 1, "artifact.hide compensation-for-%s verified: %d", token, hide)
 	x.step("the worker failed the task, wrote compensation-for-%s, hid the object, verified it is gone", token)
 	store, err := artifact.Open(x.env.ArtifactDir, nil)
