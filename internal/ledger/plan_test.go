@@ -90,3 +90,29 @@ VALUES ('other-id', $1, 1, 'artifact.put', $2, $2, 'started', $3, 1)`, tk.TaskID
 		t.Fatalf("Plan again: stored %+v, planned %v, err %v; want the recorded row", stored, planned, err)
 	}
 }
+
+// Binaries built before migration 00017 plan effects with ON CONFLICT
+// (effect_kind, idempotency_token) and read them by (kind, token); an
+// upgrade runs the migration while they still run (deploy/README), so the
+// schema keeps the unique index their statements need: this is their
+// insert, word for word, against the migrated schema.
+func TestSchemaServesBinariesBefore00017(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	db := testenv.NewDB(t)
+	tk := testenv.MustStartTask(t, db.Pool, testenv.MustCreateTask(t, db.Pool, []byte(`{"old":1}`)).Task.TaskID)
+	e := ledger.NewPut(tk.TaskID, tk.Attempt, strings.Repeat("ab", 32), 1)
+	const oldPlanInsert = `
+INSERT INTO effect_ledger (effect_id, task_id, attempt, effect_kind, idempotency_token, target_identity, state, request_sha256, request_size)
+VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)
+ON CONFLICT (effect_kind, idempotency_token) DO NOTHING`
+	for i, want := range []int64{1, 0} {
+		tag, err := db.Pool.Exec(ctx, oldPlanInsert, e.EffectID, e.TaskID, e.Attempt, e.Kind, e.Token, e.TargetIdentity, e.State, e.RequestSHA256, e.RequestSize)
+		if err != nil || tag.RowsAffected() != want {
+			t.Fatalf("pre-00017 plan insert %d: %v rows, err %v; want %d rows", i+1, tag.RowsAffected(), err, want)
+		}
+	}
+	if _, found, err := ledger.Get(ctx, db.Pool, e.Kind, e.Token); err != nil || !found {
+		t.Fatalf("Get of the effect an old binary planned: found %v, err %v", found, err)
+	}
+}

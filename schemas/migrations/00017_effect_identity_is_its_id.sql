@@ -1,32 +1,38 @@
 -- +goose NO TRANSACTION
 -- +goose Up
--- Issue 11: an effect's identity is held by one unique index, not two.
+-- Issue 11: an effect's id is its idempotency token, as a rule of the table.
 --
--- The effect ledger had two unique indexes on what is, for every row the
--- code writes, the same value: the primary key effect_id, and
--- UNIQUE (effect_kind, idempotency_token). Every effect kind's constructor
--- (ledger.NewPut, NewCompensation, NewDelete) sets effect_id to its token, and the
--- tokens of different kinds cannot meet: a put's is "<task_id>.attempt-<n>"
--- with a server-generated UUIDv7 task id, a hide's "compensation-for-…", a
--- delete's "delete-for-…". So a unique effect_id is a unique token, which
--- makes (kind, token) unique.
+-- Every effect kind's constructor (ledger.NewPut, NewCompensation,
+-- NewDelete) sets effect_id to the effect's token, and the tokens of
+-- different kinds cannot meet: a put's is "<task_id>.attempt-<n>" with a
+-- server-generated UUIDv7 task id, a hide's "compensation-for-…", a
+-- delete's "delete-for-…". So the primary key on effect_id already makes
+-- the identity (effect_kind, idempotency_token) unique, and the ledger's
+-- reads and ON CONFLICT now use effect_id. This CHECK makes the equality
+-- that carries the identity a rule of the table rather than a habit of the
+-- code.
 --
--- Each unique index costs an entry per row version: the insert of the
--- worker's plan and its update to verified (never HOT: the partial indexes
--- reference state) each wrote one into both. The second index goes, and a
--- CHECK makes the equality that carries the identity a rule of the table
--- rather than a habit of the code. The ledger's reads and ON CONFLICT use
--- effect_id (the primary key) for the identity.
+-- It also makes UNIQUE (effect_kind, idempotency_token) redundant. That
+-- index costs an entry per row version (the worker's plan insert and its
+-- update to verified, never HOT): measured in the peer benchmark, dropping
+-- it saves about 250 of 9,850 WAL bytes per task (BENCHMARKS.md, session of
+-- 2026-12-06, fifth). It is NOT dropped here: workers and reconcilers built
+-- before this migration name it in their ON CONFLICT, and deploy/README's
+-- upgrade runs `converge migrate` while they still run; without the index
+-- their effect plans would fail (42P10) until they are replaced, and their
+-- records would be retried and then dead-lettered. A later migration drops
+-- it, once binaries of this version are the oldest an upgrade can meet.
 --
 -- The CHECK is added NOT VALID, then validated: the validation reads the
 -- table under a SHARE UPDATE EXCLUSIVE lock, which lets the worker and the
 -- reconciler go on writing while an existing ledger is checked (outside a
--- transaction: goose's NO TRANSACTION, as migrations 00013 and 00014).
+-- transaction: goose's NO TRANSACTION, as migrations 00013 and 00014). A
+-- validation that fails (a row whose id is not its token, which no version
+-- of converge writes) leaves the constraint NOT VALID and the migration
+-- unapplied; applying it again starts over.
 ALTER TABLE effect_ledger DROP CONSTRAINT IF EXISTS effect_ledger_id_is_token;
 ALTER TABLE effect_ledger ADD CONSTRAINT effect_ledger_id_is_token CHECK (effect_id = idempotency_token) NOT VALID;
 ALTER TABLE effect_ledger VALIDATE CONSTRAINT effect_ledger_id_is_token;
-ALTER TABLE effect_ledger DROP CONSTRAINT IF EXISTS effect_ledger_effect_kind_idempotency_token_key;
 
 -- +goose Down
-ALTER TABLE effect_ledger ADD CONSTRAINT effect_ledger_effect_kind_idempotency_token_key UNIQUE (effect_kind, idempotency_token);
 ALTER TABLE effect_ledger DROP CONSTRAINT effect_ledger_id_is_token;

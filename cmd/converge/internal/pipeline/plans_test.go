@@ -283,10 +283,9 @@ WHERE relname IN ('task', 'idempotency_record', 'inbox_message', 'effect_ledger'
 		}
 	}
 	// Nor any other index: ledger.Live's guard (task_id, kind, open
-	// states) matched the leading column of the ledger's unique
-	// (effect_kind, idempotency_token) index until migration 00017 dropped
-	// it, and every put effect shares that column; a plan on such an
-	// index reads all the puts per call.
+	// states) also matches the leading column of the ledger's unique
+	// (effect_kind, idempotency_token) index, which every put effect
+	// shares; a plan on it reads all the puts per call.
 	for name, n := range read {
 		if n >= backlog {
 			t.Errorf("%s: %d entries read by %d keyed calls (%d open rows): a call scans the index instead of looking its key up", name, n, calls, backlog)
