@@ -15,9 +15,11 @@
 // hard-links it to objects/<token>.obj and fsyncs the objects directory
 // (PutManyUnsynced: the same for several objects, their fsyncs sharing
 // flushes, without the directory's). On Linux the temporary file has no
-// name (O_TMPFILE, where the filesystem supports it: Open probes tmp/), so
-// a crashed Put leaves nothing behind; elsewhere it is a tmp/put-* file,
-// removed after the link (or by RemoveLeftovers after a crash). The link
+// name (O_TMPFILE, where the filesystem supports it: Open probes tmp/, and
+// a crash inside that probe can leave one tmp/put-probe-* name, removed by
+// the next Open), so a crashed Put leaves nothing behind; elsewhere it is a
+// tmp/put-* file, removed after the link (or by RemoveLeftovers after a
+// crash). The link
 // is the commit point: it fails when the name exists, so nothing is ever
 // overwritten, an object is either absent or complete, and of concurrent
 // Puts of one token exactly one commits; the others return what the winner's
@@ -398,9 +400,9 @@ func (s *Store) writeNew(news []newObject) {
 			if o.err == nil {
 				o.err = linkUnnamed(f, o.dst)
 			}
-			if cerr := f.Close(); o.err == nil {
-				o.err = cerr
-			}
+			// Linked or not, the close decides nothing: a linked object
+			// is committed, its bytes fsynced before the link.
+			_ = f.Close()
 		} else {
 			if cerr := f.Close(); o.err == nil {
 				o.err = cerr

@@ -11,6 +11,7 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"runtime"
 	"slices"
@@ -1207,5 +1208,84 @@ func putManyWithConflictsLeavesNothing(t *testing.T, st *artifact.Store) {
 	}
 	if got := len(dirNames(t, st, "objects")); got != len(items)+1 {
 		t.Errorf("objects has %d files, want %d", got, len(items)+1)
+	}
+}
+
+// crashChildEnv names the store root of TestCrashedPutsLeaveNothingBehind's
+// child process, which puts objects until it is killed.
+const crashChildEnv = "CONVERGE_ARTIFACT_CRASH_ROOT"
+
+// A process killed with SIGKILL in the middle of its Puts leaves no
+// temporary file behind (the files are unnamed) and only complete
+// objects: the child process puts runs of 16 objects of 256 KiB in a loop
+// and is killed three times while it does.
+func TestCrashedPutsLeaveNothingBehind(t *testing.T) {
+	if root := os.Getenv(crashChildEnv); root != "" {
+		st, err := artifact.Open(root, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		data := bytes.Repeat([]byte("z"), 256<<10)
+		for n := 0; ; n += 16 {
+			items := make([]artifact.Item, 16)
+			for i := range items {
+				items[i] = artifact.Item{Token: fmt.Sprintf("crash-%d-%d", os.Getpid(), n+i), TaskID: "task", Attempt: 1, Data: data}
+			}
+			st.PutManyUnsynced(items)
+		}
+	}
+	t.Parallel()
+	b := setup(t, nil)
+	if !artifact.UnnamedTemporaryFiles(b.store) {
+		t.Skip("unnamed temporary files are not supported here: a crashed Put leaves its tmp/put-* file to RemoveLeftovers")
+	}
+	for round := range 3 {
+		before := len(dirNames(t, b.store, "objects"))
+		cmd := exec.Command(os.Args[0], "-test.run=^TestCrashedPutsLeaveNothingBehind$")
+		cmd.Env = append(os.Environ(), crashChildEnv+"="+b.store.Root())
+		if err := cmd.Start(); err != nil {
+			t.Fatal(err)
+		}
+		deadline := time.Now().Add(30 * time.Second)
+		for len(dirNames(t, b.store, "objects")) < before+40 && time.Now().Before(deadline) {
+			time.Sleep(5 * time.Millisecond)
+		}
+		if err := cmd.Process.Signal(syscall.SIGKILL); err != nil {
+			t.Fatal(err)
+		}
+		_ = cmd.Wait()
+		if got := dirNames(t, b.store, "tmp"); len(got) != 0 {
+			t.Errorf("round %d: tmp after SIGKILL = %v, want empty", round, got)
+		}
+		objects := dirNames(t, b.store, "objects")
+		if len(objects) < before+40 {
+			t.Fatalf("round %d: the child put %d objects in 30 s", round, len(objects)-before)
+		}
+		for _, name := range objects {
+			token := strings.TrimSuffix(name, ".obj")
+			if obs, err := b.store.Observe(token); err != nil || obs.SHA256 != obs.Meta.SHA256 || obs.Size != 256<<10 {
+				t.Errorf("round %d: object %s after SIGKILL: %+v, %v; want complete", round, token, obs, err)
+			}
+		}
+	}
+}
+
+// A process killed inside Open's probe leaves its probe name in tmp/; the
+// next Open removes it.
+func TestOpenRemovesCrashedProbeNames(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	if !artifact.UnnamedTemporaryFiles(b.store) {
+		t.Skip("unnamed temporary files are not supported here: Open does not probe")
+	}
+	left := filepath.Join(b.store.Root(), "tmp", "put-probe-12345-abc")
+	if err := os.WriteFile(left, nil, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := artifact.Open(b.store.Root(), nil); err != nil {
+		t.Fatal(err)
+	}
+	if got := dirNames(t, b.store, "tmp"); len(got) != 0 {
+		t.Errorf("tmp after Open = %v, want empty", got)
 	}
 }

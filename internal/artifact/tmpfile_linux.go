@@ -33,17 +33,29 @@ func linkUnnamed(f *os.File, dst string) error {
 	return nil
 }
 
+// probePrefix starts the names of unnamedSupported's probes: a put-* name,
+// which RemoveLeftovers sweeps too.
+const probePrefix = "put-probe-"
+
 // unnamedSupported reports whether openUnnamed and linkUnnamed work in dir
 // (the filesystem supports O_TMPFILE and /proc is mounted), by linking an
-// unnamed file to a probe name in dir and removing it.
+// unnamed file to a probe name in dir and removing it. A process killed
+// between the two leaves its probe name behind: each call first removes
+// every probe name it finds, which is safe while other processes probe
+// (a probe name is never needed once linked, and its own removal accepts
+// that it is gone), so at most the last crashed probe's name is ever left.
 func unnamedSupported(dir string) bool {
+	if old, err := filepath.Glob(filepath.Join(dir, probePrefix+"*")); err == nil {
+		for _, name := range old {
+			_ = os.Remove(name)
+		}
+	}
 	f, err := openUnnamed(dir)
 	if err != nil {
 		return false
 	}
 	defer f.Close()
-	// A put-* name: RemoveLeftovers sweeps it if a crash leaves it behind.
-	probe := filepath.Join(dir, "put-probe-"+strconv.Itoa(os.Getpid())+"-"+strconv.FormatInt(time.Now().UnixNano(), 36))
+	probe := filepath.Join(dir, probePrefix+strconv.Itoa(os.Getpid())+"-"+strconv.FormatInt(time.Now().UnixNano(), 36))
 	if err := linkUnnamed(f, probe); err != nil {
 		return false
 	}

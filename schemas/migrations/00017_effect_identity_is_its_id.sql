@@ -23,10 +23,13 @@
 -- records would be retried and then dead-lettered. A later migration drops
 -- it, once binaries of this version are the oldest an upgrade can meet.
 --
--- The CHECK is added NOT VALID, then validated: the validation reads the
--- table under a SHARE UPDATE EXCLUSIVE lock, which lets the worker and the
--- reconciler go on writing while an existing ledger is checked (outside a
--- transaction: goose's NO TRANSACTION, as migrations 00013 and 00014). A
+-- The CHECK is added NOT VALID, then validated. Adding it takes an ACCESS
+-- EXCLUSIVE lock on effect_ledger for a moment (no rows are read), which
+-- waits for the transactions using the ledger and holds up new ones while
+-- it waits; the validation then reads the table under a SHARE UPDATE
+-- EXCLUSIVE lock, which lets the worker and the reconciler go on writing
+-- while an existing ledger is checked (outside a transaction: goose's NO
+-- TRANSACTION, as migrations 00013 and 00014). A
 -- validation that fails (a row whose id is not its token, which no version
 -- of converge writes) leaves the constraint NOT VALID and the migration
 -- unapplied; applying it again starts over.
