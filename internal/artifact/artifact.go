@@ -9,14 +9,15 @@
 //	                     artifact bytes
 //	hidden/<token>.*     objects hidden by a compensation (seed section 8)
 //	tmp/put-*            named temporary files of Puts in progress (or
-//	                     crashed), where unnamed ones are not supported
+//	                     crashed), where unnamed ones are not supported;
+//	                     tmp/put-probe-* names of Open's probe
 //
 // Put writes the header line and the bytes to one temporary file, fsyncs it,
 // hard-links it to objects/<token>.obj and fsyncs the objects directory
 // (PutManyUnsynced: the same for several objects, their fsyncs sharing
 // flushes, without the directory's). On Linux the temporary file has no
 // name (O_TMPFILE, where the filesystem supports it: Open probes tmp/, and
-// a crash inside that probe can leave one tmp/put-probe-* name, removed by
+// a crash inside that probe can leave a tmp/put-probe-* name, removed by
 // the next Open), so a crashed Put leaves nothing behind; elsewhere it is a
 // tmp/put-* file, removed after the link (or by RemoveLeftovers after a
 // crash). The link

@@ -5,6 +5,7 @@ import (
 	"os"
 	"path/filepath"
 	"strconv"
+	"strings"
 	"time"
 
 	"golang.org/x/sys/unix"
@@ -41,13 +42,16 @@ const probePrefix = "put-probe-"
 // (the filesystem supports O_TMPFILE and /proc is mounted), by linking an
 // unnamed file to a probe name in dir and removing it. A process killed
 // between the two leaves its probe name behind: each call first removes
-// every probe name it finds, which is safe while other processes probe
-// (a probe name is never needed once linked, and its own removal accepts
-// that it is gone), so at most the last crashed probe's name is ever left.
+// every probe name it finds, which is safe while other processes probe (a
+// probe name is never needed once linked, and its own removal accepts that
+// it is gone), so the names crashed probes left are gone after the next
+// Open.
 func unnamedSupported(dir string) bool {
-	if old, err := filepath.Glob(filepath.Join(dir, probePrefix+"*")); err == nil {
-		for _, name := range old {
-			_ = os.Remove(name)
+	if entries, err := os.ReadDir(dir); err == nil {
+		for _, e := range entries {
+			if strings.HasPrefix(e.Name(), probePrefix) {
+				_ = os.Remove(filepath.Join(dir, e.Name()))
+			}
 		}
 	}
 	f, err := openUnnamed(dir)

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"strings"
+	"sync"
 	"testing"
 
 	"github.com/jackc/pgx/v5"
@@ -114,5 +115,45 @@ ON CONFLICT (effect_kind, idempotency_token) DO NOTHING`
 	}
 	if _, found, err := ledger.Get(ctx, db.Pool, e.Kind, e.Token); err != nil || !found {
 		t.Fatalf("Get of the effect an old binary planned: found %v, err %v", found, err)
+	}
+}
+
+// Concurrent plans of one identity (two compensations racing) all succeed:
+// exactly one inserts the row, the others find it. The identity has two
+// unique indexes while migration 00017 keeps the old one, and an
+// ON CONFLICT naming only one of them let the other raise 23505 (the
+// second review of 2026-12-06: about a third of 4-way races).
+func TestConcurrentPlansOfOneIdentity(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	db := testenv.NewDB(t)
+	for round := range 30 {
+		tk := testenv.MustStartTask(t, db.Pool, testenv.MustCreateTask(t, db.Pool, []byte(`{"race":`+testenv.Itoa(round)+`}`)).Task.TaskID)
+		e := ledger.NewPut(tk.TaskID, tk.Attempt, strings.Repeat("ab", 32), 1)
+		const n = 4
+		planned := make([]bool, n)
+		errs := make([]error, n)
+		start := make(chan struct{})
+		var wg sync.WaitGroup
+		for i := range n {
+			wg.Go(func() {
+				<-start
+				_, planned[i], errs[i] = ledger.Plan(ctx, db.Pool, e)
+			})
+		}
+		close(start)
+		wg.Wait()
+		inserted := 0
+		for i := range n {
+			if errs[i] != nil {
+				t.Fatalf("round %d: Plan %d: %v", round, i, errs[i])
+			}
+			if planned[i] {
+				inserted++
+			}
+		}
+		if inserted != 1 {
+			t.Fatalf("round %d: %d plans inserted the row, want 1", round, inserted)
+		}
 	}
 }

@@ -23,8 +23,10 @@
 -- records would be retried and then dead-lettered. A later migration drops
 -- it, once binaries of this version are the oldest an upgrade can meet.
 --
--- The CHECK is added NOT VALID, then validated. Adding it takes an ACCESS
--- EXCLUSIVE lock on effect_ledger for a moment (no rows are read), which
+-- The CHECK is added NOT VALID, then validated. Adding it (and the DROP
+-- CONSTRAINT IF EXISTS before it, which makes the migration safe to apply
+-- again) takes an ACCESS EXCLUSIVE lock on effect_ledger for a moment (no
+-- rows are read), which
 -- waits for the transactions using the ledger and holds up new ones while
 -- it waits; the validation then reads the table under a SHARE UPDATE
 -- EXCLUSIVE lock, which lets the worker and the reconciler go on writing

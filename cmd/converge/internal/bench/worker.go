@@ -253,7 +253,7 @@ func workerScript(fx *fixtures, run int) string {
 BEGIN;
 INSERT INTO inbox_message (consumer_name, message_id, payload_sha256, state) VALUES ('pgbench-worker', $EVT, $SHA, 'processing') ON CONFLICT (consumer_name, message_id) DO NOTHING;
 UPDATE task SET status = 'running', version = version + 1, attempt = attempt + 1, updated_at = now() WHERE task_id = $TASK AND status = 'queued' AND version = 0 RETURNING $COLS, (SELECT document FROM task_input WHERE task_input.task_id = task.task_id);
-INSERT INTO effect_ledger (effect_id, task_id, attempt, effect_kind, idempotency_token, target_identity, state, request_sha256, request_size) VALUES ($EFF, $TASK, 1, 'artifact.put', $EFF, 'artifact://' || $EFF, 'started', $ASHA, $ASIZE) ON CONFLICT (effect_id) DO NOTHING RETURNING effect_id, task_id, attempt, effect_kind, idempotency_token, target_identity, state, request_sha256, request_size, observed_result_sha256, error_code, updated_at;
+INSERT INTO effect_ledger (effect_id, task_id, attempt, effect_kind, idempotency_token, target_identity, state, request_sha256, request_size) VALUES ($EFF, $TASK, 1, 'artifact.put', $EFF, 'artifact://' || $EFF, 'started', $ASHA, $ASIZE) ON CONFLICT DO NOTHING RETURNING effect_id, task_id, attempt, effect_kind, idempotency_token, target_identity, state, request_sha256, request_size, observed_result_sha256, error_code, updated_at;
 END;
 BEGIN;
 UPDATE inbox_message SET state = 'completed', result_json = '{"artifact_sha256":"x","task_version":2}'::jsonb, completed_at = now(), last_seen_at = now() WHERE consumer_name = 'pgbench-worker' AND message_id = $EVT AND state = 'processing';
