@@ -10,8 +10,8 @@
 //     store is called; its identity is (kind, idempotency token), unique:
 //     the token is also the row's effect_id, its primary key (a CHECK
 //     since migration 00017; the tokens of different kinds never meet),
-//     which the ledger's reads and ON CONFLICT use, so a retry of the
-//     same attempt finds the same row and the same token
+//     which the ledger's reads use, so a retry of the same attempt finds
+//     the same row and the same token
 //     (PutToken: "<task_id>.attempt-<n>"; CompensationToken:
 //     "compensation-for-<effect_id>").
 //   - A timeout is never "did not happen": the effect goes to unknown
