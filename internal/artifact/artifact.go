@@ -134,15 +134,21 @@ const LeftoverAge = time.Hour
 // removed; a file that vanished meanwhile is not an error. The reconciler
 // calls it with LeftoverAge.
 func (s *Store) RemoveLeftovers(olderThan time.Duration) (int, error) {
-	dir := filepath.Join(s.root, "tmp")
+	return removeTempNames(filepath.Join(s.root, "tmp"), "put-", time.Now().Add(-olderThan))
+}
+
+// removeTempNames removes the files of dir whose names start with prefix
+// and that were last modified at cutoff or before, and returns how many it
+// removed; a file that vanished meanwhile is not an error. RemoveLeftovers
+// and Open's probe (every probe name, whatever its age) share it.
+func removeTempNames(dir, prefix string, cutoff time.Time) (int, error) {
 	entries, err := os.ReadDir(dir)
 	if err != nil {
 		return 0, fmt.Errorf("artifact store: read %s: %w", dir, err)
 	}
-	cutoff := time.Now().Add(-olderThan)
 	n := 0
 	for _, e := range entries {
-		if !strings.HasPrefix(e.Name(), "put-") {
+		if !strings.HasPrefix(e.Name(), prefix) {
 			continue
 		}
 		info, err := e.Info()

@@ -5,7 +5,6 @@ import (
 	"os"
 	"path/filepath"
 	"strconv"
-	"strings"
 	"time"
 
 	"golang.org/x/sys/unix"
@@ -47,13 +46,7 @@ const probePrefix = "put-probe-"
 // it is gone), so the names crashed probes left are gone after the next
 // Open.
 func unnamedSupported(dir string) bool {
-	if entries, err := os.ReadDir(dir); err == nil {
-		for _, e := range entries {
-			if strings.HasPrefix(e.Name(), probePrefix) {
-				_ = os.Remove(filepath.Join(dir, e.Name()))
-			}
-		}
-	}
+	_, _ = removeTempNames(dir, probePrefix, time.Now().Add(time.Hour)) // every probe name: none is needed once linked
 	f, err := openUnnamed(dir)
 	if err != nil {
 		return false

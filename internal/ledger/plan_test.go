@@ -27,6 +27,15 @@ func planNew(t *testing.T, q dbpool.Querier, e ledger.Effect) (ledger.Effect, bo
 	return stored, planned
 }
 
+// putOfStartedTask creates a task with document doc, starts it, and returns
+// the artifact.put effect of its attempt with the given request (not
+// planned yet).
+func putOfStartedTask(t *testing.T, db *testenv.DB, doc, requestSHA256 string, requestSize int64) ledger.Effect {
+	t.Helper()
+	tk := testenv.MustStartTask(t, db.Pool, testenv.MustCreateTask(t, db.Pool, []byte(doc)).Task.TaskID)
+	return ledger.NewPut(tk.TaskID, tk.Attempt, requestSHA256, requestSize)
+}
+
 // QueuePlanNew inserts an effect's row once and returns it as written; the
 // same identity again is refused and leaves stored untouched, and the row
 // keeps what the first plan wrote (seed 7: the ledger row is written before
@@ -36,9 +45,7 @@ func TestPlanNewInsertsOnceAndReturnsTheRow(t *testing.T) {
 	ctx := context.Background()
 	db := testenv.NewDB(t)
 	sha := strings.Repeat("ab", 32)
-	tk := testenv.MustStartTask(t, db.Pool, testenv.MustCreateTask(t, db.Pool, []byte(`{"first":1}`)).Task.TaskID)
-
-	want := ledger.NewPut(tk.TaskID, tk.Attempt, sha, 42)
+	want := putOfStartedTask(t, db, `{"first":1}`, sha, 42)
 	stored, planned := planNew(t, db.Pool, want)
 	if !planned {
 		t.Fatal("plan of a new identity refused")
@@ -49,7 +56,7 @@ func TestPlanNewInsertsOnceAndReturnsTheRow(t *testing.T) {
 		t.Fatalf("stored %+v, want %+v as written", stored, want)
 	}
 
-	again := ledger.NewPut(tk.TaskID, tk.Attempt, strings.Repeat("cd", 32), 7)
+	again := ledger.NewPut(want.TaskID, want.Attempt, strings.Repeat("cd", 32), 7)
 	if stored, planned = planNew(t, db.Pool, again); planned || stored.EffectID != "untouched" {
 		t.Fatalf("the same identity planned twice (planned %v, stored %+v)", planned, stored)
 	}
@@ -66,8 +73,7 @@ func TestEffectIDIsItsToken(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	db := testenv.NewDB(t)
-	tk := testenv.MustStartTask(t, db.Pool, testenv.MustCreateTask(t, db.Pool, []byte(`{"id":1}`)).Task.TaskID)
-	put := ledger.NewPut(tk.TaskID, tk.Attempt, strings.Repeat("ab", 32), 1)
+	put := putOfStartedTask(t, db, `{"id":1}`, strings.Repeat("ab", 32), 1)
 	if put.EffectID != put.Token {
 		t.Fatalf("NewPut: effect id %q, token %q", put.EffectID, put.Token)
 	}
@@ -78,7 +84,7 @@ func TestEffectIDIsItsToken(t *testing.T) {
 	}
 	_, err := db.Pool.Exec(ctx, `
 INSERT INTO effect_ledger (effect_id, task_id, attempt, effect_kind, idempotency_token, target_identity, state, request_sha256, request_size)
-VALUES ('other-id', $1, 1, 'artifact.put', $2, $2, 'started', $3, 1)`, tk.TaskID, put.Token, put.RequestSHA256)
+VALUES ('other-id', $1, 1, 'artifact.put', $2, $2, 'started', $3, 1)`, put.TaskID, put.Token, put.RequestSHA256)
 	var pe *pgconn.PgError
 	if !errors.As(err, &pe) || pe.Code != "23514" || pe.ConstraintName != "effect_ledger_id_is_token" {
 		t.Fatalf("insert of an id other than the token: err = %v, want check violation effect_ledger_id_is_token", err)
@@ -101,8 +107,7 @@ func TestSchemaServesBinariesBefore00017(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	db := testenv.NewDB(t)
-	tk := testenv.MustStartTask(t, db.Pool, testenv.MustCreateTask(t, db.Pool, []byte(`{"old":1}`)).Task.TaskID)
-	e := ledger.NewPut(tk.TaskID, tk.Attempt, strings.Repeat("ab", 32), 1)
+	e := putOfStartedTask(t, db, `{"old":1}`, strings.Repeat("ab", 32), 1)
 	const oldPlanInsert = `
 INSERT INTO effect_ledger (effect_id, task_id, attempt, effect_kind, idempotency_token, target_identity, state, request_sha256, request_size)
 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)
@@ -128,8 +133,7 @@ func TestConcurrentPlansOfOneIdentity(t *testing.T) {
 	ctx := context.Background()
 	db := testenv.NewDB(t)
 	for round := range 30 {
-		tk := testenv.MustStartTask(t, db.Pool, testenv.MustCreateTask(t, db.Pool, []byte(`{"race":`+testenv.Itoa(round)+`}`)).Task.TaskID)
-		e := ledger.NewPut(tk.TaskID, tk.Attempt, strings.Repeat("ab", 32), 1)
+		e := putOfStartedTask(t, db, `{"race":`+testenv.Itoa(round)+`}`, strings.Repeat("ab", 32), 1)
 		const n = 4
 		planned := make([]bool, n)
 		errs := make([]error, n)

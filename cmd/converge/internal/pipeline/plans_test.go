@@ -270,23 +270,11 @@ WHERE relname IN ('task', 'idempotency_record', 'inbox_message', 'effect_ledger'
 		if err != nil {
 			t.Fatal(err)
 		}
-		read, err := pgx.CollectRows(rows, func(row pgx.CollectableRow) (struct {
-			name string
-			n    int64
-		}, error) {
-			var r struct {
-				name string
-				n    int64
-			}
-			err := row.Scan(&r.name, &r.n)
-			return r, err
-		})
-		if err != nil {
-			t.Fatal(err)
-		}
 		m := map[string]int64{}
-		for _, r := range read {
-			m[r.name] = r.n
+		var name string
+		var n int64
+		if _, err := pgx.ForEachRow(rows, []any{&name, &n}, func() error { m[name] = n; return nil }); err != nil {
+			t.Fatal(err)
 		}
 		return m
 	}
