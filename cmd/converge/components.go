@@ -96,8 +96,25 @@ func need(what, v string) error {
 }
 
 // openPool opens the database pool of component who (application_name
-// "converge-" + who).
+// "converge-" + who) and checks that the database's schema serves this
+// binary (schemas.Check: ErrSchemaBehind before `converge migrate`,
+// ErrBinaryTooOld after a rollback across a migration that stopped serving
+// it).
 func openPool(ctx context.Context, url, who string) (*pgxpool.Pool, error) {
+	pool, err := connectDB(ctx, url, who)
+	if err != nil {
+		return nil, err
+	}
+	if _, err := schemas.Check(ctx, pool); err != nil {
+		pool.Close()
+		return nil, err
+	}
+	return pool, nil
+}
+
+// connectDB is openPool without the schema check, for the commands that
+// migrate the database themselves (migrate, dev, tenants add).
+func connectDB(ctx context.Context, url, who string) (*pgxpool.Pool, error) {
 	if err := need("CONVERGE_DATABASE_URL", url); err != nil {
 		return nil, err
 	}
@@ -199,9 +216,11 @@ type RelayCmd struct {
 
 // Run relays until interrupted, then sends the final status update.
 func (c *RelayCmd) Run(env *runEnv) error {
-	if err := need("CONVERGE_DATABASE_URL", c.DatabaseURL); err != nil {
+	pool, err := openPool(env.ctx, c.DatabaseURL, "relay") // the schema check; the relay opens its own connections
+	if err != nil {
 		return err
 	}
+	pool.Close()
 	reg := newRegistry()
 	heartbeat := c.HeartbeatInterval
 	if heartbeat == 0 {
@@ -367,7 +386,7 @@ type MigrateCmd struct {
 
 // Run applies every pending migration.
 func (c *MigrateCmd) Run(env *runEnv) error {
-	pool, err := openPool(env.ctx, c.DatabaseURL, "migrate")
+	pool, err := connectDB(env.ctx, c.DatabaseURL, "migrate")
 	if err != nil {
 		return err
 	}

@@ -227,7 +227,7 @@ func submitExamples(ctx context.Context, apiURL, dataDir, token string) {
 // prepareDevDatabase migrates the dev database, writes its URL into the
 // data directory and makes sure the dev tenants exist (ensureDevTenants).
 func prepareDevDatabase(ctx context.Context, dbURL, dataDir string) (map[string]string, error) {
-	pool, err := openPool(ctx, dbURL, "dev")
+	pool, err := connectDB(ctx, dbURL, "dev")
 	if err != nil {
 		return nil, err
 	}

@@ -84,15 +84,32 @@ type OperatorDB struct {
 }
 
 func (d OperatorDB) open(ctx context.Context) (*pgxpool.Pool, error) {
-	url := d.DatabaseURL
-	if url == "" {
-		b, err := os.ReadFile(filepath.Join(d.DataDir, devDatabaseURLFile))
-		if err != nil {
-			return nil, fmt.Errorf("no database: set CONVERGE_DATABASE_URL, or run converge dev with data directory %s (%v)", d.DataDir, err)
-		}
-		url = strings.TrimSpace(string(b))
+	url, err := d.url()
+	if err != nil {
+		return nil, err
 	}
 	return openPool(ctx, url, "admin")
+}
+
+// openToMigrate is open without the schema check, for a command that
+// migrates first.
+func (d OperatorDB) openToMigrate(ctx context.Context) (*pgxpool.Pool, error) {
+	url, err := d.url()
+	if err != nil {
+		return nil, err
+	}
+	return connectDB(ctx, url, "admin")
+}
+
+func (d OperatorDB) url() (string, error) {
+	if d.DatabaseURL != "" {
+		return d.DatabaseURL, nil
+	}
+	b, err := os.ReadFile(filepath.Join(d.DataDir, devDatabaseURLFile))
+	if err != nil {
+		return "", fmt.Errorf("no database: set CONVERGE_DATABASE_URL, or run converge dev with data directory %s (%v)", d.DataDir, err)
+	}
+	return strings.TrimSpace(string(b)), nil
 }
 
 // TenantsAddCmd is `converge tenants add NAME [--quota N] [--admin]`.
@@ -105,12 +122,15 @@ type TenantsAddCmd struct {
 
 // Run adds the tenant and prints its token on a line of its own.
 func (c *TenantsAddCmd) Run(env *runEnv) error {
-	pool, err := c.open(env.ctx)
+	pool, err := c.openToMigrate(env.ctx)
 	if err != nil {
 		return err
 	}
 	defer pool.Close()
 	if err := schemas.Migrate(env.ctx, pool); err != nil {
+		return err
+	}
+	if _, err := schemas.Check(env.ctx, pool); err != nil {
 		return err
 	}
 	t, tok, err := tenant.Add(env.ctx, pool, c.Name, c.Admin, c.Quota)

@@ -185,6 +185,9 @@ func Run(ctx context.Context, cfg Config) error {
 	if err := schemas.Migrate(ctx, pools["api"]); err != nil {
 		return err
 	}
+	if _, err := schemas.Check(ctx, pools["api"]); err != nil { // a database a newer release migrated
+		return err
+	}
 	ropt, err := taskview.ClientOptions(cfg.RedisURL)
 	if err != nil {
 		return err

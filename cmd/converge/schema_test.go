@@ -1,0 +1,72 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"io"
+	"log/slog"
+	"testing"
+
+	"github.com/jackc/pgx/v5/stdlib"
+	"github.com/pressly/goose/v3"
+
+	"github.com/converge-run/converge/internal/testenv"
+	"github.com/converge-run/converge/schemas"
+)
+
+// TestComponentsRefuseASchemaThatDoesNotServeThem: every component and
+// operator command that uses the database stops at once, with the schema
+// check's error, on a database one migration behind this binary
+// (ErrSchemaBehind) and on one whose oldest served binary is newer than it
+// (ErrBinaryTooOld); `converge tenants add` and `converge migrate` migrate
+// the database behind and then work.
+func TestComponentsRefuseASchemaThatDoesNotServeThem(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	env := &runEnv{ctx: ctx, log: slog.New(slog.NewTextHandler(io.Discard, nil))}
+	commands := func(url string) map[string]interface{ Run(*runEnv) error } {
+		svc := Services{DatabaseURL: url, KafkaBrokers: []string{"127.0.0.1:1"}, RedisURL: "redis://127.0.0.1:1/0"}
+		return map[string]interface{ Run(*runEnv) error }{
+			"api":        &APICmd{Services: svc},
+			"relay":      &RelayCmd{Services: svc},
+			"worker":     &WorkerCmd{Services: svc},
+			"reconciler": &ReconcilerCmd{Services: svc},
+			"dlq list":   &DLQListCmd{OperatorDB: OperatorDB{DatabaseURL: url}},
+		}
+	}
+	bin := schemas.BinaryVersion()
+
+	behind := testenv.NewDB(t)
+	p, err := goose.NewProvider(goose.DialectPostgres, stdlib.OpenDBFromPool(behind.Pool), schemas.Migrations())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer p.Close()
+	if _, err := p.DownTo(ctx, bin-1); err != nil {
+		t.Fatal(err)
+	}
+	for name, c := range commands(behind.URL) {
+		if err := c.Run(env); !errors.Is(err, schemas.ErrSchemaBehind) {
+			t.Errorf("converge %s on a database at migration %d: %v, want ErrSchemaBehind", name, bin-1, err)
+		}
+	}
+	if err := (&TenantsAddCmd{OperatorDB: OperatorDB{DatabaseURL: behind.URL}, Name: "late"}).Run(env); err != nil {
+		t.Fatalf("converge tenants add on a database behind: %v", err)
+	}
+	if v, err := schemas.Check(ctx, behind.Pool); err != nil || v.Database != bin {
+		t.Fatalf("after tenants add: %+v, %v; want migrated to %d", v, err, bin)
+	}
+
+	newer := testenv.NewDB(t)
+	if _, err := newer.Pool.Exec(ctx, `UPDATE schema_compatibility SET oldest_binary = $1`, bin+1); err != nil {
+		t.Fatal(err)
+	}
+	for name, c := range commands(newer.URL) {
+		if err := c.Run(env); !errors.Is(err, schemas.ErrBinaryTooOld) {
+			t.Errorf("converge %s on a schema that serves binaries from %d: %v, want ErrBinaryTooOld", name, bin+1, err)
+		}
+	}
+	if err := (&MigrateCmd{DatabaseURL: newer.URL}).Run(env); err != nil {
+		t.Fatalf("converge migrate on a newer schema: %v (it has nothing to apply)", err)
+	}
+}

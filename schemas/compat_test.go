@@ -1,0 +1,113 @@
+package schemas_test
+
+import (
+	"context"
+	"errors"
+	"io/fs"
+	"testing"
+
+	"github.com/jackc/pgx/v5/stdlib"
+	"github.com/pressly/goose/v3"
+
+	"github.com/converge-run/converge/internal/testenv"
+	"github.com/converge-run/converge/schemas"
+)
+
+// TestBinaryVersion: the binary's version is its highest embedded migration,
+// and every embedded name carries a number.
+func TestBinaryVersion(t *testing.T) {
+	names, err := fs.Glob(schemas.Migrations(), "*.sql")
+	if err != nil || len(names) == 0 {
+		t.Fatalf("embedded migrations: %v %v", names, err)
+	}
+	last, err := goose.NumericComponent(names[len(names)-1])
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := schemas.BinaryVersion(); got != last || got < 18 {
+		t.Fatalf("BinaryVersion %d, want %d (the last of %d files, at least 18)", got, last, len(names))
+	}
+}
+
+// TestCheck: a binary runs against its own schema and a newer one that
+// still serves it; it refuses a database behind it (ErrSchemaBehind, also
+// one without any migration) and a schema whose oldest served binary is
+// newer than it (ErrBinaryTooOld).
+func TestCheck(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	bin := schemas.BinaryVersion()
+
+	t.Run("same", func(t *testing.T) {
+		t.Parallel()
+		db := testenv.NewDB(t)
+		v, err := schemas.Check(ctx, db.Pool)
+		if err != nil || v != (schemas.Versions{Database: bin, Binary: bin, OldestBinary: v.OldestBinary}) || v.OldestBinary == 0 || v.OldestBinary > bin {
+			t.Fatalf("Check = %+v, %v; want database = binary = %d, 0 < oldest ≤ %d", v, err, bin, bin)
+		}
+	})
+	t.Run("newer schema that serves it", func(t *testing.T) {
+		t.Parallel()
+		db := testenv.NewDB(t)
+		if _, err := db.Pool.Exec(ctx, `INSERT INTO goose_db_version (version_id, is_applied) VALUES ($1, true)`, bin+1); err != nil {
+			t.Fatal(err)
+		}
+		if v, err := schemas.Check(ctx, db.Pool); err != nil || v.Database != bin+1 {
+			t.Fatalf("Check = %+v, %v; want database %d and no error", v, err, bin+1)
+		}
+		// converge dev of this binary migrates first: a migration it does
+		// not know is left alone.
+		if err := schemas.Migrate(ctx, db.Pool); err != nil {
+			t.Fatalf("Migrate on a newer schema: %v", err)
+		}
+	})
+	t.Run("newer schema that no longer serves it", func(t *testing.T) {
+		t.Parallel()
+		db := testenv.NewDB(t)
+		if _, err := db.Pool.Exec(ctx, `INSERT INTO goose_db_version (version_id, is_applied) VALUES ($1, true)`, bin+1); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := db.Pool.Exec(ctx, `UPDATE schema_compatibility SET oldest_binary = $1`, bin+1); err != nil {
+			t.Fatal(err)
+		}
+		v, err := schemas.Check(ctx, db.Pool)
+		if !errors.Is(err, schemas.ErrBinaryTooOld) || v.OldestBinary != bin+1 {
+			t.Fatalf("Check = %+v, %v; want ErrBinaryTooOld", v, err)
+		}
+		t.Log(err)
+	})
+	t.Run("behind", func(t *testing.T) {
+		t.Parallel()
+		db := testenv.NewDB(t)
+		p, err := goose.NewProvider(goose.DialectPostgres, stdlib.OpenDBFromPool(db.Pool), schemas.Migrations())
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer p.Close()
+		if _, err := p.DownTo(ctx, bin-1); err != nil {
+			t.Fatal(err)
+		}
+		v, err := schemas.Check(ctx, db.Pool)
+		if !errors.Is(err, schemas.ErrSchemaBehind) || v.Database != bin-1 {
+			t.Fatalf("Check = %+v, %v; want ErrSchemaBehind at %d", v, err, bin-1)
+		}
+		t.Log(err)
+		if err := schemas.Migrate(ctx, db.Pool); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := schemas.Check(ctx, db.Pool); err != nil {
+			t.Fatalf("after Migrate: %v", err)
+		}
+	})
+	t.Run("no migrations", func(t *testing.T) {
+		t.Parallel()
+		db := testenv.NewDB(t)
+		if _, err := db.Pool.Exec(ctx, `DROP TABLE goose_db_version, schema_compatibility`); err != nil {
+			t.Fatal(err)
+		}
+		v, err := schemas.Check(ctx, db.Pool)
+		if !errors.Is(err, schemas.ErrSchemaBehind) || v.Database != 0 || v.OldestBinary != 0 {
+			t.Fatalf("Check = %+v, %v; want ErrSchemaBehind at 0", v, err)
+		}
+	})
+}
