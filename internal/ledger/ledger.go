@@ -156,12 +156,13 @@ func Plan(ctx context.Context, q dbpool.Querier, e Effect) (stored Effect, plann
 
 // sqlPlanInsert is Plan's insert of an effect's row ($1..$9: effect id,
 // task id, attempt, kind, token, target, state, request SHA-256 and size).
-// Its ON CONFLICT names no index: the identity has two unique indexes while
-// migration 00017 keeps UNIQUE (effect_kind, idempotency_token) beside the
-// primary key, and a concurrent insert of the same identity (two
-// compensations racing) must find the row recorded whichever index reports
-// it; with one index named, the other raises 23505. Plans insert started
-// rows only, so the partial OneVerifiedIndex never reports a conflict here.
+// Its ON CONFLICT names no index: a concurrent insert of the same identity
+// (two compensations racing) must find the row recorded whichever unique
+// index reports it. Since migration 00019 that is the primary key alone
+// (effect_id, which 00017's CHECK makes the token); before, UNIQUE
+// (effect_kind, idempotency_token) could report it too, and with one index
+// named the other raised 23505. Plans insert started rows only, so the
+// partial OneVerifiedIndex never reports a conflict here.
 const sqlPlanInsert = `
 INSERT INTO effect_ledger (effect_id, task_id, attempt, effect_kind, idempotency_token, target_identity, state, request_sha256, request_size)
 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)

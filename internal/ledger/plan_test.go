@@ -9,10 +9,13 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/stdlib"
+	"github.com/pressly/goose/v3"
 
 	"github.com/converge-run/converge/internal/dbpool"
 	"github.com/converge-run/converge/internal/ledger"
 	"github.com/converge-run/converge/internal/testenv"
+	"github.com/converge-run/converge/schemas"
 )
 
 // planNew runs ledger.QueuePlanNew alone.
@@ -99,35 +102,61 @@ VALUES ('other-id', $1, 1, 'artifact.put', $2, $2, 'started', $3, 1)`, put.TaskI
 }
 
 // Binaries built before migration 00017 plan effects with ON CONFLICT
-// (effect_kind, idempotency_token) and read them by (kind, token); an
-// upgrade runs the migration while they still run (deploy/README), so the
-// schema keeps the unique index their statements need: this is their
-// insert, word for word, against the migrated schema.
+// (effect_kind, idempotency_token) and read them by (kind, token). The
+// schema served them until migration 00019 dropped that index and raised
+// schema_compatibility.oldest_binary to 17: their insert, word for word,
+// works against the schema of 00018 and fails (42P10) against the latest,
+// whose floor says so.
 func TestSchemaServesBinariesBefore00017(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	db := testenv.NewDB(t)
-	e := putOfStartedTask(t, db, `{"old":1}`, strings.Repeat("ab", 32), 1)
 	const oldPlanInsert = `
 INSERT INTO effect_ledger (effect_id, task_id, attempt, effect_kind, idempotency_token, target_identity, state, request_sha256, request_size)
 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)
 ON CONFLICT (effect_kind, idempotency_token) DO NOTHING`
+	e := putOfStartedTask(t, db, `{"old":1}`, strings.Repeat("ab", 32), 1)
+	args := []any{e.EffectID, e.TaskID, e.Attempt, e.Kind, e.Token, e.TargetIdentity, e.State, e.RequestSHA256, e.RequestSize}
+
+	var floor int64
+	if err := db.Pool.QueryRow(ctx, `SELECT oldest_binary FROM schema_compatibility`).Scan(&floor); err != nil || floor != 17 {
+		t.Fatalf("oldest_binary %d (%v), want 17", floor, err)
+	}
+	var pgErr *pgconn.PgError
+	if _, err := db.Pool.Exec(ctx, oldPlanInsert, args...); !errors.As(err, &pgErr) || pgErr.Code != "42P10" {
+		t.Fatalf("pre-00017 plan insert against the latest schema: %v, want 42P10 (no such unique index)", err)
+	}
+
+	p, err := goose.NewProvider(goose.DialectPostgres, stdlib.OpenDBFromPool(db.Pool), schemas.Migrations())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer p.Close()
+	if _, err := p.DownTo(ctx, 18); err != nil {
+		t.Fatal(err)
+	}
+	if err := db.Pool.QueryRow(ctx, `SELECT oldest_binary FROM schema_compatibility`).Scan(&floor); err != nil || floor != 16 {
+		t.Fatalf("after Down of 00019: oldest_binary %d (%v), want 16", floor, err)
+	}
 	for i, want := range []int64{1, 0} {
-		tag, err := db.Pool.Exec(ctx, oldPlanInsert, e.EffectID, e.TaskID, e.Attempt, e.Kind, e.Token, e.TargetIdentity, e.State, e.RequestSHA256, e.RequestSize)
+		tag, err := db.Pool.Exec(ctx, oldPlanInsert, args...)
 		if err != nil || tag.RowsAffected() != want {
-			t.Fatalf("pre-00017 plan insert %d: %v rows, err %v; want %d rows", i+1, tag.RowsAffected(), err, want)
+			t.Fatalf("pre-00017 plan insert %d against 00018: %v rows, err %v; want %d rows", i+1, tag.RowsAffected(), err, want)
 		}
 	}
 	if _, found, err := ledger.Get(ctx, db.Pool, e.Kind, e.Token); err != nil || !found {
 		t.Fatalf("Get of the effect an old binary planned: found %v, err %v", found, err)
 	}
+	if _, err := p.Up(ctx); err != nil {
+		t.Fatalf("00019 up again: %v", err)
+	}
 }
 
 // Concurrent plans of one identity (two compensations racing) all succeed:
-// exactly one inserts the row, the others find it. The identity has two
-// unique indexes while migration 00017 keeps the old one, and an
-// ON CONFLICT naming only one of them let the other raise 23505 (the
-// second review of 2026-12-06: about a third of 4-way races).
+// exactly one inserts the row, the others find it. While the identity had
+// two unique indexes (migrations 00017 and 00018), an ON CONFLICT naming
+// only one of them let the other raise 23505 (the second review of
+// 2026-12-06: about a third of 4-way races).
 func TestConcurrentPlansOfOneIdentity(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()

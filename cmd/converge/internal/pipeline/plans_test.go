@@ -301,9 +301,10 @@ WHERE relname IN ('task', 'idempotency_record', 'inbox_message', 'effect_ledger'
 		}
 	}
 	// Nor any other index: ledger.Live's guard (task_id, kind, open
-	// states) also matches the leading column of the ledger's unique
-	// (effect_kind, idempotency_token) index, which every put effect
-	// shares; a plan on it reads all the puts per call.
+	// states) also matched the leading column of the ledger's unique
+	// (effect_kind, idempotency_token) index (dropped by migration 00019),
+	// which every put effect shares; a plan on it read all the puts per
+	// call. Any index a new plan scans is caught here the same way.
 	for name, n := range read {
 		if n >= backlog {
 			t.Errorf("%s: %d entries read by %d keyed calls (%d open rows): a call scans the index instead of looking its key up", name, n, calls, backlog)
