@@ -85,6 +85,17 @@
 //     first unconfirmed transaction is produced again, with the same event-id
 //     and the same value, and the consumers' inboxes absorb the duplicates.
 //     Publication is at-least-once.
+//   - Transactions streamed again: a session starts from the slot's
+//     confirmed_flush_lsn as PostgreSQL last wrote it to disk, which after
+//     a crash of PostgreSQL may be minutes older than what the relay had
+//     confirmed (persistSlot). At its start a session reads the
+//     transactions recorded published whose xid is at least the slot's
+//     catalog_xmin (outbox.RecordedSince, at most 2^20, 4 bytes each; every
+//     transaction the slot streams again began at or after its restart
+//     point): when one of them streams again its rows are counted
+//     (converge_relay_outbox_rows_already_published_total) and not produced
+//     again, and it is done at its Commit. Only the rows acknowledged but
+//     not yet recorded are produced again.
 //   - Standby status updates set the write, flush and apply positions all to
 //     that LSN (pglogrepl would copy the write position into zero flush/apply
 //     positions). They are sent at least every StatusInterval and at once
@@ -250,6 +261,7 @@
 //	converge_relay_transactions_in_flight                     gauge      -           decoded transactions the slot has not passed yet
 //	converge_relay_records_in_flight                          gauge      -           records produced, not yet acknowledged (or parked)
 //	converge_relay_outbox_transactions_recorded_total         counter    -           transactions this relay recorded in outbox_published_transaction
+//	converge_relay_outbox_rows_already_published_total        counter    -           rows streamed again whose transaction an earlier session recorded published: not produced again
 //	converge_relay_outbox_rows_not_yet_visible_total          counter    -           times a flush found a row to park not yet visible (retried at the next flush)
 //	converge_relay_outbox_rows_gone_total                     counter    -           rows to park deleted after their commit before they were parked
 //	converge_relay_status_updates_total                       counter    -           standby status updates sent

@@ -17,6 +17,7 @@ type metrics struct {
 	txnsInFlight         prometheus.Gauge
 	recordsInFlight      prometheus.Gauge
 	transactionsRecorded prometheus.Counter
+	rowsAlreadyPublished prometheus.Counter
 
 	outboxRowsInvisible prometheus.Counter
 	outboxRowsGone      prometheus.Counter
@@ -126,6 +127,10 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 			Name: "converge_relay_outbox_transactions_recorded_total",
 			Help: "Transactions whose outbox rows the relay recorded as published (outbox_published_transaction, one row per transaction; transactions recorded by an earlier run are not counted).",
 		}),
+		rowsAlreadyPublished: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "converge_relay_outbox_rows_already_published_total",
+			Help: "Outbox rows the slot streamed again (after a restart, mostly one of PostgreSQL) whose transaction an earlier session had recorded published (outbox_published_transaction): not produced again.",
+		}),
 		outboxRowsInvisible: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "converge_relay_outbox_rows_not_yet_visible_total",
 			Help: "Times a flush found an outbox row to park not yet visible to other sessions (its commit not yet visible, e.g. waiting for a synchronous standby); the row is parked at a later flush and the slot waits for it.",
@@ -160,7 +165,7 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 		}, []string{"reason"}),
 	}
 	for _, c := range []prometheus.Collector{m.rowsParked, m.restarts, m.streaming, m.published, m.produceErrors, m.hashMismatches, m.commitToAck,
-		m.confirmedLSN, m.slotLag, m.txnsInFlight, m.recordsInFlight, m.transactionsRecorded, m.outboxRowsInvisible, m.outboxRowsGone, m.statusUpdatesOut,
+		m.confirmedLSN, m.slotLag, m.txnsInFlight, m.recordsInFlight, m.transactionsRecorded, m.rowsAlreadyPublished, m.outboxRowsInvisible, m.outboxRowsGone, m.statusUpdatesOut,
 		m.lastAckedLSN, m.slotRetained, m.slotWALStatus, m.slotSampleErrors, m.heartbeatsEmitted, m.heartbeatErrors,
 		m.heartbeatRTT, m.heartbeatLastSeen, m.pubMismatch, m.pubMismatches} {
 		if err := reg.Register(c); err != nil {

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"slices"
 	"sync/atomic"
 	"time"
 
@@ -291,6 +292,13 @@ type session struct {
 	produceCtx context.Context
 
 	relations map[uint32]*relation
+	// published are the 32-bit xids, sorted, of the transactions recorded
+	// published before this session whose xid is at least the slot's
+	// catalog_xmin (outbox.RecordedSince): the slot may stream them again,
+	// and their rows are not produced again. txnPublished is set for the
+	// transaction being received when its xid is one of them.
+	published    []uint32
+	txnPublished bool
 	// checkNow asks the monitor for a publication check (an outbox
 	// Relation message arrived).
 	checkNow     chan struct{}
@@ -428,6 +436,7 @@ func (r *Relay) open(ctx context.Context) (_ *session, err error) {
 		return nil, err
 	}
 	r.clearStreamBefore(ctx, si.confirmed)
+	s.loadPublished(ctx, si)
 	s.tr = newTracker(si.confirmed, s.txnSem)
 	r.confirmed.Store(uint64(si.confirmed))
 	s.m.confirmedLSN.Set(float64(si.confirmed))
@@ -435,6 +444,37 @@ func (r *Relay) open(ctx context.Context) (_ *session, err error) {
 	s.log.InfoContext(ctx, "streaming", slog.String("publication", cfg.PublicationName),
 		slog.String("topic", cfg.Topic), slog.String("confirmed_flush_lsn", si.confirmed.String()))
 	return s, nil
+}
+
+// maxPublishedXIDs bounds the recorded transactions a session loads to
+// recognize those the slot streams again (4 bytes each): beyond it, the
+// newest are produced again, which at least once allows.
+const maxPublishedXIDs = 1 << 20
+
+// loadPublished reads the transactions recorded published since the slot's
+// catalog_xmin into s.published. After a crash of PostgreSQL the slot
+// resumes from the confirmed_flush_lsn last written to disk, which on
+// PostgreSQL 15 may be minutes behind what the relay had confirmed
+// (persistSlot); the rows of those minutes' transactions are in Kafka
+// already, and without this they would all be produced again. A failed
+// read costs only those duplicates: it is logged, and the session goes on.
+func (s *session) loadPublished(ctx context.Context, si slotInfo) {
+	if !si.hasCatalogXmin {
+		return
+	}
+	xids, capped, err := outbox.RecordedSince(ctx, s.pool, si.catalogXmin, maxPublishedXIDs)
+	if err != nil {
+		if ctx.Err() == nil {
+			s.log.WarnContext(ctx, "could not read the transactions recorded published; those the slot streams again are produced again",
+				slog.String("error", err.Error()))
+		}
+		return
+	}
+	s.published = xids
+	if capped {
+		s.log.WarnContext(ctx, "more transactions recorded published since the slot's catalog_xmin than the relay keeps; the newer ones are produced again if the slot streams them again",
+			slog.Int("kept", len(xids)), slog.Uint64("catalog_xmin", uint64(si.catalogXmin)))
+	}
 }
 
 // close releases the session's connections. In-flight records are
@@ -634,6 +674,7 @@ func (s *session) handleWAL(ctx context.Context, data []byte) error {
 		s.txnSeq = s.tr.begin(m.CommitTime, m.Xid)
 		s.txnCommitLSN = m.FinalLSN
 		s.inTxn = true
+		_, s.txnPublished = slices.BinarySearch(s.published, m.Xid)
 	case *pglogrepl.InsertMessage:
 		if !s.inTxn {
 			return errors.New("pgoutput: Insert outside a transaction")
@@ -663,6 +704,13 @@ func (s *session) produce(ctx context.Context, m *pglogrepl.InsertMessage) error
 		return fmt.Errorf("pgoutput: insert into relation %d before its Relation message", m.RelationID)
 	}
 	if !rel.outbox {
+		return nil
+	}
+	if s.txnPublished {
+		// Recorded published by an earlier session: every row of the
+		// transaction was acknowledged by Kafka or parked. The
+		// transaction, left without rows, is done at its Commit.
+		s.m.rowsAlreadyPublished.Inc()
 		return nil
 	}
 	row, err := rel.decode(m.Tuple)

@@ -133,6 +133,11 @@ type slotInfo struct {
 	current   string
 	walStatus string
 	confirmed pglogrepl.LSN
+	// catalogXmin is the slot's catalog_xmin (valid when hasCatalogXmin):
+	// every transaction the slot streams again began at or after its
+	// restart point, so its xid is at least this one.
+	catalogXmin    uint32
+	hasCatalogXmin bool
 }
 
 // outboxHasHistory reports whether the outbox holds rows, or the relay's
@@ -157,11 +162,12 @@ func (s *store) slot(ctx context.Context, name string) (slotInfo, error) {
 		si                              slotInfo
 		plugin, slotType, db, walStatus *string
 		confirmed                       *string
+		catalogXmin                     *int64
 	)
 	err := s.pool.QueryRow(ctx, `
-SELECT s.plugin, s.slot_type, s.database, s.wal_status, s.confirmed_flush_lsn::text, current_database()
+SELECT s.plugin, s.slot_type, s.database, s.wal_status, s.confirmed_flush_lsn::text, s.catalog_xmin::text::bigint, current_database()
 FROM (SELECT 1) one
-LEFT JOIN pg_replication_slots s ON s.slot_name = $1`, name).Scan(&plugin, &slotType, &db, &walStatus, &confirmed, &si.current)
+LEFT JOIN pg_replication_slots s ON s.slot_name = $1`, name).Scan(&plugin, &slotType, &db, &walStatus, &confirmed, &catalogXmin, &si.current)
 	if err != nil {
 		return si, fmt.Errorf("look up replication slot %s: %w", name, err)
 	}
@@ -173,6 +179,9 @@ LEFT JOIN pg_replication_slots s ON s.slot_name = $1`, name).Scan(&plugin, &slot
 	si.plugin = deref(plugin)
 	si.database = deref(db)
 	si.walStatus = deref(walStatus)
+	if catalogXmin != nil {
+		si.catalogXmin, si.hasCatalogXmin = uint32(*catalogXmin), true
+	}
 	if confirmed != nil {
 		lsn, err := pglogrepl.ParseLSN(*confirmed)
 		if err != nil {

@@ -29,6 +29,7 @@ import (
 	"strings"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"testing"
 	"time"
 
@@ -542,4 +543,87 @@ func (h *CommitHold) apply(names string) error {
 		case <-time.After(20 * time.Millisecond):
 		}
 	}
+}
+
+// Cluster is a private PostgreSQL cluster of one test (wal_level=logical,
+// fsync off, synchronous_commit on), which the test may crash and start again; it is stopped and
+// removed when the test ends.
+type Cluster struct {
+	cfg localpg.Config
+	c   *localpg.Cluster
+	dir string
+}
+
+// NewCluster initializes and starts a private cluster with one migrated
+// database, returned as a DB (Name "crash").
+func NewCluster(t testing.TB) (*Cluster, *DB) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	dir, err := os.MkdirTemp("", "converge-pg-private-")
+	if err != nil {
+		t.Fatal(err)
+	}
+	os.Chmod(dir, 0o755)
+	port, err := freePort()
+	if err != nil {
+		t.Fatal(err)
+	}
+	// synchronous_commit on (the tests' shared cluster has it off): a
+	// commit acknowledged before the crash survives it, as in production.
+	cl := &Cluster{cfg: localpg.Config{DataDir: filepath.Join(dir, "data"), Port: port,
+		Settings: map[string]string{"synchronous_commit": "on"}, Logger: slog.New(slog.DiscardHandler)}, dir: dir}
+	if cl.c, err = localpg.Start(ctx, cl.cfg); err != nil {
+		os.RemoveAll(dir)
+		unavailable(t, "PostgreSQL", err)
+	}
+	t.Cleanup(func() {
+		cl.c.Stop()
+		os.RemoveAll(dir)
+	})
+	admin, err := pgx.Connect(ctx, cl.c.URL("postgres"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer admin.Close(ctx)
+	if _, err := admin.Exec(ctx, "CREATE DATABASE crash"); err != nil {
+		t.Fatal(err)
+	}
+	u := cl.c.URL("crash")
+	pool, err := pgxpool.New(ctx, u)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(pool.Close)
+	if err := schemas.Migrate(ctx, pool); err != nil {
+		t.Fatal(err)
+	}
+	return cl, &DB{URL: u, Name: "crash", Pool: pool}
+}
+
+// Crash stops the cluster as a crash would: an immediate shutdown
+// (SIGQUIT to the postmaster), with no shutdown checkpoint, so the next
+// start runs crash recovery from the last checkpoint.
+func (cl *Cluster) Crash(t testing.TB) {
+	t.Helper()
+	if err := syscall.Kill(cl.c.PID(), syscall.SIGQUIT); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case <-cl.c.Exited():
+	case <-time.After(30 * time.Second):
+		t.Fatal("PostgreSQL did not exit within 30s of SIGQUIT")
+	}
+}
+
+// Start starts the cluster again on its data directory and port.
+func (cl *Cluster) Start(t testing.TB) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	c, err := localpg.Start(ctx, cl.cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cl.c = c
 }

@@ -61,6 +61,7 @@ var documentedMetrics = []documentedMetric{
 	{doc: "cdc", name: "converge_relay_transactions_in_flight"},
 	{doc: "cdc", name: "converge_relay_records_in_flight"},
 	{doc: "cdc", name: "converge_relay_outbox_transactions_recorded_total"},
+	{doc: "cdc", name: "converge_relay_outbox_rows_already_published_total"},
 	{doc: "cdc", name: "converge_relay_outbox_rows_not_yet_visible_total"},
 	{doc: "cdc", name: "converge_relay_outbox_rows_gone_total"},
 	{doc: "cdc", name: "converge_relay_status_updates_total"},
