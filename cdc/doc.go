@@ -95,7 +95,9 @@
 //     point): when one of them streams again its rows are counted
 //     (converge_relay_outbox_rows_already_published_total) and not produced
 //     again, and it is done at its Commit. Only the rows acknowledged but
-//     not yet recorded are produced again.
+//     not yet recorded are produced again. The record does not say which
+//     slot published a transaction, so a session skips nothing where the
+//     database has another logical slot (another relay's, a shard's).
 //   - Standby status updates set the write, flush and apply positions all to
 //     that LSN (pglogrepl would copy the write position into zero flush/apply
 //     positions). They are sent at least every StatusInterval and at once

@@ -458,8 +458,22 @@ const maxPublishedXIDs = 1 << 20
 // (persistSlot); the rows of those minutes' transactions are in Kafka
 // already, and without this they would all be produced again. A failed
 // read costs only those duplicates: it is logged, and the session goes on.
+//
+// The record (outbox_published_transaction) says nothing of which slot
+// published a transaction: where the database has other logical slots
+// (another relay's, a shard's publication, a second topic's), a transaction
+// recorded by the other relay may not have been produced by this one, so
+// then nothing is skipped.
 func (s *session) loadPublished(ctx context.Context, si slotInfo) {
 	if !si.hasCatalogXmin {
+		return
+	}
+	others, err := s.store.otherLogicalSlots(ctx, s.cfg.SlotName)
+	if err != nil || others > 0 {
+		if err != nil && ctx.Err() == nil {
+			s.log.WarnContext(ctx, "could not count the database's other logical slots; transactions the slot streams again are produced again",
+				slog.String("error", err.Error()))
+		}
 		return
 	}
 	xids, capped, err := outbox.RecordedSince(ctx, s.pool, si.catalogXmin, maxPublishedXIDs)

@@ -192,6 +192,19 @@ LEFT JOIN pg_replication_slots s ON s.slot_name = $1`, name).Scan(&plugin, &slot
 	return si, nil
 }
 
+// otherLogicalSlots counts the logical replication slots of the relay's
+// database other than slot.
+func (s *store) otherLogicalSlots(ctx context.Context, slot string) (int, error) {
+	var n int
+	err := s.pool.QueryRow(ctx, `
+SELECT count(*) FROM pg_replication_slots
+WHERE database = current_database() AND slot_type = 'logical' AND slot_name <> $1`, slot).Scan(&n)
+	if err != nil {
+		return 0, fmt.Errorf("count the other logical slots: %w", err)
+	}
+	return n, nil
+}
+
 func deref(s *string) string {
 	if s == nil {
 		return ""

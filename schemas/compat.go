@@ -56,7 +56,7 @@ func BinaryVersion() int64 {
 }
 
 // Check compares the database's schema with this binary's, the upgrade rule
-// of deploy/README.md ("Upgrades"): `converge migrate` of a release runs
+// of deploy/README.md ("Upgrades and rollbacks"): `converge migrate` of a release runs
 // before its components start, and a release's schema serves the binaries
 // of the release before it, until a migration raises
 // schema_compatibility.oldest_binary past them. It returns the versions and
