@@ -394,7 +394,16 @@ func (c *MigrateCmd) Run(env *runEnv) error {
 	if err := schemas.Migrate(env.ctx, pool); err != nil {
 		return err
 	}
-	fmt.Println("migrations applied")
+	v, err := schemas.Check(env.ctx, pool)
+	if err != nil && !errors.Is(err, schemas.ErrBinaryTooOld) {
+		return err
+	}
+	fmt.Printf("migrations applied: the database is at migration %d, this binary's is %d\n", v.Database, v.Binary)
+	if err != nil {
+		// A newer release migrated the database: nothing to apply, and
+		// this binary's components will not start on it.
+		fmt.Fprintln(os.Stderr, "converge:", err)
+	}
 	return nil
 }
 
