@@ -62,16 +62,17 @@ func TestPostgresCrashDoesNotProduceRecordedTransactionsAgain(t *testing.T) {
 		}
 		checkRecord(t, rs[0], e)
 	}
-	// Whether the slot streamed anything again depends on whether its
-	// position reached disk before the crash (a restart_lsn move, about
-	// every 15 s): say which case this run was.
+	// The slot's state on disk is the one written when it was created (no
+	// checkpoint ran since: the first timed one is minutes away, and an
+	// immediate shutdown writes none), so the slot streamed the 20
+	// transactions again and the session skipped their rows.
 	var m dto.Metric
 	if err := rr.relay.m.rowsAlreadyPublished.Write(&m); err != nil {
 		t.Fatal(err)
 	}
 	skipped := m.GetCounter().GetValue()
 	t.Logf("rows streamed again after the crash and not produced again: %.0f of %d", skipped, len(before))
-	if skipped > float64(len(before)) {
-		t.Errorf("%.0f rows counted as streamed again, more than the %d written before the crash", skipped, len(before))
+	if skipped == 0 || skipped > float64(len(before)) {
+		t.Errorf("%.0f rows counted as streamed again and skipped, want between 1 and the %d written before the crash", skipped, len(before))
 	}
 }

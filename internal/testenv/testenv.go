@@ -546,8 +546,8 @@ func (h *CommitHold) apply(names string) error {
 }
 
 // Cluster is a private PostgreSQL cluster of one test (wal_level=logical,
-// fsync off, synchronous_commit on), which the test may crash and start again; it is stopped and
-// removed when the test ends.
+// fsync off, synchronous_commit on), which the test may crash and start
+// again; it is stopped and removed when the test ends.
 type Cluster struct {
 	cfg localpg.Config
 	c   *localpg.Cluster
