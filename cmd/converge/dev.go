@@ -235,6 +235,9 @@ func prepareDevDatabase(ctx context.Context, dbURL, dataDir string) (map[string]
 	if err := schemas.Migrate(ctx, pool); err != nil {
 		return nil, err
 	}
+	if _, err := schemas.Check(ctx, pool); err != nil { // a newer release migrated it: change nothing
+		return nil, err
+	}
 	if err := os.WriteFile(filepath.Join(dataDir, devDatabaseURLFile), []byte(dbURL+"\n"), 0o600); err != nil {
 		return nil, err
 	}

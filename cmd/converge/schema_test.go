@@ -5,6 +5,7 @@ import (
 	"errors"
 	"io"
 	"log/slog"
+	"os"
 	"testing"
 
 	"github.com/jackc/pgx/v5/stdlib"
@@ -18,8 +19,8 @@ import (
 // operator command that uses the database stops at once, with the schema
 // check's error, on a database one migration behind this binary
 // (ErrSchemaBehind) and on one whose oldest served binary is newer than it
-// (ErrBinaryTooOld); `converge tenants add` and `converge migrate` migrate
-// the database behind and then work.
+// (ErrBinaryTooOld); `converge tenants add` migrates the database behind
+// and then works, and `converge migrate` fails on the newer one as they do.
 func TestComponentsRefuseASchemaThatDoesNotServeThem(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
@@ -66,7 +67,17 @@ func TestComponentsRefuseASchemaThatDoesNotServeThem(t *testing.T) {
 			t.Errorf("converge %s on a schema that serves binaries from %d: %v, want ErrBinaryTooOld", name, bin+1, err)
 		}
 	}
-	if err := (&MigrateCmd{DatabaseURL: newer.URL}).Run(env); err != nil {
-		t.Fatalf("converge migrate on a newer schema: %v (it has nothing to apply)", err)
+	// converge dev stops before it writes into its data directory.
+	dataDir := t.TempDir()
+	if _, err := prepareDevDatabase(ctx, newer.URL, dataDir); !errors.Is(err, schemas.ErrBinaryTooOld) {
+		t.Errorf("converge dev's database preparation on a schema that no longer serves it: %v, want ErrBinaryTooOld", err)
+	}
+	if names, err := os.ReadDir(dataDir); err != nil || len(names) != 0 {
+		t.Errorf("converge dev's data directory after the refusal: %v (%v), want empty", names, err)
+	}
+	// converge migrate has nothing to apply there, and fails as the
+	// components do.
+	if err := (&MigrateCmd{DatabaseURL: newer.URL}).Run(env); !errors.Is(err, schemas.ErrBinaryTooOld) {
+		t.Fatalf("converge migrate on a schema that no longer serves it: %v, want ErrBinaryTooOld", err)
 	}
 }
