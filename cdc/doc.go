@@ -88,16 +88,19 @@
 //   - Transactions streamed again: a session starts from the slot's
 //     confirmed_flush_lsn as PostgreSQL last wrote it to disk, which after
 //     a crash of PostgreSQL may be minutes older than what the relay had
-//     confirmed (persistSlot). At its start a session reads the
-//     transactions recorded published whose xid is at least the slot's
-//     catalog_xmin (outbox.RecordedSince, at most 2^20, 4 bytes each; every
-//     transaction the slot streams again began at or after its restart
-//     point): when one of them streams again its rows are counted
-//     (converge_relay_outbox_rows_already_published_total) and not produced
-//     again, and it is done at its Commit. Only the rows acknowledged but
-//     not yet recorded are produced again. The record does not say which
-//     slot published a transaction, so a session skips nothing where the
-//     database has another logical slot (another relay's, a shard's).
+//     confirmed (persistSlot). The relay therefore records its confirmable
+//     LSN itself, per slot, in relay_progress (migration 00020; the marker
+//     writes it at most once per StatusInterval, shutdown once more). A
+//     session reads it at its start: a transaction whose commit LSN is
+//     below it had every row acknowledged by Kafka (or parked) and recorded
+//     by this slot's relay, so when the slot streams it again its rows are
+//     counted (converge_relay_outbox_rows_already_published_total) and not
+//     produced again, and it is done at its Commit. Only what was confirmed
+//     after the last write (at most about a StatusInterval) and what was
+//     acknowledged but not yet confirmed is produced again. The position is
+//     the slot's own: another relay's slot, or a slot dropped and created
+//     again under the same name (it starts at the current WAL position),
+//     is not affected.
 //   - Standby status updates set the write, flush and apply positions all to
 //     that LSN (pglogrepl would copy the write position into zero flush/apply
 //     positions). They are sent at least every StatusInterval and at once
@@ -263,7 +266,7 @@
 //	converge_relay_transactions_in_flight                     gauge      -           decoded transactions the slot has not passed yet
 //	converge_relay_records_in_flight                          gauge      -           records produced, not yet acknowledged (or parked)
 //	converge_relay_outbox_transactions_recorded_total         counter    -           transactions this relay recorded in outbox_published_transaction
-//	converge_relay_outbox_rows_already_published_total        counter    -           rows streamed again whose transaction an earlier session recorded published: not produced again
+//	converge_relay_outbox_rows_already_published_total        counter    -           rows streamed again below the relay's recorded progress (relay_progress): not produced again
 //	converge_relay_outbox_rows_not_yet_visible_total          counter    -           times a flush found a row to park not yet visible (retried at the next flush)
 //	converge_relay_outbox_rows_gone_total                     counter    -           rows to park deleted after their commit before they were parked
 //	converge_relay_status_updates_total                       counter    -           standby status updates sent

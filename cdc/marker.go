@@ -154,7 +154,37 @@ func (s *session) marker(ctx context.Context) {
 				break
 			}
 		}
+		if time.Since(s.progressAt) >= s.cfg.StatusInterval {
+			s.recordProgress(ctx)
+		}
 	}
+}
+
+// recordProgress writes the tracker's confirmable LSN into relay_progress
+// (migration 00020) when it moved since the last write: the position below
+// which a later session of this slot's relay does not produce again what
+// the slot streams again (loadProgress). The marker calls it at most once
+// per StatusInterval, and shutdown once more after the final status update.
+// Nothing is written after a marker failure, so a transaction whose
+// RelayAfterAckBeforeConfirm fired is never covered. A failed write costs
+// only duplicates after a crash of PostgreSQL: it is logged.
+func (s *session) recordProgress(ctx context.Context) {
+	s.markMu.Lock()
+	lsn, failed := s.tr.confirmable(), s.markErr != nil
+	s.markMu.Unlock()
+	if failed || lsn <= s.progressLSN {
+		return
+	}
+	pctx, cancel := context.WithTimeout(ctx, updateTimeout)
+	defer cancel()
+	if err := s.store.recordProgress(pctx, s.cfg.SlotName, lsn); err != nil {
+		if ctx.Err() == nil {
+			s.log.WarnContext(ctx, "could not record the relay's progress; after a crash of PostgreSQL more may be produced again",
+				slog.String("error", err.Error()))
+		}
+		return
+	}
+	s.progressLSN, s.progressAt = lsn, time.Now()
 }
 
 // stopMarker makes the marker flush once more and waits for it to end.

@@ -129,7 +129,7 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 		}),
 		rowsAlreadyPublished: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "converge_relay_outbox_rows_already_published_total",
-			Help: "Outbox rows the slot streamed again (after a restart, mostly one of PostgreSQL) whose transaction an earlier session had recorded published (outbox_published_transaction): not produced again.",
+			Help: "Outbox rows the slot streamed again (after a restart, mostly one of PostgreSQL) whose transaction committed below the progress this slot's relay recorded (relay_progress): produced and recorded by an earlier session, not produced again.",
 		}),
 		outboxRowsInvisible: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "converge_relay_outbox_rows_not_yet_visible_total",

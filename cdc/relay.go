@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
-	"slices"
 	"sync/atomic"
 	"time"
 
@@ -292,13 +291,17 @@ type session struct {
 	produceCtx context.Context
 
 	relations map[uint32]*relation
-	// published are the 32-bit xids, sorted, of the transactions recorded
-	// published before this session whose xid is at least the slot's
-	// catalog_xmin (outbox.RecordedSince): the slot may stream them again,
-	// and their rows are not produced again. txnPublished is set for the
-	// transaction being received when its xid is one of them.
-	published    []uint32
+	// skipBelow is the position the slot's relay last recorded in
+	// relay_progress before this session: a transaction whose commit LSN
+	// is below it was produced and recorded already, and its rows are not
+	// produced again when the slot streams it again. txnPublished is set
+	// for the transaction being received when it is one of them.
+	skipBelow    pglogrepl.LSN
 	txnPublished bool
+	// progressAt and progressLSN are the marker's last write to
+	// relay_progress (marker.go, recordProgress).
+	progressAt  time.Time
+	progressLSN pglogrepl.LSN
 	// checkNow asks the monitor for a publication check (an outbox
 	// Relation message arrived).
 	checkNow     chan struct{}
@@ -436,7 +439,7 @@ func (r *Relay) open(ctx context.Context) (_ *session, err error) {
 		return nil, err
 	}
 	r.clearStreamBefore(ctx, si.confirmed)
-	s.loadPublished(ctx, si)
+	s.loadProgress(ctx, si)
 	s.tr = newTracker(si.confirmed, s.txnSem)
 	r.confirmed.Store(uint64(si.confirmed))
 	s.m.confirmedLSN.Set(float64(si.confirmed))
@@ -446,48 +449,27 @@ func (r *Relay) open(ctx context.Context) (_ *session, err error) {
 	return s, nil
 }
 
-// maxPublishedXIDs bounds the recorded transactions a session loads to
-// recognize those the slot streams again (4 bytes each): beyond it, the
-// newest are produced again, which at least once allows.
-const maxPublishedXIDs = 1 << 20
-
-// loadPublished reads the transactions recorded published since the slot's
-// catalog_xmin into s.published. After a crash of PostgreSQL the slot
+// loadProgress reads the position this slot's relay last recorded in
+// relay_progress into s.skipBelow. After a crash of PostgreSQL the slot
 // resumes from the confirmed_flush_lsn last written to disk, which on
 // PostgreSQL 15 may be minutes behind what the relay had confirmed
 // (persistSlot); the rows of those minutes' transactions are in Kafka
 // already, and without this they would all be produced again. A failed
 // read costs only those duplicates: it is logged, and the session goes on.
-//
-// The record (outbox_published_transaction) says nothing of which slot
-// published a transaction: where the database has other logical slots
-// (another relay's, a shard's publication, a second topic's), a transaction
-// recorded by the other relay may not have been produced by this one, so
-// then nothing is skipped.
-func (s *session) loadPublished(ctx context.Context, si slotInfo) {
-	if !si.hasCatalogXmin {
-		return
-	}
-	others, err := s.store.otherLogicalSlots(ctx, s.cfg.SlotName)
-	if err != nil || others > 0 {
-		if err != nil && ctx.Err() == nil {
-			s.log.WarnContext(ctx, "could not count the database's other logical slots; transactions the slot streams again are produced again",
-				slog.String("error", err.Error()))
-		}
-		return
-	}
-	xids, capped, err := outbox.RecordedSince(ctx, s.pool, si.catalogXmin, maxPublishedXIDs)
+func (s *session) loadProgress(ctx context.Context, si slotInfo) {
+	lsn, err := s.store.progress(ctx, s.cfg.SlotName)
 	if err != nil {
 		if ctx.Err() == nil {
-			s.log.WarnContext(ctx, "could not read the transactions recorded published; those the slot streams again are produced again",
+			s.log.WarnContext(ctx, "could not read the relay's recorded progress; transactions the slot streams again are produced again",
 				slog.String("error", err.Error()))
 		}
 		return
 	}
-	s.published = xids
-	if capped {
-		s.log.WarnContext(ctx, "more transactions recorded published since the slot's catalog_xmin than the relay keeps; the newer ones are produced again if the slot streams them again",
-			slog.Int("kept", len(xids)), slog.Uint64("catalog_xmin", uint64(si.catalogXmin)))
+	s.skipBelow = lsn
+	s.progressLSN = max(lsn, si.confirmed)
+	if lsn > si.confirmed {
+		s.log.InfoContext(ctx, "the slot resumes before the relay's recorded progress; the transactions in between are not produced again",
+			slog.String("confirmed_flush_lsn", si.confirmed.String()), slog.String("recorded_progress", lsn.String()))
 	}
 }
 
@@ -688,7 +670,7 @@ func (s *session) handleWAL(ctx context.Context, data []byte) error {
 		s.txnSeq = s.tr.begin(m.CommitTime, m.Xid)
 		s.txnCommitLSN = m.FinalLSN
 		s.inTxn = true
-		_, s.txnPublished = slices.BinarySearch(s.published, m.Xid)
+		s.txnPublished = m.FinalLSN < s.skipBelow
 	case *pglogrepl.InsertMessage:
 		if !s.inTxn {
 			return errors.New("pgoutput: Insert outside a transaction")
@@ -721,9 +703,10 @@ func (s *session) produce(ctx context.Context, m *pglogrepl.InsertMessage) error
 		return nil
 	}
 	if s.txnPublished {
-		// Recorded published by an earlier session: every row of the
-		// transaction was acknowledged by Kafka or parked. The
-		// transaction, left without rows, is done at its Commit.
+		// Below the recorded progress: an earlier session had every row
+		// of the transaction acknowledged by Kafka (or parked) and
+		// recorded. The transaction, left without rows, is done at its
+		// Commit.
 		s.m.rowsAlreadyPublished.Inc()
 		return nil
 	}
@@ -801,6 +784,7 @@ func (s *session) shutdown(ctx context.Context) error {
 	if err := s.sendStatus(); err != nil {
 		return fmt.Errorf("final status update: %w", err)
 	}
+	s.recordProgress(ctx)
 	s.persistSlot(ctx)
 	s.log.InfoContext(ctx, "stopped", slog.String("confirmed_lsn", s.tr.confirmable().String()))
 	return nil

@@ -133,11 +133,6 @@ type slotInfo struct {
 	current   string
 	walStatus string
 	confirmed pglogrepl.LSN
-	// catalogXmin is the slot's catalog_xmin (valid when hasCatalogXmin):
-	// every transaction the slot streams again began at or after its
-	// restart point, so its xid is at least this one.
-	catalogXmin    uint32
-	hasCatalogXmin bool
 }
 
 // outboxHasHistory reports whether the outbox holds rows, or the relay's
@@ -162,12 +157,11 @@ func (s *store) slot(ctx context.Context, name string) (slotInfo, error) {
 		si                              slotInfo
 		plugin, slotType, db, walStatus *string
 		confirmed                       *string
-		catalogXmin                     *int64
 	)
 	err := s.pool.QueryRow(ctx, `
-SELECT s.plugin, s.slot_type, s.database, s.wal_status, s.confirmed_flush_lsn::text, s.catalog_xmin::text::bigint, current_database()
+SELECT s.plugin, s.slot_type, s.database, s.wal_status, s.confirmed_flush_lsn::text, current_database()
 FROM (SELECT 1) one
-LEFT JOIN pg_replication_slots s ON s.slot_name = $1`, name).Scan(&plugin, &slotType, &db, &walStatus, &confirmed, &catalogXmin, &si.current)
+LEFT JOIN pg_replication_slots s ON s.slot_name = $1`, name).Scan(&plugin, &slotType, &db, &walStatus, &confirmed, &si.current)
 	if err != nil {
 		return si, fmt.Errorf("look up replication slot %s: %w", name, err)
 	}
@@ -179,9 +173,6 @@ LEFT JOIN pg_replication_slots s ON s.slot_name = $1`, name).Scan(&plugin, &slot
 	si.plugin = deref(plugin)
 	si.database = deref(db)
 	si.walStatus = deref(walStatus)
-	if catalogXmin != nil {
-		si.catalogXmin, si.hasCatalogXmin = uint32(*catalogXmin), true
-	}
 	if confirmed != nil {
 		lsn, err := pglogrepl.ParseLSN(*confirmed)
 		if err != nil {
@@ -192,17 +183,33 @@ LEFT JOIN pg_replication_slots s ON s.slot_name = $1`, name).Scan(&plugin, &slot
 	return si, nil
 }
 
-// otherLogicalSlots counts the logical replication slots of the relay's
-// database other than slot.
-func (s *store) otherLogicalSlots(ctx context.Context, slot string) (int, error) {
-	var n int
+// progress reads the position the relay last recorded for slot in
+// relay_progress (migration 00020); 0 when it recorded none.
+func (s *store) progress(ctx context.Context, slot string) (pglogrepl.LSN, error) {
+	var lsn *string
 	err := s.pool.QueryRow(ctx, `
-SELECT count(*) FROM pg_replication_slots
-WHERE database = current_database() AND slot_type = 'logical' AND slot_name <> $1`, slot).Scan(&n)
+SELECT (SELECT confirmed_lsn::text FROM relay_progress WHERE slot_name = $1)`, slot).Scan(&lsn)
 	if err != nil {
-		return 0, fmt.Errorf("count the other logical slots: %w", err)
+		return 0, fmt.Errorf("read the relay progress of slot %s: %w", slot, err)
 	}
-	return n, nil
+	if lsn == nil {
+		return 0, nil
+	}
+	return pglogrepl.ParseLSN(*lsn)
+}
+
+// recordProgress records lsn as slot's confirmed position in
+// relay_progress: every transaction whose commit LSN is below it was
+// produced and recorded by this slot's relay. The position never moves
+// back.
+func (s *store) recordProgress(ctx context.Context, slot string, lsn pglogrepl.LSN) error {
+	if _, err := s.pool.Exec(ctx, `
+INSERT INTO relay_progress (slot_name, confirmed_lsn) VALUES ($1, $2::pg_lsn)
+ON CONFLICT (slot_name) DO UPDATE
+SET confirmed_lsn = GREATEST(relay_progress.confirmed_lsn, EXCLUDED.confirmed_lsn), updated_at = now()`, slot, lsn.String()); err != nil {
+		return fmt.Errorf("record the relay progress of slot %s at %s: %w", slot, lsn, err)
+	}
+	return nil
 }
 
 func deref(s *string) string {

@@ -3,7 +3,6 @@ package outbox
 import (
 	"context"
 	"fmt"
-	"slices"
 	"strconv"
 	"sync/atomic"
 	"time"
@@ -213,46 +212,6 @@ ON CONFLICT (xid) DO NOTHING`, xs)
 		return 0, fmt.Errorf("record %d published outbox transactions: %w", len(xids), err)
 	}
 	return tag.RowsAffected(), nil
-}
-
-// RecordedSince returns the recorded transactions (RecordTransactions) whose
-// xid is at least xmin, a 32-bit xid such as a replication slot's
-// catalog_xmin, as sorted 32-bit xids (unique: they span less than 2^31), at
-// most limit of them, the oldest first; capped reports that more exist.
-//
-// A relay streams again, after a restart, every transaction committed after
-// its slot's persisted confirmed_flush_lsn: on PostgreSQL 15 that position
-// reaches disk only when restart_lsn moves, so after a crash of PostgreSQL
-// it may be minutes old (longer behind a long transaction). Each of those
-// transactions began at or after the slot's restart point, so its xid is
-// at least the slot's catalog_xmin; those this returns were published
-// already, and need not be produced again. A transaction missing here
-// (recorded after the call, or beyond limit) is produced again, which at
-// least once allows.
-func RecordedSince(ctx context.Context, q dbpool.Querier, xmin uint32, limit int) (xids []uint32, capped bool, err error) {
-	rows, err := q.Query(ctx, `
-SELECT (pt.xid::text::bigint % 4294967296)::bigint
-FROM (SELECT pg_snapshot_xmax(pg_current_snapshot())::text::bigint AS r, $1::bigint AS x) ref,
-     outbox_published_transaction pt
-WHERE pt.xid >= (`+wrapXIDExpr+`)::text::xid8
-ORDER BY pt.xid
-LIMIT $2`, int64(xmin), limit+1)
-	if err != nil {
-		return nil, false, fmt.Errorf("read the transactions recorded published since xid %d: %w", xmin, err)
-	}
-	var x int64
-	_, err = pgx.ForEachRow(rows, []any{&x}, func() error {
-		xids = append(xids, uint32(x))
-		return nil
-	})
-	if err != nil {
-		return nil, false, fmt.Errorf("read the transactions recorded published since xid %d: %w", xmin, err)
-	}
-	if len(xids) > limit {
-		xids, capped = xids[:limit], true
-	}
-	slices.Sort(xids)
-	return xids, capped, nil
 }
 
 // deleteOrphanTransactions removes the recorded transactions among xids

@@ -2,7 +2,6 @@ package outbox_test
 
 import (
 	"context"
-	"slices"
 	"strconv"
 	"testing"
 	"time"
@@ -160,37 +159,5 @@ func TestRecordTransactions(t *testing.T) {
 	}
 	if got := records(); got != 1 {
 		t.Fatalf("%d transaction records while parked p is left, want 1", got)
-	}
-}
-
-// TestRecordedSince: the recorded transactions from an xid on, sorted, the
-// oldest first when more exist than asked for; none from past the newest.
-func TestRecordedSince(t *testing.T) {
-	t.Parallel()
-	ctx := context.Background()
-	db := testenv.NewDB(t)
-	x1 := insertInTx(t, db, "r1")
-	x2 := insertInTx(t, db, "r2")
-	insertInTx(t, db, "unrecorded")
-	x3 := insertInTx(t, db, "r3")
-	if _, err := outbox.RecordTransactions(ctx, db.Pool, []uint32{x3, x1, x2}); err != nil {
-		t.Fatal(err)
-	}
-	for _, tc := range []struct {
-		xmin   uint32
-		limit  int
-		want   []uint32
-		capped bool
-	}{
-		{xmin: x1, limit: 10, want: []uint32{x1, x2, x3}},
-		{xmin: x2, limit: 10, want: []uint32{x2, x3}},
-		{xmin: x3 + 1, limit: 10, want: nil},
-		{xmin: x1, limit: 2, want: []uint32{x1, x2}, capped: true},
-		{xmin: x1, limit: 3, want: []uint32{x1, x2, x3}},
-	} {
-		got, capped, err := outbox.RecordedSince(ctx, db.Pool, tc.xmin, tc.limit)
-		if err != nil || !slices.Equal(got, tc.want) || capped != tc.capped {
-			t.Errorf("RecordedSince(%d, %d) = %v, %v, %v; want %v, %v", tc.xmin, tc.limit, got, capped, err, tc.want, tc.capped)
-		}
 	}
 }
