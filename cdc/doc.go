@@ -100,7 +100,9 @@
 //     acknowledged but not yet confirmed is produced again. The position is
 //     the slot's own: another relay's slot, or a slot dropped and created
 //     again under the same name (it starts at the current WAL position),
-//     is not affected.
+//     is not affected. Like the slot's own position, it does not follow a
+//     change of topic or brokers: a relay restarted on the same slot with
+//     another topic does not produce there what it confirmed to the old one.
 //   - Standby status updates set the write, flush and apply positions all to
 //     that LSN (pglogrepl would copy the write position into zero flush/apply
 //     positions). They are sent at least every StatusInterval and at once
