@@ -2,11 +2,13 @@ package cdc
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"testing"
 	"time"
 
 	"github.com/jackc/pglogrepl"
+	"github.com/jackc/pgx/v5"
 	dto "github.com/prometheus/client_model/go"
 
 	"github.com/converge-run/converge/internal/testenv"
@@ -123,5 +125,113 @@ func TestSecondSlotRelaysWhatTheFirstRecorded(t *testing.T) {
 		if rs := ids[e.id]; len(rs) != 1 {
 			t.Errorf("event %s: %d records in the second relay's cluster, want 1", e.id, len(rs))
 		}
+	}
+}
+
+// recordedProgress reads the bundle's slot's row of relay_progress: its
+// position and whether this cluster wrote it (0, false without a row).
+func (b *testBundle) recordedProgress(t *testing.T) (pglogrepl.LSN, bool) {
+	t.Helper()
+	var lsn string
+	var ours bool
+	err := b.db.Pool.QueryRow(context.Background(), `
+SELECT confirmed_lsn::text, system_identifier = (SELECT system_identifier::text FROM pg_control_system())
+FROM relay_progress WHERE slot_name = $1`, b.slot).Scan(&lsn, &ours)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return 0, false
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	p, err := pglogrepl.ParseLSN(lsn)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return p, ours
+}
+
+// TestProgressOfAnotherClusterIsIgnored: a relay_progress row that another
+// cluster wrote (the database restored there with pg_dump) holds an LSN of
+// that cluster's WAL, which may lie ahead of this one's: the relay ignores
+// it and replaces it, and every new row is produced (the third review of
+// 2026-12-07 lost 10 of 10 new events this way before the system
+// identifier was recorded). The same row written by this cluster is
+// trusted: the relay skips what it says was produced.
+func TestProgressOfAnotherClusterIsIgnored(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		name     string
+		writer   string // system identifier of the planted row; "" for this cluster's
+		skipped  int
+		produced int
+	}{{"another cluster", "7000000000000000001", 0, 1}, {"this cluster", "", 5, 0}} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			b := setup(t)
+			ctx := context.Background()
+			writer := tc.writer
+			if writer == "" {
+				if err := b.db.Pool.QueryRow(ctx, `SELECT system_identifier::text FROM pg_control_system()`).Scan(&writer); err != nil {
+					t.Fatal(err)
+				}
+			}
+			if _, err := b.db.Pool.Exec(ctx, `INSERT INTO relay_progress (slot_name, system_identifier, confirmed_lsn) VALUES ($1, $2, 'FFFF/0')`, b.slot, writer); err != nil {
+				t.Fatal(err)
+			}
+			rr := b.start(t, b.config())
+			b.waitStreaming(t, rr)
+			var evs []outboxEvent
+			var last pglogrepl.LSN
+			for i := range 5 {
+				e := b.event(t, fmt.Sprintf("task-%d", i), 1)
+				evs = append(evs, e)
+				last = b.insertTx(t, e)
+			}
+			testenv.Eventually(t, 20*time.Second, "relay confirmed past the last commit", func() bool {
+				return rr.relay.ConfirmedLSN() > last
+			})
+			ids := byEventID(b.readAll(t))
+			for _, e := range evs {
+				if n := len(ids[e.id]); n != tc.produced {
+					t.Errorf("event %s: %d records in Kafka, want %d", e.id, n, tc.produced)
+				}
+			}
+			var m dto.Metric
+			if err := rr.relay.m.rowsAlreadyPublished.Write(&m); err != nil {
+				t.Fatal(err)
+			}
+			if got := int(m.GetCounter().GetValue()); got != tc.skipped {
+				t.Errorf("%d rows skipped, want %d", got, tc.skipped)
+			}
+			if tc.writer != "" {
+				testenv.Eventually(t, 10*time.Second, "the foreign row replaced by this cluster's", func() bool {
+					p, ours := b.recordedProgress(t)
+					return ours && p < pglogrepl.LSN(0xFFFF)<<32
+				})
+			}
+		})
+	}
+}
+
+// TestCleanStopRecordsProgress: shutdown records the final position even
+// when the marker would not write again for a long while (StatusInterval
+// of an hour: the marker writes once, at its first wake).
+func TestCleanStopRecordsProgress(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	cfg := b.config()
+	cfg.StatusInterval = time.Hour
+	rr := b.start(t, cfg)
+	b.waitStreaming(t, rr)
+	last := b.insertTx(t, b.event(t, "task-stop", 1))
+	testenv.Eventually(t, 20*time.Second, "row recorded published", func() bool { return b.unpublished(t) == 0 })
+	if p, _ := b.recordedProgress(t); p > last {
+		t.Fatalf("progress %s recorded before the stop, past the commit at %s: the test would show nothing", p, last)
+	}
+	if err := rr.stop(t); err != nil {
+		t.Fatalf("Run = %v", err)
+	}
+	if p, ours := b.recordedProgress(t); !ours || p <= last {
+		t.Fatalf("progress after a clean stop %s (this cluster's: %v), want past the commit at %s", p, ours, last)
 	}
 }

@@ -98,11 +98,17 @@
 //     produced again, and it is done at its Commit. Only what was confirmed
 //     after the last write (at most about a StatusInterval) and what was
 //     acknowledged but not yet confirmed is produced again. The position is
-//     the slot's own: another relay's slot, or a slot dropped and created
-//     again under the same name (it starts at the current WAL position),
-//     is not affected. Like the slot's own position, it does not follow a
-//     change of topic or brokers: a relay restarted on the same slot with
-//     another topic does not produce there what it confirmed to the old one.
+//     the slot's own (another relay's slot is not affected:
+//     TestSecondSlotRelaysWhatTheFirstRecorded) and the cluster's: a row
+//     is written with the cluster's system identifier (IDENTIFY_SYSTEM) and
+//     read only by the same cluster, because an LSN of another cluster's
+//     WAL (the database restored there with pg_dump) may lie ahead of this
+//     one's (TestProgressOfAnotherClusterIsIgnored). Within one cluster a
+//     slot dropped and created again under the same name starts at the
+//     current WAL position, above the old position. Like the slot's own
+//     position, it does not follow a change of topic or brokers: a relay
+//     restarted on the same slot with another topic does not produce there
+//     what it confirmed to the old one.
 //   - Standby status updates set the write, flush and apply positions all to
 //     that LSN (pglogrepl would copy the write position into zero flush/apply
 //     positions). They are sent at least every StatusInterval and at once

@@ -172,12 +172,12 @@ func (s *session) recordProgress(ctx context.Context) {
 	s.markMu.Lock()
 	lsn, failed := s.tr.confirmable(), s.markErr != nil
 	s.markMu.Unlock()
-	if failed || lsn <= s.progressLSN {
+	if failed || lsn <= s.progressLSN || s.systemID == "" {
 		return
 	}
 	pctx, cancel := context.WithTimeout(ctx, updateTimeout)
 	defer cancel()
-	if err := s.store.recordProgress(pctx, s.cfg.SlotName, lsn); err != nil {
+	if err := s.store.recordProgress(pctx, s.cfg.SlotName, s.systemID, lsn); err != nil {
 		if ctx.Err() == nil {
 			s.log.WarnContext(ctx, "could not record the relay's progress; after a crash of PostgreSQL more may be produced again",
 				slog.String("error", err.Error()))

@@ -299,9 +299,13 @@ type session struct {
 	skipBelow    pglogrepl.LSN
 	txnPublished bool
 	// progressAt and progressLSN are the marker's last write to
-	// relay_progress (marker.go, recordProgress).
+	// relay_progress (marker.go, recordProgress); systemID is the
+	// cluster's system identifier (IDENTIFY_SYSTEM), which the rows are
+	// written with and read by: "" when it could not be read, and then
+	// the session neither reads nor writes progress.
 	progressAt  time.Time
 	progressLSN pglogrepl.LSN
+	systemID    string
 	// checkNow asks the monitor for a publication check (an outbox
 	// Relation message arrived).
 	checkNow     chan struct{}
@@ -353,6 +357,17 @@ func (r *Relay) open(ctx context.Context) (_ *session, err error) {
 	dbpool.SetApplicationName(replCfg.RuntimeParams, "converge-relay")
 	if s.repl, err = pgconn.ConnectConfig(ctx, replCfg); err != nil {
 		return nil, fmt.Errorf("open replication connection: %w", err)
+	}
+	// The cluster's identity, for the relay's recorded progress (before
+	// START_REPLICATION: the connection takes no command after it).
+	if id, err := pglogrepl.IdentifySystem(ctx, s.repl); err != nil {
+		if ctx.Err() != nil {
+			return nil, err
+		}
+		s.log.WarnContext(ctx, "could not identify the cluster (IDENTIFY_SYSTEM); the relay's progress is neither read nor recorded this session",
+			slog.String("error", err.Error()))
+	} else {
+		s.systemID = id.SystemID
 	}
 
 	si, err := s.store.slot(ctx, cfg.SlotName)
@@ -457,7 +472,10 @@ func (r *Relay) open(ctx context.Context) (_ *session, err error) {
 // already, and without this they would all be produced again. A failed
 // read costs only those duplicates: it is logged, and the session goes on.
 func (s *session) loadProgress(ctx context.Context, si slotInfo) {
-	lsn, err := s.store.progress(ctx, s.cfg.SlotName)
+	if s.systemID == "" {
+		return
+	}
+	lsn, err := s.store.progress(ctx, s.cfg.SlotName, s.systemID)
 	if err != nil {
 		if ctx.Err() == nil {
 			s.log.WarnContext(ctx, "could not read the relay's recorded progress; transactions the slot streams again are produced again",

@@ -184,11 +184,12 @@ LEFT JOIN pg_replication_slots s ON s.slot_name = $1`, name).Scan(&plugin, &slot
 }
 
 // progress reads the position the relay last recorded for slot in
-// relay_progress (migration 00020); 0 when it recorded none.
-func (s *store) progress(ctx context.Context, slot string) (pglogrepl.LSN, error) {
+// relay_progress (migration 00020) on the cluster whose system identifier
+// is systemID; 0 when it recorded none there.
+func (s *store) progress(ctx context.Context, slot, systemID string) (pglogrepl.LSN, error) {
 	var lsn *string
 	err := s.pool.QueryRow(ctx, `
-SELECT (SELECT confirmed_lsn::text FROM relay_progress WHERE slot_name = $1)`, slot).Scan(&lsn)
+SELECT (SELECT confirmed_lsn::text FROM relay_progress WHERE slot_name = $1 AND system_identifier = $2)`, slot, systemID).Scan(&lsn)
 	if err != nil {
 		return 0, fmt.Errorf("read the relay progress of slot %s: %w", slot, err)
 	}
@@ -199,14 +200,19 @@ SELECT (SELECT confirmed_lsn::text FROM relay_progress WHERE slot_name = $1)`, s
 }
 
 // recordProgress records lsn as slot's confirmed position in
-// relay_progress: every transaction whose commit LSN is below it was
-// produced and recorded by this slot's relay. The position never moves
-// back.
-func (s *store) recordProgress(ctx context.Context, slot string, lsn pglogrepl.LSN) error {
+// relay_progress, on the cluster whose system identifier is systemID:
+// every transaction whose commit LSN is below it was produced and recorded
+// by this slot's relay. The position never moves back, except over a row
+// another cluster wrote, which it replaces.
+func (s *store) recordProgress(ctx context.Context, slot, systemID string, lsn pglogrepl.LSN) error {
 	if _, err := s.pool.Exec(ctx, `
-INSERT INTO relay_progress (slot_name, confirmed_lsn) VALUES ($1, $2::pg_lsn)
+INSERT INTO relay_progress (slot_name, system_identifier, confirmed_lsn) VALUES ($1, $2, $3::pg_lsn)
 ON CONFLICT (slot_name) DO UPDATE
-SET confirmed_lsn = GREATEST(relay_progress.confirmed_lsn, EXCLUDED.confirmed_lsn), updated_at = now()`, slot, lsn.String()); err != nil {
+SET confirmed_lsn = CASE WHEN relay_progress.system_identifier = EXCLUDED.system_identifier
+                         THEN GREATEST(relay_progress.confirmed_lsn, EXCLUDED.confirmed_lsn)
+                         ELSE EXCLUDED.confirmed_lsn END,
+    system_identifier = EXCLUDED.system_identifier,
+    updated_at = now()`, slot, systemID, lsn.String()); err != nil {
 		return fmt.Errorf("record the relay progress of slot %s at %s: %w", slot, lsn, err)
 	}
 	return nil

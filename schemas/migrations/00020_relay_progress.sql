@@ -8,12 +8,20 @@
 -- acknowledged by Kafka (or parked) and recorded by this slot's relay: a new
 -- session does not produce their rows again (cdc, "Transactions streamed
 -- again"). The relay writes the row at most once per status interval and at
--- a clean stop. A slot dropped and created again under the same name starts
--- at the current WAL position, above any confirmed_lsn of the old one.
+-- a clean stop.
+--
+-- An LSN means something only in the WAL of the cluster that wrote it:
+-- system_identifier is that cluster's (IDENTIFY_SYSTEM). A row written by
+-- another cluster (the database restored there with pg_dump, or copied by
+-- logical replication) is ignored and replaced: its LSN may lie ahead of
+-- this cluster's WAL, and a slot created here would stream new
+-- transactions below it. Within one cluster a slot created again under the
+-- same name starts at the current WAL position, above the old row's LSN.
 CREATE TABLE relay_progress (
-  slot_name     text PRIMARY KEY,
-  confirmed_lsn pg_lsn NOT NULL,
-  updated_at    timestamptz NOT NULL DEFAULT now()
+  slot_name         text PRIMARY KEY,
+  system_identifier text NOT NULL,
+  confirmed_lsn     pg_lsn NOT NULL,
+  updated_at        timestamptz NOT NULL DEFAULT now()
 );
 
 -- +goose Down
