@@ -103,7 +103,14 @@
 //     is written with the cluster's system identifier (IDENTIFY_SYSTEM) and
 //     read only by the same cluster, because an LSN of another cluster's
 //     WAL (the database restored there with pg_dump) may lie ahead of this
-//     one's (TestProgressOfAnotherClusterIsIgnored). Within one cluster a
+//     one's (TestProgressOfAnotherClusterIsIgnored). A row ahead of the
+//     server's WAL flush position (IDENTIFY_SYSTEM) cannot be this WAL's
+//     either (a cluster of the same lineage, built from one base backup):
+//     the relay removes it. A write lands only while the session's own
+//     walsender holds the slot on the server the pool reaches (not through
+//     a pool that reconnected to a promoted standby while the replication
+//     connection hangs on the old primary:
+//     TestProgressIsRecordedOnlyByTheSlotsWalsender). Within one cluster a
 //     slot dropped and created again under the same name starts at the
 //     current WAL position, above the old position. Like the slot's own
 //     position, it does not follow a change of topic or brokers: a relay

@@ -177,7 +177,7 @@ func (s *session) recordProgress(ctx context.Context) {
 	}
 	pctx, cancel := context.WithTimeout(ctx, updateTimeout)
 	defer cancel()
-	if err := s.store.recordProgress(pctx, s.cfg.SlotName, s.systemID, lsn); err != nil {
+	if err := s.store.recordProgress(pctx, s.cfg.SlotName, s.systemID, s.walsender, lsn); err != nil {
 		if ctx.Err() == nil {
 			s.log.WarnContext(ctx, "could not record the relay's progress; after a crash of PostgreSQL more may be produced again",
 				slog.String("error", err.Error()))

@@ -306,6 +306,8 @@ type session struct {
 	progressAt  time.Time
 	progressLSN pglogrepl.LSN
 	systemID    string
+	walAtStart  pglogrepl.LSN // the server's WAL flush position from IDENTIFY_SYSTEM
+	walsender   uint32        // the process id of the replication connection's walsender
 	// checkNow asks the monitor for a publication check (an outbox
 	// Relation message arrived).
 	checkNow     chan struct{}
@@ -367,7 +369,7 @@ func (r *Relay) open(ctx context.Context) (_ *session, err error) {
 		s.log.WarnContext(ctx, "could not identify the cluster (IDENTIFY_SYSTEM); the relay's progress is neither read nor recorded this session",
 			slog.String("error", err.Error()))
 	} else {
-		s.systemID = id.SystemID
+		s.systemID, s.walAtStart, s.walsender = id.SystemID, id.XLogPos, s.repl.PID()
 	}
 
 	si, err := s.store.slot(ctx, cfg.SlotName)
@@ -378,6 +380,14 @@ func (r *Relay) open(ctx context.Context) (_ *session, err error) {
 		created, err := createSlot(ctx, s.repl, cfg.SlotName)
 		if err != nil {
 			return nil, err
+		}
+		if created && s.systemID != "" {
+			// A new slot streams only what commits after it: a recorded
+			// progress of a slot of the same name before it says nothing
+			// about this one.
+			if err := s.store.forgetProgress(ctx, cfg.SlotName); err != nil {
+				return nil, err
+			}
 		}
 		if created {
 			// After events were written, a new slot means the rows
@@ -472,6 +482,7 @@ func (r *Relay) open(ctx context.Context) (_ *session, err error) {
 // already, and without this they would all be produced again. A failed
 // read costs only those duplicates: it is logged, and the session goes on.
 func (s *session) loadProgress(ctx context.Context, si slotInfo) {
+	s.progressAt = time.Now() // the marker's first write comes a StatusInterval after the start
 	if s.systemID == "" {
 		return
 	}
@@ -480,6 +491,19 @@ func (s *session) loadProgress(ctx context.Context, si slotInfo) {
 		if ctx.Err() == nil {
 			s.log.WarnContext(ctx, "could not read the relay's recorded progress; transactions the slot streams again are produced again",
 				slog.String("error", err.Error()))
+		}
+		return
+	}
+	if lsn > s.walAtStart {
+		// Written by this cluster's system identifier but ahead of its
+		// WAL: a copy of another cluster of the same lineage (built from
+		// one base backup, then diverged). Not this WAL's position: drop
+		// it, so that no later session trusts it either.
+		s.log.WarnContext(ctx, "the relay's recorded progress lies ahead of this cluster's WAL (the database was copied from another cluster); removing it",
+			slog.String("recorded_progress", lsn.String()), slog.String("wal_flush_lsn", s.walAtStart.String()))
+		if err := s.store.forgetProgress(ctx, s.cfg.SlotName); err != nil {
+			s.log.WarnContext(ctx, "could not remove the relay's recorded progress; this session neither reads nor records it", slog.String("error", err.Error()))
+			s.systemID = ""
 		}
 		return
 	}

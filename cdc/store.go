@@ -202,18 +202,32 @@ SELECT (SELECT confirmed_lsn::text FROM relay_progress WHERE slot_name = $1 AND 
 // recordProgress records lsn as slot's confirmed position in
 // relay_progress, on the cluster whose system identifier is systemID:
 // every transaction whose commit LSN is below it was produced and recorded
-// by this slot's relay. The position never moves back, except over a row
-// another cluster wrote, which it replaces.
-func (s *store) recordProgress(ctx context.Context, slot, systemID string, lsn pglogrepl.LSN) error {
+// by this slot's relay. It writes only while the walsender of process
+// walsender holds the slot on the server the pool reaches, so that a write
+// through a pool that reconnected elsewhere (a promoted standby behind the
+// same address, while the replication connection still hangs on the old
+// primary) changes nothing. The position never moves back, except over a
+// row another cluster wrote, which it replaces.
+func (s *store) recordProgress(ctx context.Context, slot, systemID string, walsender uint32, lsn pglogrepl.LSN) error {
 	if _, err := s.pool.Exec(ctx, `
-INSERT INTO relay_progress (slot_name, system_identifier, confirmed_lsn) VALUES ($1, $2, $3::pg_lsn)
+INSERT INTO relay_progress (slot_name, system_identifier, confirmed_lsn)
+SELECT $1::text, $2, $3::pg_lsn
+WHERE EXISTS (SELECT 1 FROM pg_replication_slots WHERE slot_name::text = $1::text AND active_pid = $4)
 ON CONFLICT (slot_name) DO UPDATE
 SET confirmed_lsn = CASE WHEN relay_progress.system_identifier = EXCLUDED.system_identifier
                          THEN GREATEST(relay_progress.confirmed_lsn, EXCLUDED.confirmed_lsn)
                          ELSE EXCLUDED.confirmed_lsn END,
     system_identifier = EXCLUDED.system_identifier,
-    updated_at = now()`, slot, systemID, lsn.String()); err != nil {
+    updated_at = now()`, slot, systemID, lsn.String(), int64(walsender)); err != nil {
 		return fmt.Errorf("record the relay progress of slot %s at %s: %w", slot, lsn, err)
+	}
+	return nil
+}
+
+// forgetProgress removes slot's row of relay_progress.
+func (s *store) forgetProgress(ctx context.Context, slot string) error {
+	if _, err := s.pool.Exec(ctx, `DELETE FROM relay_progress WHERE slot_name = $1`, slot); err != nil {
+		return fmt.Errorf("remove the relay progress of slot %s: %w", slot, err)
 	}
 	return nil
 }

@@ -15,8 +15,10 @@
 -- another cluster (the database restored there with pg_dump, or copied by
 -- logical replication) is ignored and replaced: its LSN may lie ahead of
 -- this cluster's WAL, and a slot created here would stream new
--- transactions below it. Within one cluster a slot created again under the
--- same name starts at the current WAL position, above the old row's LSN.
+-- transactions below it. A row ahead of the server's WAL (a cluster of the
+-- same lineage, same system identifier) is removed. Within one cluster a
+-- slot created again under the same name starts at the current WAL
+-- position, above the old row's LSN.
 CREATE TABLE relay_progress (
   slot_name         text PRIMARY KEY,
   system_identifier text NOT NULL,
