@@ -251,10 +251,35 @@ func TestProgressIsRecordedOnlyByTheSlotsWalsender(t *testing.T) {
 		t.Fatal(err)
 	}
 	high := pglogrepl.LSN(0xFFFF) << 32
-	if err := (&store{pool: b.db.Pool}).recordProgress(ctx, b.slot, systemID, 1, high); err != nil {
-		t.Fatal(err)
+	if written, err := (&store{pool: b.db.Pool}).recordProgress(ctx, b.slot, systemID, 1, high); err != nil || written {
+		t.Fatalf("recordProgress by a process that does not hold the slot: written %v, err %v; want false, nil", written, err)
 	}
 	if p, _ := b.recordedProgress(t); p == high {
 		t.Fatalf("progress %s recorded by a process that does not hold the slot", p)
+	}
+}
+
+// TestNewSlotForgetsOlderProgress: the relay forgets the progress recorded
+// under its slot's name before it creates the slot (an older slot of that
+// name, a copied database): a new slot streams only what commits after it.
+func TestNewSlotForgetsOlderProgress(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ctx := context.Background()
+	if _, err := b.db.Pool.Exec(ctx, `
+INSERT INTO relay_progress (slot_name, system_identifier, confirmed_lsn)
+SELECT $1, system_identifier::text, '0/1' FROM pg_control_system()`, b.slot); err != nil {
+		t.Fatal(err)
+	}
+	cfg := b.config()
+	cfg.StatusInterval = time.Hour // the marker does not write: only the forget changes the row
+	rr := b.start(t, cfg)
+	b.waitStreaming(t, rr)
+	var n int
+	if err := b.db.Pool.QueryRow(ctx, `SELECT count(*) FROM relay_progress WHERE slot_name = $1`, b.slot).Scan(&n); err != nil {
+		t.Fatal(err)
+	}
+	if n != 0 {
+		t.Fatalf("%d progress rows of the slot's name after the relay created the slot, want 0", n)
 	}
 }

@@ -110,10 +110,11 @@
 //     walsender holds the slot on the server the pool reaches (not through
 //     a pool that reconnected to a promoted standby while the replication
 //     connection hangs on the old primary:
-//     TestProgressIsRecordedOnlyByTheSlotsWalsender). Within one cluster a
-//     slot dropped and created again under the same name starts at the
-//     current WAL position, above the old position. Like the slot's own
-//     position, it does not follow a change of topic or brokers: a relay
+//     TestProgressIsRecordedOnlyByTheSlotsWalsender; such a write is logged
+//     once per session). Before it creates its slot, the relay forgets the
+//     progress recorded under the slot's name, which says nothing of a new
+//     slot (TestNewSlotForgetsOlderProgress). Like the slot's own position,
+//     the progress does not follow a change of topic or brokers: a relay
 //     restarted on the same slot with another topic does not produce there
 //     what it confirmed to the old one.
 //   - Standby status updates set the write, flush and apply positions all to

@@ -177,10 +177,20 @@ func (s *session) recordProgress(ctx context.Context) {
 	}
 	pctx, cancel := context.WithTimeout(ctx, updateTimeout)
 	defer cancel()
-	if err := s.store.recordProgress(pctx, s.cfg.SlotName, s.systemID, s.walsender, lsn); err != nil {
+	written, err := s.store.recordProgress(pctx, s.cfg.SlotName, s.systemID, s.walsender, lsn)
+	if err != nil {
 		if ctx.Err() == nil {
 			s.log.WarnContext(ctx, "could not record the relay's progress; after a crash of PostgreSQL more may be produced again",
 				slog.String("error", err.Error()))
+		}
+		return
+	}
+	if !written {
+		s.progressAt = time.Now() // tried again a StatusInterval later
+		if !s.progressBlocked {
+			s.progressBlocked = true
+			s.log.WarnContext(ctx, "the relay's progress is not recorded: the server the pool reaches shows the slot not held by this session's walsender (a failover, or a proxy between the relay and PostgreSQL); after a crash of PostgreSQL more may be produced again",
+				slog.Uint64("walsender_pid", uint64(s.walsender)))
 		}
 		return
 	}

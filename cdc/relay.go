@@ -303,11 +303,12 @@ type session struct {
 	// cluster's system identifier (IDENTIFY_SYSTEM), which the rows are
 	// written with and read by: "" when it could not be read, and then
 	// the session neither reads nor writes progress.
-	progressAt  time.Time
-	progressLSN pglogrepl.LSN
-	systemID    string
-	walAtStart  pglogrepl.LSN // the server's WAL flush position from IDENTIFY_SYSTEM
-	walsender   uint32        // the process id of the replication connection's walsender
+	progressAt      time.Time
+	progressLSN     pglogrepl.LSN
+	progressBlocked bool // a write found the slot not held by this session's walsender (logged once)
+	systemID        string
+	walAtStart      pglogrepl.LSN // the server's WAL flush position from IDENTIFY_SYSTEM
+	walsender       uint32        // the process id of the replication connection's walsender
 	// checkNow asks the monitor for a publication check (an outbox
 	// Relation message arrived).
 	checkNow     chan struct{}
@@ -377,17 +378,16 @@ func (r *Relay) open(ctx context.Context) (_ *session, err error) {
 		return nil, err
 	}
 	if !si.exists {
+		// A new slot streams only what commits after it: a progress
+		// recorded for an earlier slot of its name says nothing about it.
+		// Forgotten before the slot exists, so that a failure here (or a
+		// crash) repeats it at the next attempt.
+		if err := s.store.forgetProgress(ctx, cfg.SlotName); err != nil {
+			return nil, err
+		}
 		created, err := createSlot(ctx, s.repl, cfg.SlotName)
 		if err != nil {
 			return nil, err
-		}
-		if created && s.systemID != "" {
-			// A new slot streams only what commits after it: a recorded
-			// progress of a slot of the same name before it says nothing
-			// about this one.
-			if err := s.store.forgetProgress(ctx, cfg.SlotName); err != nil {
-				return nil, err
-			}
 		}
 		if created {
 			// After events were written, a new slot means the rows

@@ -206,10 +206,10 @@ SELECT (SELECT confirmed_lsn::text FROM relay_progress WHERE slot_name = $1 AND 
 // walsender holds the slot on the server the pool reaches, so that a write
 // through a pool that reconnected elsewhere (a promoted standby behind the
 // same address, while the replication connection still hangs on the old
-// primary) changes nothing. The position never moves back, except over a
-// row another cluster wrote, which it replaces.
-func (s *store) recordProgress(ctx context.Context, slot, systemID string, walsender uint32, lsn pglogrepl.LSN) error {
-	if _, err := s.pool.Exec(ctx, `
+// primary) changes nothing, and written is false. The position never moves
+// back, except over a row another cluster wrote, which it replaces.
+func (s *store) recordProgress(ctx context.Context, slot, systemID string, walsender uint32, lsn pglogrepl.LSN) (written bool, err error) {
+	tag, err := s.pool.Exec(ctx, `
 INSERT INTO relay_progress (slot_name, system_identifier, confirmed_lsn)
 SELECT $1::text, $2, $3::pg_lsn
 WHERE EXISTS (SELECT 1 FROM pg_replication_slots WHERE slot_name::text = $1::text AND active_pid = $4)
@@ -218,10 +218,11 @@ SET confirmed_lsn = CASE WHEN relay_progress.system_identifier = EXCLUDED.system
                          THEN GREATEST(relay_progress.confirmed_lsn, EXCLUDED.confirmed_lsn)
                          ELSE EXCLUDED.confirmed_lsn END,
     system_identifier = EXCLUDED.system_identifier,
-    updated_at = now()`, slot, systemID, lsn.String(), int64(walsender)); err != nil {
-		return fmt.Errorf("record the relay progress of slot %s at %s: %w", slot, lsn, err)
+    updated_at = now()`, slot, systemID, lsn.String(), int64(walsender))
+	if err != nil {
+		return false, fmt.Errorf("record the relay progress of slot %s at %s: %w", slot, lsn, err)
 	}
-	return nil
+	return tag.RowsAffected() == 1, nil
 }
 
 // forgetProgress removes slot's row of relay_progress.

@@ -16,9 +16,8 @@
 -- logical replication) is ignored and replaced: its LSN may lie ahead of
 -- this cluster's WAL, and a slot created here would stream new
 -- transactions below it. A row ahead of the server's WAL (a cluster of the
--- same lineage, same system identifier) is removed. Within one cluster a
--- slot created again under the same name starts at the current WAL
--- position, above the old row's LSN.
+-- same lineage, same system identifier) is removed, and so is the row of a
+-- slot name before the relay creates that slot.
 CREATE TABLE relay_progress (
   slot_name         text PRIMARY KEY,
   system_identifier text NOT NULL,
