@@ -208,8 +208,20 @@ SELECT (SELECT confirmed_lsn::text FROM relay_progress WHERE slot_name = $1 AND 
 // same address, while the replication connection still hangs on the old
 // primary) changes nothing, and written is false. The position never moves
 // back, except over a row another cluster wrote, which it replaces.
+//
+// The write commits with synchronous_commit = local: a synchronous standby
+// that does not confirm (which holds every other commit, the records of
+// published transactions included) must not hold the marker here, and a
+// position the standby has not received yet costs at most duplicates after
+// a failover; the records it covers committed before it with the
+// database's own setting.
 func (s *store) recordProgress(ctx context.Context, slot, systemID string, walsender uint32, lsn pglogrepl.LSN) (written bool, err error) {
-	tag, err := s.pool.Exec(ctx, `
+	var tag pgconn.CommandTag
+	err = pgx.BeginFunc(ctx, s.pool, func(tx pgx.Tx) error {
+		if _, err := tx.Exec(ctx, `SET LOCAL synchronous_commit = local`); err != nil {
+			return err
+		}
+		tag, err = tx.Exec(ctx, `
 INSERT INTO relay_progress (slot_name, system_identifier, confirmed_lsn)
 SELECT $1::text, $2, $3::pg_lsn
 WHERE EXISTS (SELECT 1 FROM pg_replication_slots WHERE slot_name::text = $1::text AND active_pid = $4)
@@ -219,6 +231,8 @@ SET confirmed_lsn = CASE WHEN relay_progress.system_identifier = EXCLUDED.system
                          ELSE EXCLUDED.confirmed_lsn END,
     system_identifier = EXCLUDED.system_identifier,
     updated_at = now()`, slot, systemID, lsn.String(), int64(walsender))
+		return err
+	})
 	if err != nil {
 		return false, fmt.Errorf("record the relay progress of slot %s at %s: %w", slot, lsn, err)
 	}
