@@ -77,12 +77,8 @@ func TestPostgresCrashDoesNotProduceConfirmedTransactionsAgain(t *testing.T) {
 	// checkpoint ran since: the first timed one is minutes away, and an
 	// immediate shutdown writes none), so the slot streamed the 20
 	// transactions again, and the session skipped all their rows.
-	var m dto.Metric
-	if err := rr.relay.m.rowsAlreadyPublished.Write(&m); err != nil {
-		t.Fatal(err)
-	}
-	if skipped := m.GetCounter().GetValue(); skipped != float64(len(before)) {
-		t.Errorf("%.0f rows counted as streamed again and skipped, want the %d written before the crash", skipped, len(before))
+	if skipped := rr.skipped(t); skipped != len(before) {
+		t.Errorf("%d rows counted as streamed again and skipped, want the %d written before the crash", skipped, len(before))
 	}
 }
 
@@ -105,13 +101,7 @@ func TestSecondSlotRelaysWhatTheFirstRecorded(t *testing.T) {
 
 	first := b.start(t, b.config())
 	b.waitStreaming(t, first)
-	var evs []outboxEvent
-	var last pglogrepl.LSN
-	for i := range 10 {
-		e := b.event(t, fmt.Sprintf("task-%d", i), 1)
-		evs = append(evs, e)
-		last = b.insertTx(t, e)
-	}
+	evs, last := b.insertEvents(t, 10)
 	testenv.Eventually(t, 20*time.Second, "first relay confirmed past the last commit, every row recorded", func() bool {
 		return first.relay.ConfirmedLSN() > last && b.unpublished(t) == 0
 	})
@@ -126,6 +116,40 @@ func TestSecondSlotRelaysWhatTheFirstRecorded(t *testing.T) {
 			t.Errorf("event %s: %d records in the second relay's cluster, want 1", e.id, len(rs))
 		}
 	}
+}
+
+// insertEvents writes n events, of tasks task-0 … task-<n-1> at version 1,
+// each in a transaction of its own; it returns them and the WAL insert
+// position read before the last COMMIT (insertTx).
+func (b *testBundle) insertEvents(t *testing.T, n int) ([]outboxEvent, pglogrepl.LSN) {
+	t.Helper()
+	evs := make([]outboxEvent, n)
+	var last pglogrepl.LSN
+	for i := range evs {
+		evs[i] = b.event(t, fmt.Sprintf("task-%d", i), 1)
+		last = b.insertTx(t, evs[i])
+	}
+	return evs, last
+}
+
+// skipped is the relay's converge_relay_outbox_rows_already_published_total.
+func (rr *runningRelay) skipped(t *testing.T) int {
+	t.Helper()
+	var m dto.Metric
+	if err := rr.relay.m.rowsAlreadyPublished.Write(&m); err != nil {
+		t.Fatal(err)
+	}
+	return int(m.GetCounter().GetValue())
+}
+
+// systemID is the system identifier of the bundle's cluster.
+func (b *testBundle) systemID(t *testing.T) string {
+	t.Helper()
+	var id string
+	if err := b.db.Pool.QueryRow(context.Background(), `SELECT system_identifier::text FROM pg_control_system()`).Scan(&id); err != nil {
+		t.Fatal(err)
+	}
+	return id
 }
 
 // recordedProgress reads the bundle's slot's row of relay_progress: its
@@ -173,22 +197,14 @@ func TestProgressOfAnotherClusterIsIgnored(t *testing.T) {
 			ctx := context.Background()
 			writer := tc.writer
 			if writer == "" {
-				if err := b.db.Pool.QueryRow(ctx, `SELECT system_identifier::text FROM pg_control_system()`).Scan(&writer); err != nil {
-					t.Fatal(err)
-				}
+				writer = b.systemID(t)
 			}
 			if _, err := b.db.Pool.Exec(ctx, `INSERT INTO relay_progress (slot_name, system_identifier, confirmed_lsn) VALUES ($1, $2, 'FFFF/0')`, b.slot, writer); err != nil {
 				t.Fatal(err)
 			}
 			rr := b.start(t, b.config())
 			b.waitStreaming(t, rr)
-			var evs []outboxEvent
-			var last pglogrepl.LSN
-			for i := range 5 {
-				e := b.event(t, fmt.Sprintf("task-%d", i), 1)
-				evs = append(evs, e)
-				last = b.insertTx(t, e)
-			}
+			evs, last := b.insertEvents(t, 5)
 			testenv.Eventually(t, 20*time.Second, "relay confirmed past the last commit", func() bool {
 				return rr.relay.ConfirmedLSN() > last
 			})
@@ -198,11 +214,7 @@ func TestProgressOfAnotherClusterIsIgnored(t *testing.T) {
 					t.Errorf("event %s: %d records in Kafka, want %d", e.id, n, tc.produced)
 				}
 			}
-			var m dto.Metric
-			if err := rr.relay.m.rowsAlreadyPublished.Write(&m); err != nil {
-				t.Fatal(err)
-			}
-			if got := int(m.GetCounter().GetValue()); got != tc.skipped {
+			if got := rr.skipped(t); got != tc.skipped {
 				t.Errorf("%d rows skipped, want %d", got, tc.skipped)
 			}
 			testenv.Eventually(t, 10*time.Second, "the foreign row replaced by this cluster's", func() bool {
@@ -246,12 +258,8 @@ func TestProgressIsRecordedOnlyByTheSlotsWalsender(t *testing.T) {
 	rr := b.start(t, b.config())
 	b.waitStreaming(t, rr)
 	ctx := context.Background()
-	var systemID string
-	if err := b.db.Pool.QueryRow(ctx, `SELECT system_identifier::text FROM pg_control_system()`).Scan(&systemID); err != nil {
-		t.Fatal(err)
-	}
 	high := pglogrepl.LSN(0xFFFF) << 32
-	if written, err := (&store{pool: b.db.Pool}).recordProgress(ctx, b.slot, systemID, 1, high); err != nil || written {
+	if written, err := (&store{pool: b.db.Pool}).recordProgress(ctx, b.slot, b.systemID(t), 1, high); err != nil || written {
 		t.Fatalf("recordProgress by a process that does not hold the slot: written %v, err %v; want false, nil", written, err)
 	}
 	if p, _ := b.recordedProgress(t); p == high {

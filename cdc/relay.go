@@ -294,10 +294,10 @@ type session struct {
 	// skipBelow is the position the slot's relay last recorded in
 	// relay_progress before this session: a transaction whose commit LSN
 	// is below it was produced and recorded already, and its rows are not
-	// produced again when the slot streams it again. txnPublished is set
+	// produced again when the slot streams it again. txnBelowProgress is set
 	// for the transaction being received when it is one of them.
-	skipBelow    pglogrepl.LSN
-	txnPublished bool
+	skipBelow        pglogrepl.LSN
+	txnBelowProgress bool
 	// progressAt and progressLSN are the marker's last write to
 	// relay_progress (marker.go, recordProgress); systemID is the
 	// cluster's system identifier (IDENTIFY_SYSTEM), which the rows are
@@ -712,7 +712,7 @@ func (s *session) handleWAL(ctx context.Context, data []byte) error {
 		s.txnSeq = s.tr.begin(m.CommitTime, m.Xid)
 		s.txnCommitLSN = m.FinalLSN
 		s.inTxn = true
-		s.txnPublished = m.FinalLSN < s.skipBelow
+		s.txnBelowProgress = m.FinalLSN < s.skipBelow
 	case *pglogrepl.InsertMessage:
 		if !s.inTxn {
 			return errors.New("pgoutput: Insert outside a transaction")
@@ -744,7 +744,7 @@ func (s *session) produce(ctx context.Context, m *pglogrepl.InsertMessage) error
 	if !rel.outbox {
 		return nil
 	}
-	if s.txnPublished {
+	if s.txnBelowProgress {
 		// Below the recorded progress: an earlier session had every row
 		// of the transaction acknowledged by Kafka (or parked) and
 		// recorded. The transaction, left without rows, is done at its

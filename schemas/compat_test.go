@@ -6,7 +6,6 @@ import (
 	"io/fs"
 	"testing"
 
-	"github.com/jackc/pgx/v5/stdlib"
 	"github.com/pressly/goose/v3"
 
 	"github.com/converge-run/converge/internal/testenv"
@@ -79,11 +78,7 @@ func TestCheck(t *testing.T) {
 	t.Run("behind", func(t *testing.T) {
 		t.Parallel()
 		db := testenv.NewDB(t)
-		p, err := goose.NewProvider(goose.DialectPostgres, stdlib.OpenDBFromPool(db.Pool), schemas.Migrations())
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer p.Close()
+		p := db.Migrations(t)
 		if _, err := p.DownTo(ctx, bin-1); err != nil {
 			t.Fatal(err)
 		}

@@ -8,12 +8,9 @@ import (
 	"testing"
 
 	"github.com/jackc/pgx/v5/pgconn"
-	"github.com/jackc/pgx/v5/stdlib"
-	"github.com/pressly/goose/v3"
 
 	"github.com/converge-run/converge/internal/taskevent"
 	"github.com/converge-run/converge/internal/testenv"
-	"github.com/converge-run/converge/schemas"
 )
 
 func sum(b []byte) string {
@@ -104,11 +101,7 @@ func TestPayloadMigrationDownUp(t *testing.T) {
 	t.Parallel()
 	db := testenv.NewDB(t)
 	ctx := context.Background()
-	p, err := goose.NewProvider(goose.DialectPostgres, stdlib.OpenDBFromPool(db.Pool), schemas.Migrations())
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer p.Close()
+	p := db.Migrations(t)
 	if v, err := p.GetDBVersion(ctx); err != nil || v < 4 {
 		t.Fatalf("database version %d (%v), want at least 4", v, err)
 	}

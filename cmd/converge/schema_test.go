@@ -8,9 +8,6 @@ import (
 	"os"
 	"testing"
 
-	"github.com/jackc/pgx/v5/stdlib"
-	"github.com/pressly/goose/v3"
-
 	"github.com/converge-run/converge/internal/testenv"
 	"github.com/converge-run/converge/schemas"
 )
@@ -38,11 +35,7 @@ func TestComponentsRefuseASchemaThatDoesNotServeThem(t *testing.T) {
 	bin := schemas.BinaryVersion()
 
 	behind := testenv.NewDB(t)
-	p, err := goose.NewProvider(goose.DialectPostgres, stdlib.OpenDBFromPool(behind.Pool), schemas.Migrations())
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer p.Close()
+	p := behind.Migrations(t)
 	if _, err := p.DownTo(ctx, bin-1); err != nil {
 		t.Fatal(err)
 	}

@@ -9,13 +9,10 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
-	"github.com/jackc/pgx/v5/stdlib"
-	"github.com/pressly/goose/v3"
 
 	"github.com/converge-run/converge/internal/dbpool"
 	"github.com/converge-run/converge/internal/ledger"
 	"github.com/converge-run/converge/internal/testenv"
-	"github.com/converge-run/converge/schemas"
 )
 
 // planNew runs ledger.QueuePlanNew alone.
@@ -127,11 +124,7 @@ ON CONFLICT (effect_kind, idempotency_token) DO NOTHING`
 		t.Fatalf("pre-00017 plan insert against the latest schema: %v, want 42P10 (no such unique index)", err)
 	}
 
-	p, err := goose.NewProvider(goose.DialectPostgres, stdlib.OpenDBFromPool(db.Pool), schemas.Migrations())
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer p.Close()
+	p := db.Migrations(t)
 	if _, err := p.DownTo(ctx, 18); err != nil {
 		t.Fatal(err)
 	}

@@ -35,6 +35,8 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/jackc/pgx/v5/stdlib"
+	"github.com/pressly/goose/v3"
 	"github.com/redis/go-redis/v9"
 	"github.com/twmb/franz-go/pkg/kfake"
 	"github.com/twmb/franz-go/pkg/kgo"
@@ -385,52 +387,14 @@ type CommitHold struct {
 // with a migrated database, stopped when t ends.
 func NewCommitHold(t testing.TB) *CommitHold {
 	t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
-	defer cancel()
-	dir, err := os.MkdirTemp("", "converge-pg-hold-")
-	if err != nil {
-		t.Fatal(err)
-	}
-	os.Chmod(dir, 0o755)
-	port, err := freePort()
-	if err != nil {
-		t.Fatal(err)
-	}
-	c, err := localpg.Start(ctx, localpg.Config{DataDir: filepath.Join(dir, "data"), Port: port,
-		Settings: map[string]string{"synchronous_commit": "on"}, Logger: slog.New(slog.DiscardHandler)})
-	if err != nil {
-		os.RemoveAll(dir)
-		unavailable(t, "PostgreSQL", err)
-	}
-	t.Cleanup(func() {
-		c.Stop()
-		os.RemoveAll(dir)
-	})
-	h := &CommitHold{adminURL: c.URL("postgres")}
-	admin, err := pgx.Connect(ctx, h.adminURL)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer admin.Close(ctx)
-	if _, err := admin.Exec(ctx, "CREATE DATABASE held"); err != nil {
-		t.Fatal(err)
-	}
-	u := withDB(h.adminURL, "held")
-	pool, err := pgxpool.New(ctx, u)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(pool.Close)
+	cl, db := newCluster(t, "held")
+	h := &CommitHold{DB: db, adminURL: cl.c.URL("postgres")}
 	// Cleanups run last-registered first: release held commits before the
 	// pool waits for its connections.
 	t.Cleanup(func() { _ = h.apply("''") })
-	if err := schemas.Migrate(ctx, pool); err != nil {
+	if _, err := db.Pool.Exec(context.Background(), "CREATE TABLE converge_hold_probe (n int)"); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := pool.Exec(ctx, "CREATE TABLE converge_hold_probe (n int)"); err != nil {
-		t.Fatal(err)
-	}
-	h.DB = &DB{URL: u, Name: "held", Pool: pool}
 	return h
 }
 
@@ -558,9 +522,18 @@ type Cluster struct {
 // database, returned as a DB (Name "crash").
 func NewCluster(t testing.TB) (*Cluster, *DB) {
 	t.Helper()
+	return newCluster(t, "crash")
+}
+
+// newCluster starts a private cluster (synchronous_commit on: the tests'
+// shared cluster has it off; here a commit acknowledged before a crash
+// survives it, as in production, and CommitHold holds commits) with one
+// migrated database named db; both go when t ends.
+func newCluster(t testing.TB, db string) (*Cluster, *DB) {
+	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
-	dir, err := os.MkdirTemp("", "converge-pg-private-")
+	dir, err := os.MkdirTemp("", "converge-pg-"+db+"-")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -569,8 +542,6 @@ func NewCluster(t testing.TB) (*Cluster, *DB) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	// synchronous_commit on (the tests' shared cluster has it off): a
-	// commit acknowledged before the crash survives it, as in production.
 	cl := &Cluster{cfg: localpg.Config{DataDir: filepath.Join(dir, "data"), Port: port,
 		Settings: map[string]string{"synchronous_commit": "on"}, Logger: slog.New(slog.DiscardHandler)}, dir: dir}
 	if cl.c, err = localpg.Start(ctx, cl.cfg); err != nil {
@@ -586,10 +557,10 @@ func NewCluster(t testing.TB) (*Cluster, *DB) {
 		t.Fatal(err)
 	}
 	defer admin.Close(ctx)
-	if _, err := admin.Exec(ctx, "CREATE DATABASE crash"); err != nil {
+	if _, err := admin.Exec(ctx, "CREATE DATABASE "+db); err != nil {
 		t.Fatal(err)
 	}
-	u := cl.c.URL("crash")
+	u := cl.c.URL(db)
 	pool, err := pgxpool.New(ctx, u)
 	if err != nil {
 		t.Fatal(err)
@@ -598,7 +569,19 @@ func NewCluster(t testing.TB) (*Cluster, *DB) {
 	if err := schemas.Migrate(ctx, pool); err != nil {
 		t.Fatal(err)
 	}
-	return cl, &DB{URL: u, Name: "crash", Pool: pool}
+	return cl, &DB{URL: u, Name: db, Pool: pool}
+}
+
+// Migrations returns a goose provider of the embedded migrations on db,
+// for tests that move its schema down and up; closed when t ends.
+func (db *DB) Migrations(t testing.TB) *goose.Provider {
+	t.Helper()
+	p, err := goose.NewProvider(goose.DialectPostgres, stdlib.OpenDBFromPool(db.Pool), schemas.Migrations())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { p.Close() })
+	return p
 }
 
 // Crash stops the cluster as a crash would: an immediate shutdown
