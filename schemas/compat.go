@@ -36,6 +36,38 @@ var (
 	ErrBinaryTooOld = errors.New("the database schema no longer serves this binary")
 )
 
+// ArtifactPacksFrom is the first binary version that reads artifact pack
+// files (migration 00021; internal/artifact). Binaries write them only
+// where the schema serves no older binary: see Versions.ArtifactPacks.
+const ArtifactPacksFrom = 21
+
+// ArtifactPacks reports whether a binary may write artifact pack files:
+// whether the schema serves only binaries that read them (OldestBinary >=
+// ArtifactPacksFrom, after Finalize). Otherwise it writes one file per
+// object, which every release reads, so that a rollback to the previous
+// release keeps reading every artifact.
+func (v Versions) ArtifactPacks() bool { return v.OldestBinary >= ArtifactPacksFrom }
+
+// Finalize ends an upgrade: it raises schema_compatibility.oldest_binary to
+// this binary's version (never lowers it), so that binaries built before
+// it no longer start against the database (ErrBinaryTooOld) and the
+// formats they cannot read may be written (Versions.ArtifactPacks). It
+// first checks as Check does and fails the same way; it returns the
+// versions after the change. `converge migrate --finalize` calls it once
+// every component runs this release (deploy/README.md, "Upgrades and
+// rollbacks"); the all-in-one pipeline calls it after migrating.
+func Finalize(ctx context.Context, pool *pgxpool.Pool) (Versions, error) {
+	v, err := Check(ctx, pool)
+	if err != nil {
+		return v, err
+	}
+	if err := pool.QueryRow(ctx, `UPDATE schema_compatibility SET oldest_binary = GREATEST(oldest_binary, $1) RETURNING oldest_binary`, v.Binary).
+		Scan(&v.OldestBinary); err != nil {
+		return v, fmt.Errorf("raise the database's oldest served binary: %w", err)
+	}
+	return v, nil
+}
+
 // BinaryVersion is the highest migration embedded in this binary.
 func BinaryVersion() int64 {
 	names, err := fs.Glob(Migrations(), "*.sql")

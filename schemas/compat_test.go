@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"io/fs"
+	"strings"
 	"testing"
 
 	"github.com/pressly/goose/v3"
@@ -105,4 +106,51 @@ func TestCheck(t *testing.T) {
 			t.Fatalf("Check = %+v, %v; want ErrSchemaBehind at 0", v, err)
 		}
 	})
+}
+
+// TestFinalize: a migrated database serves the previous release's binaries
+// and so has binaries write one-object artifact files; Finalize raises the
+// floor to this binary (never lowers it), after which packs are written,
+// a binary one below is refused, and migration 00021 refuses to go down.
+func TestFinalize(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	bin := schemas.BinaryVersion()
+	db := testenv.NewDB(t)
+	v, err := schemas.Check(ctx, db.Pool)
+	if err != nil || v.ArtifactPacks() || v.OldestBinary >= schemas.ArtifactPacksFrom {
+		t.Fatalf("migrated: %+v, %v; want a floor below %d, no packs", v, err, schemas.ArtifactPacksFrom)
+	}
+	p := db.Migrations(t)
+	if _, err := p.DownTo(ctx, schemas.ArtifactPacksFrom-1); err != nil {
+		t.Fatalf("down before finalizing: %v", err)
+	}
+	if _, err := p.Up(ctx); err != nil {
+		t.Fatal(err)
+	}
+	v, err = schemas.Finalize(ctx, db.Pool)
+	if err != nil || v.OldestBinary != bin || !v.ArtifactPacks() {
+		t.Fatalf("Finalize = %+v, %v; want oldest %d and packs", v, err, bin)
+	}
+	if v, err := schemas.Check(ctx, db.Pool); err != nil || v.OldestBinary != bin {
+		t.Fatalf("Check after Finalize = %+v, %v", v, err)
+	}
+	if _, err := db.Pool.Exec(ctx, `UPDATE schema_compatibility SET oldest_binary = $1`, bin+5); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := db.Pool.Exec(ctx, `INSERT INTO goose_db_version (version_id, is_applied) VALUES ($1, true)`, bin+5); err != nil {
+		t.Fatal(err)
+	}
+	if v, err := schemas.Finalize(ctx, db.Pool); !errors.Is(err, schemas.ErrBinaryTooOld) {
+		t.Fatalf("Finalize by a binary the schema no longer serves = %+v, %v; want ErrBinaryTooOld", v, err)
+	}
+	if _, err := db.Pool.Exec(ctx, `DELETE FROM goose_db_version WHERE version_id = $1`, bin+5); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := db.Pool.Exec(ctx, `UPDATE schema_compatibility SET oldest_binary = $1`, bin); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := p.DownTo(ctx, schemas.ArtifactPacksFrom-1); err == nil || !strings.Contains(err.Error(), "finalized") {
+		t.Fatalf("down after finalizing: %v; want a refusal", err)
+	}
 }

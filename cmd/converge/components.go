@@ -126,12 +126,26 @@ func connectDB(ctx context.Context, url, who string) (*pgxpool.Pool, error) {
 }
 
 // openArtifacts opens the artifact store shared by API, worker and
-// reconciler; CONVERGE_ARTIFACT_DIR is required.
-func openArtifacts(dir string, env *runEnv) (*artifact.Store, error) {
+// reconciler; CONVERGE_ARTIFACT_DIR is required. Its Puts write pack files
+// only where the database's schema serves no binary that cannot read them
+// (schemas.Versions.ArtifactPacks: after `converge migrate --finalize`),
+// else one file per object.
+func openArtifacts(dir string, env *runEnv, pool *pgxpool.Pool) (*artifact.Store, error) {
 	if err := need("CONVERGE_ARTIFACT_DIR", dir); err != nil {
 		return nil, err
 	}
-	return artifact.Open(dir, env.faults)
+	v, err := schemas.Check(env.ctx, pool)
+	if err != nil {
+		return nil, err
+	}
+	store, err := artifact.Open(dir, env.faults)
+	if err != nil {
+		return nil, err
+	}
+	if !v.ArtifactPacks() {
+		store.WriteOneObjectFiles()
+	}
+	return store, nil
 }
 
 func openRedis(url string) (*redis.Client, error) {
@@ -166,7 +180,7 @@ func (c *APICmd) Run(env *runEnv) error {
 		}
 		defer rdb.Close()
 	}
-	store, err := openArtifacts(c.ArtifactDir, env)
+	store, err := openArtifacts(c.ArtifactDir, env, pool)
 	if err != nil {
 		return err
 	}
@@ -251,7 +265,7 @@ func (c *WorkerCmd) Run(env *runEnv) error {
 		return err
 	}
 	defer pool.Close()
-	store, err := openArtifacts(c.ArtifactDir, env)
+	store, err := openArtifacts(c.ArtifactDir, env, pool)
 	if err != nil {
 		return err
 	}
@@ -324,7 +338,7 @@ func (c *ReconcilerCmd) Run(env *runEnv) error {
 		return err
 	}
 	defer pool.Close()
-	store, err := openArtifacts(c.ArtifactDir, env)
+	store, err := openArtifacts(c.ArtifactDir, env, pool)
 	if err != nil {
 		return err
 	}
@@ -382,6 +396,7 @@ func (c *ReconcilerCmd) Run(env *runEnv) error {
 // MigrateCmd applies the migrations.
 type MigrateCmd struct {
 	DatabaseURL string `name:"database-url" env:"CONVERGE_DATABASE_URL" help:"PostgreSQL URL."`
+	Finalize    bool   `help:"After migrating, end the upgrade: the schema stops serving binaries older than this one (a rollback to the previous release is then refused), and components started afterwards write artifact pack files. Run it once every component runs this release."`
 }
 
 // Run applies every pending migration.
@@ -402,6 +417,14 @@ func (c *MigrateCmd) Run(env *runEnv) error {
 		return err
 	}
 	fmt.Printf("migrations applied: the database is at migration %d, this binary's is %d\n", v.Database, v.Binary)
+	if c.Finalize {
+		if v, err = schemas.Finalize(env.ctx, pool); err != nil {
+			return err
+		}
+		fmt.Printf("finalized: the schema serves binaries built for migration %d or later\n", v.OldestBinary)
+	} else if !v.ArtifactPacks() {
+		fmt.Printf("the schema serves binaries built for migration %d or later, so components write one artifact file per object; `converge migrate --finalize` ends the upgrade\n", v.OldestBinary)
+	}
 	return nil
 }
 

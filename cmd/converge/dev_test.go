@@ -2,6 +2,7 @@ package main
 
 import (
 	"bufio"
+	"bytes"
 	"context"
 	"fmt"
 	"io"
@@ -291,6 +292,13 @@ func checkConverged(t *testing.T, dbURL, dataDir string, n int) (dupDeliveries i
 	objs, _ := filepath.Glob(filepath.Join(dataDir, "artifacts", "objects", "*.obj"))
 	if len(objs) != n {
 		t.Errorf("%d artifact objects in the store, want %d (one per task)", len(objs), n)
+	}
+	// converge dev finalizes its schema (nothing older runs on it), so its
+	// worker writes pack files.
+	for _, o := range objs {
+		if raw, err := os.ReadFile(o); err != nil || !bytes.HasPrefix(raw, []byte("CVPACK1\n")) {
+			t.Errorf("artifact %s is not a pack file (%v): %.20q", filepath.Base(o), err, raw)
+		}
 	}
 	return dupDeliveries
 }

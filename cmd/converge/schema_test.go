@@ -6,6 +6,7 @@ import (
 	"io"
 	"log/slog"
 	"os"
+	"path/filepath"
 	"testing"
 
 	"github.com/converge-run/converge/internal/testenv"
@@ -72,5 +73,63 @@ func TestComponentsRefuseASchemaThatDoesNotServeThem(t *testing.T) {
 	// components do.
 	if err := (&MigrateCmd{DatabaseURL: newer.URL}).Run(env); !errors.Is(err, schemas.ErrBinaryTooOld) {
 		t.Fatalf("converge migrate on a schema that no longer serves it: %v, want ErrBinaryTooOld", err)
+	}
+}
+
+// TestWorkersWritePacksOnlyAfterFinalize: on a migrated database, which
+// still serves the previous release, components write one file per
+// artifact (what that release reads); `converge migrate --finalize` raises
+// the floor to this binary, after which they write pack files, and the
+// files written before still read.
+func TestWorkersWritePacksOnlyAfterFinalize(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	env := &runEnv{ctx: ctx, log: slog.New(slog.NewTextHandler(io.Discard, nil))}
+	db := testenv.NewDB(t)
+	dir := t.TempDir()
+	first := func(token string) []byte {
+		t.Helper()
+		raw, err := os.ReadFile(filepath.Join(dir, "objects", token+".obj"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		return raw[:min(len(raw), 8)]
+	}
+
+	before, err := openArtifacts(dir, env, db.Pool)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if before.WritesPacks() {
+		t.Fatal("a store opened before finalizing writes packs")
+	}
+	if _, err := before.Put("tok-before", "task-1", 1, []byte(`{"a":1}`)); err != nil {
+		t.Fatal(err)
+	}
+	if got := first("tok-before"); got[0] != '{' {
+		t.Fatalf("before finalizing, an object file starts %q, want the Meta's JSON line", got)
+	}
+
+	if err := (&MigrateCmd{DatabaseURL: db.URL, Finalize: true}).Run(env); err != nil {
+		t.Fatalf("converge migrate --finalize: %v", err)
+	}
+	if v, err := schemas.Check(ctx, db.Pool); err != nil || v.OldestBinary != schemas.BinaryVersion() {
+		t.Fatalf("after finalizing: %+v, %v; want the floor at this binary", v, err)
+	}
+	after, err := openArtifacts(dir, env, db.Pool)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !after.WritesPacks() {
+		t.Fatal("a store opened after finalizing writes one file per object")
+	}
+	if _, err := after.Put("tok-after", "task-2", 1, []byte(`{"b":2}`)); err != nil {
+		t.Fatal(err)
+	}
+	if got := first("tok-after"); string(got) != "CVPACK1\n" {
+		t.Fatalf("after finalizing, an object file starts %q, want a pack", got)
+	}
+	if obs, err := after.Observe("tok-before"); err != nil || obs.Size != 7 || obs.SHA256 != obs.Meta.SHA256 {
+		t.Fatalf("the object written before finalizing: %+v, %v", obs, err)
 	}
 }

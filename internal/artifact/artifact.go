@@ -4,27 +4,40 @@
 //
 // Layout under the root directory:
 //
-//	objects/<token>.obj  one object: one line of JSON Meta (task id, attempt,
-//	                     size, sha256, time) ending in "\n", then the
-//	                     artifact bytes
-//	hidden/<token>.*     objects hidden by a compensation (seed section 8)
+//	objects/<token>.obj  the name of one object: a link to the pack file that
+//	                     holds it
+//	hidden/<token>.obj   the name of an object hidden by a compensation
+//	                     (seed section 8)
 //	tmp/put-*            named temporary files of Puts in progress (or
 //	                     crashed), where unnamed ones are not supported;
 //	                     tmp/put-probe-* names of Open's probe
 //
-// Put writes the header line and the bytes to one temporary file, fsyncs it,
-// hard-links it to objects/<token>.obj and fsyncs the objects directory
-// (PutManyUnsynced: the same for several objects, their fsyncs sharing
-// flushes, without the directory's). On Linux the temporary file has no
+// A pack file holds the objects that one Put or PutManyUnsynced wrote
+// together (at most maxPackObjects): the line "CVPACK1", then one record
+// per object: a line of JSON (the stored length in bytes, then the Meta:
+// token, task id, attempt, size, sha256, time) ending in "\n", then the
+// stored bytes. Each object's name is a hard link to its pack, so a pack of
+// n objects takes one inode, one file write and one fsync instead of n of
+// each (the kernel's inode allocation was the largest cost of a Put on
+// ext4; BENCHMARKS.md). A pack's space is freed when the last name linking
+// it is removed. One-object files (the Meta's JSON line, then the bytes),
+// which earlier releases wrote and read, are still read, and still written
+// while the database serves such a release (WriteOneObjectFiles).
+//
+// Put writes the pack to one temporary file, fsyncs it, hard-links it to
+// objects/<token>.obj for each of its objects and fsyncs the objects
+// directory (PutManyUnsynced: the same without the directory's fsync). On
+// Linux the temporary file has no
 // name (O_TMPFILE, where the filesystem supports it: Open probes tmp/, and
 // a crash inside that probe can leave a tmp/put-probe-* name, removed by
 // the next Open), so a crashed Put leaves nothing behind; elsewhere it is a
-// tmp/put-* file, removed after the link (or by RemoveLeftovers after a
-// crash). The link
-// is the commit point: it fails when the name exists, so nothing is ever
+// tmp/put-* file, removed after the links (or by RemoveLeftovers after a
+// crash). An object's link
+// is its commit point: it fails when the name exists, so nothing is ever
 // overwritten, an object is either absent or complete, and of concurrent
 // Puts of one token exactly one commits; the others return what the winner's
-// Meta decides. Put with a token that is already committed with the same
+// Meta decides (their record stays in their pack, unnamed, until the pack
+// is freed). Put with a token that is already committed with the same
 // content returns the existing Meta and writes nothing (the store honours
 // the idempotency token); with different content it returns
 // ErrTokenConflict. The Meta records the SHA-256 and size the writer
@@ -99,7 +112,24 @@ const (
 	// to write the file with one call; larger ones are written with a call
 	// for the header and one for the bytes, without a copy.
 	oneWriteMax = 64 << 10
+	// packMagic starts every pack file. It is not JSON, so a release that
+	// reads only one-object files reports a pack as a corrupt header (an
+	// error it retries), never as an object with other bytes.
+	packMagic = "CVPACK1\n"
+	// maxPackObjects bounds the objects of one pack file, and so the links
+	// to one inode (ext4 allows 65,000) and the records a read of a pack
+	// may skip to find its object.
+	maxPackObjects = 64
 )
+
+// recordHeader is the header line of a record in a pack file: the length
+// of the stored bytes that follow the line, then the Meta. Stored comes
+// first and Meta.Token second, so that findRecord can skip a record and
+// match a token without decoding the line.
+type recordHeader struct {
+	Stored int64 `json:"stored"`
+	Meta
+}
 
 // Store is a directory-backed artifact store. Its zero value is not usable;
 // use Open.
@@ -110,7 +140,22 @@ type Store struct {
 	// tmp/ once), which need neither a name in tmp/ nor its removal, and
 	// which a crash cannot leave behind.
 	unnamed bool
+	// oneObject: Puts write one file per object, without a pack's magic
+	// line or a record's stored length (WriteOneObjectFiles).
+	oneObject bool
 }
+
+// WriteOneObjectFiles makes the store's Puts write one file per object (the
+// Meta's JSON line, then the bytes), the format of the releases before
+// pack files, which every release reads, instead of packs. A binary does
+// this while the database's schema still serves binaries that cannot read
+// packs (schemas.Versions.ArtifactPacks), so that a rollback to them reads
+// every artifact. Call it before the store is used.
+func (s *Store) WriteOneObjectFiles() { s.oneObject = true }
+
+// WritesPacks reports whether Puts write pack files (not after
+// WriteOneObjectFiles).
+func (s *Store) WritesPacks() bool { return !s.oneObject }
 
 // Open prepares root (creating it when missing) and returns a Store. faults
 // may be nil.
@@ -217,17 +262,14 @@ type Item struct {
 	Data          []byte
 }
 
-// PutManyUnsynced is PutUnsynced of each item, in one pass whose file
-// writes share their flushes: it writes every new object's temporary file,
-// starts the writeback of all of them (sync_file_range on Linux), then
-// fsyncs and links each: the disk gets the writes of all of them before
-// the first fsync waits, instead of one file's after another's
-// (BenchmarkPutRun: 64 objects of 1 KiB in about two thirds of the time, on
-// ext4 without a journal; BENCHMARKS.md, session of 2026-12-06, second).
-// Each object still has Put's guarantees: its bytes are durable
-// before its name exists. It returns the Meta and error of each item, in
-// items' order, as PutUnsynced would (fault points included, hit once per
-// object in items' order).
+// PutManyUnsynced is PutUnsynced of each item, in one pass that writes the
+// new objects together: into one pack file per maxPackObjects objects, each
+// written once, fsynced once and linked to each of its objects' names (one
+// inode and one fsync per pack instead of per object; BenchmarkPutRun).
+// Each object still has Put's guarantees: its bytes are durable before its
+// name exists. It returns the Meta and error of each item, in items' order,
+// as PutUnsynced would (fault points included, hit once per object in
+// items' order).
 func (s *Store) PutManyUnsynced(items []Item) ([]Meta, []error) {
 	return s.putMany(items, false)
 }
@@ -316,18 +358,23 @@ func (s *Store) prepare(it Item) (o newObject, done bool, m Meta, err error) {
 	} else if !errors.Is(err, ErrNotFound) {
 		return o, true, Meta{}, err
 	}
+	var tail []byte
+	if s.faults.Hit(fault.ArtifactCorruptAfterWrite) == fault.ActionCorrupt {
+		tail = []byte("corrupted") // after the data, not in the header: Meta keeps the intended sha256
+	}
 	// The header is one line: encoding/json escapes control characters in
 	// strings, so a Meta never renders a raw newline.
-	hdr, err := json.Marshal(m)
+	var hdr []byte
+	if s.oneObject {
+		hdr, err = json.Marshal(m)
+	} else {
+		hdr, err = json.Marshal(recordHeader{Stored: int64(len(it.Data) + len(tail)), Meta: m})
+	}
 	if err != nil {
 		return o, true, Meta{}, err
 	}
 	if len(hdr) >= maxHeader {
 		return o, true, Meta{}, fmt.Errorf("artifact put %s: header of %d bytes, at most %d can be read back", it.Token, len(hdr)+1, maxHeader)
-	}
-	var tail []byte
-	if s.faults.Hit(fault.ArtifactCorruptAfterWrite) == fault.ActionCorrupt {
-		tail = []byte("corrupted") // after the data, not in the header: Meta keeps the intended sha256
 	}
 	var parts [][]byte
 	if len(it.Data) <= oneWriteMax {
@@ -347,83 +394,129 @@ func decide(old, m Meta) (Meta, error) {
 	return old, fmt.Errorf("%w: %s", ErrTokenConflict, m.Token)
 }
 
-// writeNew writes each object of news to a temporary file, fsyncs it and
-// links it to its name, setting its err (wrapping os.ErrExist when the name
-// exists: it is never replaced). All files are written before any is
-// fsynced, and with more than one their writeback is started first
-// (startWriteback), so that the disk works on all of them at once. The
-// temporary files are unnamed where the store supports it (s.unnamed:
-// linked from their descriptor, before they are closed), else tmp/put-*
-// files, linked by name and then removed.
+// writeNew writes the objects of news into pack files of at most
+// maxPackObjects objects each, in news' order: each pack is written to one
+// temporary file, fsynced once, and hard-linked to each of its objects'
+// names, setting each object's err (wrapping os.ErrExist when its name
+// exists: it is never replaced; an error of the pack's file is every one
+// of its objects'). All packs are written before any is fsynced, and with
+// more than one their writeback is started first (startWriteback), so that
+// the disk works on all of them at once. The temporary files are unnamed
+// where the store supports it (s.unnamed: linked from their descriptor,
+// before they are closed), else tmp/put-* files, linked by name and then
+// removed.
 func (s *Store) writeNew(news []newObject) {
-	files := make([]*os.File, len(news))
+	type pack struct {
+		f    *os.File
+		objs []newObject // a window of news
+		err  error
+	}
+	packs := make([]pack, 0, (len(news)+maxPackObjects-1)/maxPackObjects)
 	defer func() {
-		for _, f := range files {
-			if f != nil {
-				_ = f.Close()
+		for _, p := range packs {
+			if p.f != nil {
+				_ = p.f.Close()
 				if !s.unnamed {
-					_ = os.Remove(f.Name())
+					_ = os.Remove(p.f.Name())
 				}
 			}
 		}
 	}()
 	tmp := filepath.Join(s.root, "tmp")
-	for k := range news {
-		o := &news[k]
-		var f *os.File
-		var err error
+	per := maxPackObjects
+	if s.oneObject {
+		per = 1
+	}
+	for len(news) > 0 {
+		n := min(len(news), per)
+		p := pack{objs: news[:n:n]}
+		news = news[n:]
 		if s.unnamed {
-			f, err = openUnnamed(tmp)
+			p.f, p.err = openUnnamed(tmp)
 		} else {
-			f, err = os.CreateTemp(tmp, "put-*")
+			p.f, p.err = os.CreateTemp(tmp, "put-*")
 		}
-		if err != nil {
-			o.err = fmt.Errorf("artifact temp file: %w", err)
+		if p.err == nil {
+			p.err = writePack(p.f, p.objs, !s.oneObject)
+		} else {
+			p.f = nil
+		}
+		packs = append(packs, p)
+	}
+	if len(packs) > 1 {
+		for _, p := range packs {
+			if p.err == nil {
+				startWriteback(p.f)
+			}
+		}
+	}
+	for k := range packs {
+		p := &packs[k]
+		if p.err == nil {
+			p.err = p.f.Sync()
+		}
+		if p.err == nil && !s.unnamed {
+			p.err = p.f.Close()
+		}
+		for i := range p.objs {
+			o := &p.objs[i]
+			switch {
+			case p.err != nil:
+				o.err = p.err
+			case s.unnamed:
+				o.err = linkUnnamed(p.f, o.dst)
+			default:
+				o.err = os.Link(p.f.Name(), o.dst)
+			}
+			if o.err != nil {
+				o.err = fmt.Errorf("artifact write %s: %w", filepath.Base(o.dst), o.err)
+			}
+		}
+		// Linked or not, the close decides nothing: a linked object is
+		// committed, its bytes fsynced before the link.
+		if p.f != nil {
+			_ = p.f.Close() // a named file's second Close fails, ignored
+			if !s.unnamed {
+				_ = os.Remove(p.f.Name())
+			}
+			p.f = nil
+		}
+	}
+}
+
+// writePack writes a pack file of objs to f: the magic line (unless
+// !magic: a one-object file), then each object's record (its parts), the
+// small records gathered into one write.
+func writePack(f *os.File, objs []newObject, magic bool) error {
+	size := len(packMagic)
+	for _, o := range objs {
+		if len(o.parts) == 1 {
+			size += len(o.parts[0])
+		}
+	}
+	buf := make([]byte, 0, size)
+	if magic {
+		buf = append(buf, packMagic...)
+	}
+	for _, o := range objs {
+		if len(o.parts) == 1 {
+			buf = append(buf, o.parts[0]...)
 			continue
 		}
-		files[k] = f
-		for _, p := range o.parts {
-			if len(p) > 0 && o.err == nil {
-				_, o.err = f.Write(p)
+		for _, part := range slices.Concat([][]byte{buf}, o.parts) {
+			if len(part) > 0 {
+				if _, err := f.Write(part); err != nil {
+					return err
+				}
 			}
 		}
+		buf = buf[:0]
 	}
-	if len(news) > 1 {
-		for k, f := range files {
-			if f != nil && news[k].err == nil {
-				startWriteback(f)
-			}
-		}
+	if len(buf) > 0 {
+		_, err := f.Write(buf)
+		return err
 	}
-	for k, f := range files {
-		o := &news[k]
-		if f == nil {
-			continue
-		}
-		if o.err == nil {
-			o.err = f.Sync()
-		}
-		if s.unnamed {
-			if o.err == nil {
-				o.err = linkUnnamed(f, o.dst)
-			}
-			// Linked or not, the close decides nothing: a linked object
-			// is committed, its bytes fsynced before the link.
-			_ = f.Close()
-		} else {
-			if cerr := f.Close(); o.err == nil {
-				o.err = cerr
-			}
-			if o.err == nil {
-				o.err = os.Link(f.Name(), o.dst)
-			}
-			_ = os.Remove(f.Name())
-		}
-		files[k] = nil
-		if o.err != nil {
-			o.err = fmt.Errorf("artifact write %s: %w", filepath.Base(o.dst), o.err)
-		}
-	}
+	return nil
 }
 
 func syncDir(dir string) error {
@@ -438,35 +531,153 @@ func syncDir(dir string) error {
 	return nil
 }
 
-// object is an open objects/<token>.obj whose header was read.
+// object is an open object name whose record was read: f is its pack
+// file (or, for an object an earlier release wrote, its own file).
 type object struct {
 	f    *os.File
 	meta Meta
-	// off is where the artifact bytes start in f (the header's length).
-	off int64
-	// read holds the artifact bytes that were read with the header; f's
-	// position is right after them.
+	// off is where the stored bytes start in f; n is how many there are,
+	// or -1 in a one-object file, whose bytes run to its end.
+	off, n int64
+	// read holds the first stored bytes, read with the header. In a
+	// one-object file f's position is right after them.
 	read []byte
 }
 
-// openObject opens and parses objects/<token>.obj, reading it into buf
-// (grown when the header does not fit). The error is os.ErrNotExist (from
-// os.Open) when the object is absent. The caller closes o.f.
+// rest returns a reader of the stored bytes after o.read.
+func (o object) rest() io.Reader {
+	if o.n < 0 {
+		return o.f
+	}
+	return io.NewSectionReader(o.f, o.off+int64(len(o.read)), o.n-int64(len(o.read)))
+}
+
+// openObject opens objects/<token>.obj and reads the record of token,
+// reading into buf (another buffer is used when a pack's record lies
+// beyond it). The error is os.ErrNotExist (from os.Open) when the object
+// is absent. The caller closes o.f.
 func (s *Store) openObject(token string, buf []byte) (object, error) {
 	f, err := os.Open(s.path("objects", token, objExt))
 	if err != nil {
 		return object{}, err
 	}
-	line, rest, err := readHeader(f, buf)
-	if err == nil {
-		var m Meta
-		if err = json.Unmarshal(line, &m); err == nil {
-			return object{f: f, meta: m, off: int64(len(line)) + 1, read: rest}, nil
-		}
-		err = fmt.Errorf("corrupt object header: %w", err)
+	o, err := readObject(f, token, buf)
+	if err != nil {
+		f.Close()
+		return object{}, err
 	}
-	f.Close()
-	return object{}, err
+	return o, nil
+}
+
+// readObject reads the record of token from f: a pack file (findRecord) or
+// a one-object file of an earlier release.
+func readObject(f *os.File, token string, buf []byte) (object, error) {
+	k, err := f.ReadAt(buf, 0)
+	if err != nil && err != io.EOF {
+		return object{}, err
+	}
+	if bytes.HasPrefix(buf[:k], []byte(packMagic)) {
+		return findRecord(f, token, buf, k)
+	}
+	line, rest, err := readHeader(f, buf)
+	if err != nil {
+		return object{}, err
+	}
+	var m Meta
+	if err := json.Unmarshal(line, &m); err != nil {
+		return object{}, fmt.Errorf("corrupt object header: %w", err)
+	}
+	return object{f: f, meta: m, off: int64(len(line)) + 1, n: -1, read: rest}, nil
+}
+
+// errCorruptPack wraps every error of a pack file that cannot be read.
+var errCorruptPack = errors.New("corrupt pack file")
+
+// findRecord reads the records of the pack file f from the first, skipping
+// each whose token is not token, and returns token's. buf holds f's first
+// k bytes; the next windows are read at the record sought (ReadAt), into a
+// buffer of readBuf bytes or more, grown up to maxHeader for one header.
+func findRecord(f *os.File, token string, buf []byte, k int) (object, error) {
+	win, winOff := buf[:k], int64(0) // f's bytes winOff to winOff+len(win)
+	for pos := int64(len(packMagic)); ; {
+		line, ok := lineAt(win, pos-winOff)
+		if !ok {
+			if len(buf) < readBuf {
+				buf = make([]byte, readBuf)
+			}
+			for {
+				n, err := f.ReadAt(buf, pos)
+				if err != nil && err != io.EOF {
+					return object{}, err
+				}
+				win, winOff = buf[:n], pos
+				if line, ok = lineAt(win, 0); ok {
+					break
+				}
+				switch {
+				case n == 0:
+					return object{}, fmt.Errorf("%w: no record of %s", errCorruptPack, token)
+				case n < len(buf):
+					return object{}, fmt.Errorf("%w: record header at offset %d without a newline", errCorruptPack, pos)
+				case len(buf) >= maxHeader:
+					return object{}, fmt.Errorf("%w: no newline in the %d bytes at offset %d", errCorruptPack, maxHeader, pos)
+				}
+				buf = make([]byte, min(2*len(buf), maxHeader))
+			}
+		}
+		stored, tok, ok := recordPrefix(line)
+		if !ok {
+			return object{}, fmt.Errorf("%w: record header at offset %d: %.40q", errCorruptPack, pos, line)
+		}
+		data := pos + int64(len(line)) + 1
+		if string(tok) != token {
+			pos = data + stored
+			continue
+		}
+		var h recordHeader
+		if err := json.Unmarshal(line, &h); err != nil || h.Token != token || h.Stored != stored {
+			return object{}, fmt.Errorf("%w: record header of %s at offset %d: %v", errCorruptPack, token, pos, err)
+		}
+		read := win[data-winOff:]
+		return object{f: f, meta: h.Meta, off: data, n: stored, read: read[:min(int64(len(read)), stored)]}, nil
+	}
+}
+
+// lineAt returns the line of win that starts at rel, without its newline,
+// and whether win holds all of it.
+func lineAt(win []byte, rel int64) ([]byte, bool) {
+	if rel < 0 || rel >= int64(len(win)) {
+		return nil, false
+	}
+	i := bytes.IndexByte(win[rel:], '\n')
+	if i < 0 {
+		return nil, false
+	}
+	return win[rel : rel+int64(i)], true
+}
+
+// recordPrefix reads the stored length and the token from the start of a
+// record's header line, `{"stored":<n>,"token":"<token>"`, as
+// json.Marshal of a recordHeader writes it (a valid token needs no JSON
+// escapes).
+func recordPrefix(line []byte) (stored int64, token []byte, ok bool) {
+	rest, ok := bytes.CutPrefix(line, []byte(`{"stored":`))
+	if !ok {
+		return 0, nil, false
+	}
+	i := 0
+	for i < len(rest) && i < 18 && '0' <= rest[i] && rest[i] <= '9' {
+		stored = stored*10 + int64(rest[i]-'0')
+		i++
+	}
+	if rest, ok = bytes.CutPrefix(rest[i:], []byte(`,"token":"`)); i == 0 || !ok {
+		return 0, nil, false
+	}
+	j := bytes.IndexByte(rest, '"')
+	if j < 0 {
+		return 0, nil, false
+	}
+	return stored, rest[:j], true
 }
 
 // readHeader reads from r into buf until the first newline and returns the
@@ -527,16 +738,20 @@ func (s *Store) Open(token string) (io.ReadSeekCloser, Meta, error) {
 	if err != nil {
 		return nil, Meta{}, fmt.Errorf("artifact open %s: %w", token, err)
 	}
-	fi, err := o.f.Stat()
-	if err != nil {
-		o.f.Close()
-		return nil, Meta{}, fmt.Errorf("artifact open %s: %w", token, err)
+	n := o.n
+	if n < 0 {
+		fi, err := o.f.Stat()
+		if err != nil {
+			o.f.Close()
+			return nil, Meta{}, fmt.Errorf("artifact open %s: %w", token, err)
+		}
+		n = fi.Size() - o.off
 	}
-	return &dataReader{SectionReader: io.NewSectionReader(o.f, o.off, fi.Size()-o.off), f: o.f}, o.meta, nil
+	return &dataReader{SectionReader: io.NewSectionReader(o.f, o.off, n), f: o.f}, o.meta, nil
 }
 
-// dataReader reads the artifact bytes of an object file: Read, ReadAt and
-// Seek are relative to the start of the bytes, after the header.
+// dataReader reads the stored bytes of one object: Read, ReadAt and Seek
+// are relative to their start, after the record's header.
 type dataReader struct {
 	*io.SectionReader
 	f *os.File
@@ -565,13 +780,13 @@ func (s *Store) Observe(token string) (Observation, error) {
 	case err != nil:
 		return Observation{}, fmt.Errorf("artifact read back %s: %w", token, err)
 	}
-	f, m, read := o.f, o.meta, o.read
-	defer f.Close()
+	defer o.f.Close()
 	h := sha256.New()
-	h.Write(read)
-	n := int64(len(read))
-	for {
-		k, err := f.Read(buf)
+	h.Write(o.read)
+	n := int64(len(o.read))
+	// o.read may alias buf: it is hashed before buf is read into again.
+	for r := o.rest(); ; {
+		k, err := r.Read(buf)
 		h.Write(buf[:k])
 		n += int64(k)
 		if err == io.EOF {
@@ -581,7 +796,7 @@ func (s *Store) Observe(token string) (Observation, error) {
 			return Observation{}, fmt.Errorf("artifact read back %s: %w", token, err)
 		}
 	}
-	return Observation{Meta: m, Size: n, SHA256: hex.EncodeToString(h.Sum(nil))}, nil
+	return Observation{Meta: o.meta, Size: n, SHA256: hex.EncodeToString(h.Sum(nil))}, nil
 }
 
 // Hide moves a committed object out of the readable set (a compensation,
@@ -621,7 +836,8 @@ func (s *Store) hideFile(name string) error {
 // Delete removes the object of token for good, readable or hidden:
 // objects/<token>.obj and hidden/<token>.obj, then fsyncs both
 // directories, so a removal it reported survives a crash of the machine.
-// Deleting an absent object is not an error (the call is idempotent: a
+// The pack's space is freed with its last name (the objects written
+// together with this one). Deleting an absent object is not an error (the call is idempotent: a
 // deletion retried after a crash finds it done). Only the retention of
 // whole tasks calls it, under its own ledger entry (ledger.DeleteArtifact,
 // kind artifact.delete); Gone verifies it.

@@ -647,8 +647,9 @@ func TestConcurrentPutDifferentContent(t *testing.T) {
 	}
 }
 
-// TestPutOneFile: a Put leaves exactly one file, objects/<token>.obj: the
-// Meta as one JSON line, then the bytes.
+// TestPutOneFile: a Put leaves exactly one name, objects/<token>.obj, of a
+// pack file of one record: the magic line, the record's header (the stored
+// length, then the Meta) as one JSON line, then the bytes.
 func TestPutOneFile(t *testing.T) {
 	t.Parallel()
 	b := setup(t, nil)
@@ -669,20 +670,30 @@ func TestPutOneFile(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	line, rest, ok := bytes.Cut(raw, []byte("\n"))
+	rest, ok := bytes.CutPrefix(raw, []byte("CVPACK1\n"))
+	if !ok {
+		t.Fatalf("no pack magic line in %q", raw)
+	}
+	line, rest, ok := bytes.Cut(rest, []byte("\n"))
 	if !ok {
 		t.Fatalf("no header line in %q", raw)
 	}
-	var hm artifact.Meta
+	var hm struct {
+		Stored int64 `json:"stored"`
+		artifact.Meta
+	}
 	if err := json.Unmarshal(line, &hm); err != nil {
 		t.Fatalf("header %q: %v", line, err)
+	}
+	if !bytes.HasPrefix(line, []byte(`{"stored":20,"token":"tok-one",`)) {
+		t.Errorf("header %q does not start with the stored length and the token", line)
 	}
 	if !hm.CreatedAt.Equal(m.CreatedAt) {
 		t.Errorf("header CreatedAt = %v, want %v", hm.CreatedAt, m.CreatedAt)
 	}
 	hm.CreatedAt = m.CreatedAt
-	if hm != m {
-		t.Errorf("header = %+v, want %+v", hm, m)
+	if hm.Meta != m || hm.Stored != int64(len(data)) {
+		t.Errorf("header = %+v, want %+v and stored %d", hm, m, len(data))
 	}
 	if !bytes.Equal(rest, data) {
 		t.Errorf("bytes after the header = %q, want %q", rest, data)
@@ -690,6 +701,207 @@ func TestPutOneFile(t *testing.T) {
 	if h, err := b.store.Head("tok-one"); err != nil || h.TaskID != "task\nwith a newline" {
 		t.Errorf("Head = %+v, %v", h, err)
 	}
+}
+
+// TestPutManyWritesPacks: the objects of one PutManyUnsynced share pack
+// files of at most 64 objects (one inode each, linked once per object);
+// every object reads back whole, whatever its place in its pack and its
+// size; deleting objects leaves the others of their pack readable, and the
+// pack's inode goes with its last name.
+func TestPutManyWritesPacks(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	items := make([]artifact.Item, 70)
+	for i := range items {
+		data := bytes.Repeat([]byte{byte('a' + i%26)}, 1+i*37)
+		if i == 3 || i == 66 {
+			data = bytes.Repeat([]byte{'L'}, 200<<10) // beyond one window and one write
+		}
+		items[i] = artifact.Item{Token: fmt.Sprintf("tok-%02d", i), TaskID: fmt.Sprintf("task-%d", i), Attempt: 1 + i%3, Data: data}
+	}
+	metas, errs := b.store.PutManyUnsynced(items)
+	if err := errors.Join(errs...); err != nil {
+		t.Fatal(err)
+	}
+	if err := b.store.SyncObjects(); err != nil {
+		t.Fatal(err)
+	}
+	infos := make([]os.FileInfo, len(items))
+	for i, it := range items {
+		fi, err := os.Stat(filepath.Join(b.store.Root(), "objects", it.Token+".obj"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		infos[i] = fi
+		wantPack, wantLinks := 0, uint64(64)
+		if i >= 64 {
+			wantPack, wantLinks = 64, 6
+		}
+		if !os.SameFile(fi, infos[wantPack]) {
+			t.Errorf("%s is not in the pack of %s", it.Token, items[wantPack].Token)
+		}
+		if n := fi.Sys().(*syscall.Stat_t).Nlink; n != wantLinks {
+			t.Errorf("%s: pack has %d links, want %d", it.Token, n, wantLinks)
+		}
+		obs, err := b.store.Observe(it.Token)
+		if err != nil || obs.Size != int64(len(it.Data)) || obs.SHA256 != sha(it.Data) || obs.Meta != metas[i] {
+			t.Errorf("%s: Observe = %+v, %v; want %d bytes, Meta %+v", it.Token, obs, err, len(it.Data), metas[i])
+		}
+		if h, err := b.store.Head(it.Token); err != nil || h != metas[i] {
+			t.Errorf("%s: Head = %+v, %v", it.Token, h, err)
+		}
+		r, m, err := b.store.Open(it.Token)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if got := readAll(t, r); !bytes.Equal(got, it.Data) || m != metas[i] {
+			t.Errorf("%s: Open read %d bytes, want %d", it.Token, len(got), len(it.Data))
+		}
+		r.Close()
+	}
+	if os.SameFile(infos[0], infos[64]) {
+		t.Error("70 objects in one pack, want 64 and 6")
+	}
+	// Delete all but one object of the second pack; the last keeps it.
+	for _, it := range items[64:69] {
+		if err := b.store.Delete(it.Token); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if obs, err := b.store.Observe(items[69].Token); err != nil || obs.SHA256 != sha(items[69].Data) {
+		t.Errorf("the last object of a pack: %+v, %v", obs, err)
+	}
+	fi, err := os.Stat(filepath.Join(b.store.Root(), "objects", items[69].Token+".obj"))
+	if err != nil || fi.Sys().(*syscall.Stat_t).Nlink != 1 {
+		t.Fatalf("the last name of a pack: %v, %v", fi, err)
+	}
+	if err := b.store.Hide(items[69].Token); err != nil {
+		t.Fatal(err)
+	}
+	if err := b.store.Delete(items[69].Token); err != nil {
+		t.Fatal(err)
+	}
+	if gone, err := b.store.Gone(items[69].Token); !gone || err != nil {
+		t.Errorf("Gone = %v, %v", gone, err)
+	}
+}
+
+// TestFaultCorruptInPack: the corrupted object of a pack fails its read-back
+// verification (its stored bytes differ from its Meta) and its neighbours,
+// written with it, read back whole.
+func TestFaultCorruptInPack(t *testing.T) {
+	t.Parallel()
+	b := setup(t, func(s *fault.Set) { mustArm(t, s, fault.ArtifactCorruptAfterWrite, fault.ActionCorrupt, 2) })
+	items := []artifact.Item{
+		{Token: "tok-a", TaskID: "a", Attempt: 1, Data: []byte("first")},
+		{Token: "tok-b", TaskID: "b", Attempt: 1, Data: []byte("second")},
+		{Token: "tok-c", TaskID: "c", Attempt: 1, Data: []byte("third")},
+	}
+	if _, errs := b.store.PutManyUnsynced(items); errors.Join(errs...) != nil {
+		t.Fatal(errors.Join(errs...))
+	}
+	for i, it := range items {
+		obs, err := b.store.Observe(it.Token)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if ok := obs.SHA256 == obs.Meta.SHA256 && obs.Size == obs.Meta.Size; ok != (i != 1) || obs.Meta.SHA256 != sha(it.Data) {
+			t.Errorf("%s: observed %+v; want the corruption on tok-b only", it.Token, obs)
+		}
+	}
+}
+
+// TestReadsObjectsOfEarlierReleases: an object an earlier release wrote,
+// one file of the Meta's JSON line then the bytes, reads as before, and a
+// Put of its token with the same content finds it.
+func TestReadsObjectsOfEarlierReleases(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	data := []byte(`{"old":true}`)
+	m := artifact.Meta{Token: "tok-old", TaskID: "task-old", Attempt: 2, Size: int64(len(data)), SHA256: sha(data), CreatedAt: time.Date(2026, 12, 1, 0, 0, 0, 0, time.UTC)}
+	hdr, err := json.Marshal(m)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(b.store.Root(), "objects", "tok-old.obj"), slices.Concat(hdr, []byte("\n"), data), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if h, err := b.store.Head("tok-old"); err != nil || h != m {
+		t.Errorf("Head = %+v, %v; want %+v", h, err, m)
+	}
+	if obs, err := b.store.Observe("tok-old"); err != nil || obs.SHA256 != m.SHA256 || obs.Size != m.Size {
+		t.Errorf("Observe = %+v, %v", obs, err)
+	}
+	r, _, err := b.store.Open("tok-old")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := readAll(t, r); !bytes.Equal(got, data) {
+		t.Errorf("Open read %q", got)
+	}
+	r.Close()
+	if got, err := b.store.Put("tok-old", "task-old", 2, data); err != nil || got != m {
+		t.Errorf("Put of the same content = %+v, %v; want the old Meta", got, err)
+	}
+}
+
+// TestCorruptPack: a pack file that cannot be read is an error for every
+// reader (not ErrNotFound, not a panic): a damaged header, a name that
+// links a pack without its record, a header without its newline. A pack
+// whose stored bytes are cut short reads back fewer bytes, which
+// verification detects.
+func TestCorruptPack(t *testing.T) {
+	t.Parallel()
+	rec := func(stored int, token, rest string) string {
+		return fmt.Sprintf(`{"stored":%d,"token":%q,"task_id":"t","attempt":1,"size":%d,"sha256":"x","created_at":"2026-12-07T00:00:00Z"}`, stored, token, stored) + "\n" + rest
+	}
+	tests := []struct {
+		name    string
+		content string
+	}{
+		{"magic only", "CVPACK1\n"},
+		{"another token only", "CVPACK1\n" + rec(3, "tok-other", "abc")},
+		{"skip past the end", "CVPACK1\n" + rec(1000, "tok-other", "abc") + rec(3, "tok", "abc")},
+		{"not a record header", "CVPACK1\n{\"token\":\"tok\",\"stored\":3}\nabc"},
+		{"header without a newline", "CVPACK1\n" + `{"stored":3,"token":"tok"`},
+		{"header not JSON", "CVPACK1\n" + `{"stored":3,"token":"tok" oops` + "\nabc"},
+		{"stored differs from the prefix", "CVPACK1\n" + `{"stored":3,"token":"tok","stored":4}` + "\nabc"},
+		{"no newline within the bound", "CVPACK1\n" + `{"stored":3,"token":"tok` + strings.Repeat("a", 100<<10)},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			t.Parallel()
+			b := setup(t, nil)
+			if err := os.WriteFile(filepath.Join(b.store.Root(), "objects", "tok.obj"), []byte(tt.content), 0o644); err != nil {
+				t.Fatal(err)
+			}
+			if _, err := b.store.Head("tok"); err == nil || errors.Is(err, artifact.ErrNotFound) {
+				t.Errorf("Head: err = %v, want a non-NotFound error", err)
+			}
+			if r, _, err := b.store.Open("tok"); err == nil || errors.Is(err, artifact.ErrNotFound) {
+				t.Errorf("Open: err = %v, want a non-NotFound error", err)
+				if r != nil {
+					r.Close()
+				}
+			}
+			if _, err := b.store.Observe("tok"); err == nil || errors.Is(err, artifact.ErrNotFound) {
+				t.Errorf("Observe: err = %v, want a non-NotFound error", err)
+			}
+			if _, err := b.store.Put("tok", "t", 1, []byte("abc")); err == nil {
+				t.Error("Put over a corrupt pack succeeded")
+			}
+		})
+	}
+	t.Run("stored bytes cut short", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t, nil)
+		if err := os.WriteFile(filepath.Join(b.store.Root(), "objects", "tok.obj"), []byte("CVPACK1\n"+rec(10, "tok", "abc")), 0o644); err != nil {
+			t.Fatal(err)
+		}
+		if obs, err := b.store.Observe("tok"); err != nil || obs.Size != 3 || obs.Meta.Size != 10 {
+			t.Errorf("Observe = %+v, %v; want 3 bytes observed against 10", obs, err)
+		}
+	})
 }
 
 // TestCorruptHeader: an object whose header cannot be read is an error for
@@ -1072,24 +1284,30 @@ func TestPutManyUnsyncedAnswersEachItemAsPut(t *testing.T) {
 }
 
 // BenchmarkPutRun: a worker run's 64 artifacts of 1 KiB, put one by one
-// (PutUnsynced, as before 2026-12-06) or together (PutManyUnsynced), then
-// the directory synced once; "together-named" is "together" with named
-// temporary files (the fallback where O_TMPFILE is not supported; the only
-// way before 2026-12-06, fifth session). Reports ns per run of 64 and the
+// (PutUnsynced, as before 2026-12-06: 64 packs of one) or together
+// (PutManyUnsynced: one pack), then the directory synced once;
+// "together-named" is "together" with named temporary files (the fallback
+// where O_TMPFILE is not supported; the only way before 2026-12-06, fifth
+// session); "together-one-object-files" is "together" writing one file per
+// object (WriteOneObjectFiles: before migration 00021, and until an
+// upgrade is finalized). Reports ns per run of 64 and the
 // process's CPU (user + system, getrusage) per run in cpu-ns/op: the time
 // is mostly waiting for the disk, the CPU is what a run costs the machine.
 //
 //	go test -run '^$' -bench PutRun -benchtime 100x ./internal/artifact
 func BenchmarkPutRun(b *testing.B) {
 	data := bytes.Repeat([]byte("x"), 1024)
-	for _, mode := range []string{"one-by-one", "together", "together-named"} {
+	for _, mode := range []string{"one-by-one", "together", "together-named", "together-one-object-files"} {
 		b.Run(mode, func(b *testing.B) {
 			st, err := artifact.Open(b.TempDir(), nil)
 			if err != nil {
 				b.Fatal(err)
 			}
-			if mode == "together-named" {
+			switch mode {
+			case "together-named":
 				artifact.NamedTemporaryFiles(st)
+			case "together-one-object-files":
+				st.WriteOneObjectFiles()
 			}
 			n := 0
 			cpu0 := processCPU(b)
@@ -1112,6 +1330,48 @@ func BenchmarkPutRun(b *testing.B) {
 				}
 				if err := st.SyncObjects(); err != nil {
 					b.Fatal(err)
+				}
+			}
+			b.ReportMetric(float64(processCPU(b)-cpu0)/float64(b.N), "cpu-ns/op")
+		})
+	}
+}
+
+// BenchmarkRunReadBack: a worker run as the worker does it: 64 artifacts
+// of 1 KiB put together, the directory synced, then each read back in full
+// (Observe), in pack files or one file per object (WriteOneObjectFiles).
+// Reports ns and process CPU (cpu-ns/op) per run of 64.
+//
+//	go test -run '^$' -bench RunReadBack -benchtime 100x ./internal/artifact
+func BenchmarkRunReadBack(b *testing.B) {
+	data := bytes.Repeat([]byte("x"), 1024)
+	for _, mode := range []string{"packs", "one-object-files"} {
+		b.Run(mode, func(b *testing.B) {
+			st, err := artifact.Open(b.TempDir(), nil)
+			if err != nil {
+				b.Fatal(err)
+			}
+			if mode == "one-object-files" {
+				st.WriteOneObjectFiles()
+			}
+			n := 0
+			cpu0 := processCPU(b)
+			for b.Loop() {
+				items := make([]artifact.Item, 64)
+				for i := range items {
+					n++
+					items[i] = artifact.Item{Token: fmt.Sprintf("tok-%d", n), TaskID: "task", Attempt: 1, Data: data}
+				}
+				if _, errs := st.PutManyUnsynced(items); errors.Join(errs...) != nil {
+					b.Fatal(errors.Join(errs...))
+				}
+				if err := st.SyncObjects(); err != nil {
+					b.Fatal(err)
+				}
+				for _, it := range items {
+					if obs, err := st.Observe(it.Token); err != nil || obs.Size != int64(len(data)) {
+						b.Fatal(obs, err)
+					}
 				}
 			}
 			b.ReportMetric(float64(processCPU(b)-cpu0)/float64(b.N), "cpu-ns/op")
@@ -1298,5 +1558,55 @@ func TestOpenRemovesCrashedProbeNames(t *testing.T) {
 	}
 	if got := dirNames(t, b.store, "tmp"); len(got) != 0 {
 		t.Errorf("tmp after Open = %v, want empty", got)
+	}
+}
+
+// TestOneObjectFiles: after WriteOneObjectFiles, PutManyUnsynced writes one
+// file per object in the format of the releases before packs (the Meta's
+// JSON line, then the bytes: what they read), and the store reads them.
+func TestOneObjectFiles(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	b.store.WriteOneObjectFiles()
+	if b.store.WritesPacks() {
+		t.Fatal("WritesPacks after WriteOneObjectFiles")
+	}
+	items := []artifact.Item{
+		{Token: "tok-a", TaskID: "a", Attempt: 1, Data: []byte("first")},
+		{Token: "tok-b", TaskID: "b", Attempt: 2, Data: bytes.Repeat([]byte("b"), 100<<10)},
+	}
+	metas, errs := b.store.PutManyUnsynced(items)
+	if errors.Join(errs...) != nil {
+		t.Fatal(errors.Join(errs...))
+	}
+	var infos []os.FileInfo
+	for i, it := range items {
+		p := filepath.Join(b.store.Root(), "objects", it.Token+".obj")
+		raw, err := os.ReadFile(p)
+		if err != nil {
+			t.Fatal(err)
+		}
+		line, rest, _ := bytes.Cut(raw, []byte("\n"))
+		var m artifact.Meta
+		if err := json.Unmarshal(line, &m); err != nil || !m.CreatedAt.Equal(metas[i].CreatedAt) || !bytes.Equal(rest, it.Data) {
+			t.Errorf("%s: header %q (%v), %d bytes after it; want the Meta and the object's bytes", it.Token, line, err, len(rest))
+		}
+		if bytes.Contains(line, []byte(`"stored"`)) {
+			t.Errorf("%s: header %q has a record's stored length", it.Token, line)
+		}
+		fi, err := os.Stat(p)
+		if err != nil {
+			t.Fatal(err)
+		}
+		infos = append(infos, fi)
+		if obs, err := b.store.Observe(it.Token); err != nil || obs.SHA256 != sha(it.Data) {
+			t.Errorf("%s: Observe = %+v, %v", it.Token, obs, err)
+		}
+	}
+	if os.SameFile(infos[0], infos[1]) {
+		t.Error("two objects in one file")
+	}
+	if !setup(t, nil).store.WritesPacks() {
+		t.Error("a store writes packs unless told otherwise")
 	}
 }

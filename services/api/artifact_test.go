@@ -80,14 +80,15 @@ func TestGetArtifact(t *testing.T) {
 	}
 
 	// Stored bytes that no longer match the verified hash are never served.
-	// (The store keeps an object as one file: a JSON header line, then the
-	// bytes; appending to the file alters the bytes, not the header.)
+	// (The object is the only one of its pack file, whose record ends with
+	// its bytes: changing the file's last byte alters them, not the header.)
 	obj := filepath.Join(b.artifacts.Root(), "objects", token+".obj")
 	stored, err := os.ReadFile(obj)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := os.WriteFile(obj, append(stored, ' '), 0o644); err != nil {
+	stored[len(stored)-1] ^= 0x20
+	if err := os.WriteFile(obj, stored, 0o644); err != nil {
 		t.Fatal(err)
 	}
 	wantProblem(t, b.do(t, http.MethodGet, "/v1/tasks/"+id+"/artifact", nil, nil), http.StatusServiceUnavailable, CodeArtifactUnavailable)

@@ -185,7 +185,10 @@ func Run(ctx context.Context, cfg Config) error {
 	if err := schemas.Migrate(ctx, pools["api"]); err != nil {
 		return err
 	}
-	if _, err := schemas.Check(ctx, pools["api"]); err != nil { // a database a newer release migrated
+	// Every component runs this binary: nothing older is served (Finalize:
+	// artifact pack files). It fails on a database a newer release
+	// migrated past this binary, as Check does.
+	if _, err := schemas.Finalize(ctx, pools["api"]); err != nil {
 		return err
 	}
 	ropt, err := taskview.ClientOptions(cfg.RedisURL)
