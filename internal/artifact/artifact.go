@@ -289,6 +289,16 @@ func (s *Store) putMany(items []Item, sync bool) ([]Meta, []error) {
 	metas, errs := make([]Meta, len(items)), make([]error, len(items))
 	news := make([]newObject, 0, len(items))
 	var found []int // items committed before: by an earlier or a concurrent Put
+	// An item whose token an earlier item of this call writes is not
+	// written: a pack holds one record per token, and the item is answered
+	// as a concurrent Put of it would be (its dups entry: the item, and the
+	// index in news of the one written).
+	var firsts map[string]int
+	type dup struct {
+		o     newObject
+		first int
+	}
+	var dups []dup
 	for i, it := range items {
 		o, done, m, err := s.prepare(it)
 		if done {
@@ -299,25 +309,45 @@ func (s *Store) putMany(items []Item, sync bool) ([]Meta, []error) {
 			continue
 		}
 		o.i = i
+		if k, ok := firsts[it.Token]; ok {
+			dups = append(dups, dup{o, k})
+			continue
+		}
+		if len(items) > 1 {
+			if firsts == nil {
+				firsts = make(map[string]int, len(items))
+			}
+			firsts[it.Token] = len(news)
+		}
 		news = append(news, o)
 	}
 	s.writeNew(news)
 	linked := make([]newObject, 0, len(news))
+	committed := func(o newObject) {
+		// Another Put committed the token: its Meta decides.
+		old, herr := s.Head(o.meta.Token)
+		if herr != nil {
+			errs[o.i] = herr
+			return
+		}
+		metas[o.i], errs[o.i] = decide(old, o.meta)
+		found = append(found, o.i)
+	}
 	for _, o := range news {
 		switch {
 		case errors.Is(o.err, os.ErrExist):
-			// A concurrent Put committed first: its Meta decides.
-			old, herr := s.Head(o.meta.Token)
-			if herr != nil {
-				errs[o.i] = herr
-				continue
-			}
-			metas[o.i], errs[o.i] = decide(old, o.meta)
-			found = append(found, o.i)
+			committed(o) // a concurrent Put committed first
 		case o.err != nil:
 			errs[o.i] = o.err
 		default:
 			linked = append(linked, o)
+		}
+	}
+	for _, d := range dups {
+		if w := news[d.first].err; w == nil || errors.Is(w, os.ErrExist) {
+			committed(d.o)
+		} else {
+			errs[d.o.i] = w
 		}
 	}
 	// Put syncs found objects' names too: one may have been linked by a

@@ -1610,3 +1610,35 @@ func TestOneObjectFiles(t *testing.T) {
 		t.Error("a store writes packs unless told otherwise")
 	}
 }
+
+// TestPutManyWritesOneRecordPerToken: items of one call that repeat a token
+// are answered as concurrent Puts of it (the same content: the first's
+// Meta; other content: ErrTokenConflict) and add no record to the pack, so
+// the record a reader finds under a name is always the one committed.
+func TestPutManyWritesOneRecordPerToken(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	items := []artifact.Item{
+		{Token: "tok-d", TaskID: "d", Attempt: 1, Data: []byte("first")},
+		{Token: "tok-e", TaskID: "e", Attempt: 1, Data: []byte("other")},
+		{Token: "tok-d", TaskID: "d", Attempt: 1, Data: []byte("first")},
+		{Token: "tok-d", TaskID: "d", Attempt: 1, Data: []byte("changed")},
+	}
+	metas, errs := b.store.PutManyUnsynced(items)
+	if errs[0] != nil || errs[1] != nil || errs[2] != nil || !errors.Is(errs[3], artifact.ErrTokenConflict) {
+		t.Fatalf("errors %v; want nil, nil, nil, ErrTokenConflict", errs)
+	}
+	if metas[2] != metas[0] || metas[3] != metas[0] {
+		t.Errorf("repeated token answered %+v, %+v; want the first's %+v", metas[2], metas[3], metas[0])
+	}
+	raw, err := os.ReadFile(filepath.Join(b.store.Root(), "objects", "tok-d.obj"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if n := bytes.Count(raw, []byte(`"token":"tok-d"`)); n != 1 {
+		t.Errorf("%d records of tok-d in the pack, want 1", n)
+	}
+	if obs, err := b.store.Observe("tok-d"); err != nil || obs.SHA256 != sha([]byte("first")) {
+		t.Errorf("Observe = %+v, %v", obs, err)
+	}
+}
