@@ -161,7 +161,10 @@ func (c *DevCmd) Run(env *runEnv) error {
 		// the next start; while dev runs, the relay repairs it when it opens
 		// its session after finding the mismatch.
 		RepairPublication: true,
-		DatabaseURL:       dbURL, Brokers: brokers, RedisURL: redisURL, ArtifactDir: artifactDir,
+		// Only the embedded database is dev's alone; a database given with
+		// --database-url may serve other releases' binaries.
+		Finalize:    c.DatabaseURL == "",
+		DatabaseURL: dbURL, Brokers: brokers, RedisURL: redisURL, ArtifactDir: artifactDir,
 		Topic: c.Topic, Partitions: c.TopicPartitions, SlotName: c.SlotName, PublicationName: c.PublicationName,
 		Listener: ln, AdminListener: adminLn, MaxBodyBytes: c.MaxBodyBytes, MaxInFlightPerTenant: c.MaxInFlight, CreateBatchMax: c.CreateBatchMax, Faults: env.faults, Logger: log, Registry: reg,
 		Worker:     worker.Config{VisibilityTimeout: c.WorkerVisibilityTimeout},

@@ -17,10 +17,13 @@
 // per object: a line of JSON (the stored length in bytes, then the Meta:
 // token, task id, attempt, size, sha256, time) ending in "\n", then the
 // stored bytes. Each object's name is a hard link to its pack, so a pack of
-// n objects takes one inode, one file write and one fsync instead of n of
-// each (the kernel's inode allocation was the largest cost of a Put on
-// ext4; BENCHMARKS.md). A pack's space is freed when the last name linking
-// it is removed. One-object files (the Meta's JSON line, then the bytes),
+// n objects takes one inode and one fsync instead of n of each, and one
+// write call for its objects of at most 64 KiB (the kernel's inode
+// allocation was the largest cost of a Put on ext4; BENCHMARKS.md). Delete
+// erases an object's record in its pack before it removes the names; the
+// pack's space is freed when the last name linking it is removed. Copies of
+// the store must keep hard links (cp -a, rsync -H), or each name becomes a
+// copy of its whole pack. One-object files (the Meta's JSON line, then the bytes),
 // which earlier releases wrote and read, are still read, and still written
 // while the database serves such a release (WriteOneObjectFiles).
 //
@@ -569,6 +572,8 @@ type object struct {
 	// off is where the stored bytes start in f; n is how many there are,
 	// or -1 in a one-object file, whose bytes run to its end.
 	off, n int64
+	// hdr is where the record's header line starts in a pack file.
+	hdr int64
 	// read holds the first stored bytes, read with the header. In a
 	// one-object file f's position is right after them.
 	read []byte
@@ -665,11 +670,15 @@ func findRecord(f *os.File, token string, buf []byte, k int) (object, error) {
 			continue
 		}
 		var h recordHeader
-		if err := json.Unmarshal(line, &h); err != nil || h.Token != token || h.Stored != stored {
-			return object{}, fmt.Errorf("%w: record header of %s at offset %d: %v", errCorruptPack, token, pos, err)
+		if err := json.Unmarshal(line, &h); err != nil {
+			return object{}, fmt.Errorf("%w: record header of %s at offset %d: %w", errCorruptPack, token, pos, err)
+		}
+		if h.Token != token || h.Stored != stored {
+			return object{}, fmt.Errorf("%w: record header of %s at offset %d: token %q and stored length %d decoded, %q and %d read before",
+				errCorruptPack, token, pos, h.Token, h.Stored, tok, stored)
 		}
 		read := win[data-winOff:]
-		return object{f: f, meta: h.Meta, off: data, n: stored, read: read[:min(int64(len(read)), stored)]}, nil
+		return object{f: f, meta: h.Meta, off: data, n: stored, hdr: pos, read: read[:min(int64(len(read)), stored)]}, nil
 	}
 }
 
@@ -863,17 +872,28 @@ func (s *Store) hideFile(name string) error {
 	return err
 }
 
-// Delete removes the object of token for good, readable or hidden:
-// objects/<token>.obj and hidden/<token>.obj, then fsyncs both
-// directories, so a removal it reported survives a crash of the machine.
-// The pack's space is freed with its last name (the objects written
-// together with this one). Deleting an absent object is not an error (the call is idempotent: a
+// Delete removes the object of token for good, readable or hidden. In a
+// pack file, which may hold other objects' records too, it first erases
+// the object's record (erase: its stored bytes overwritten with zeros, its
+// header with one that keeps only the stored length and the token) and
+// fsyncs the pack, so the bytes and the Meta of a deleted object do not
+// outlive it in a pack whose other objects are kept. Then it removes
+// objects/<token>.obj and hidden/<token>.obj and fsyncs both directories,
+// so a removal it reported survives a crash of the machine. The pack's
+// space is freed with its last name. A crash between the erasure and the
+// removal leaves a name whose record is erased (Observe then finds bytes
+// that differ from the Meta); Delete again removes it. Deleting an absent object is not an error (the call is idempotent: a
 // deletion retried after a crash finds it done). Only the retention of
 // whole tasks calls it, under its own ledger entry (ledger.DeleteArtifact,
 // kind artifact.delete); Gone verifies it.
 func (s *Store) Delete(token string) error {
 	if !tokenRE.MatchString(token) {
 		return fmt.Errorf("%w: %q", ErrInvalidToken, token)
+	}
+	for _, dir := range []string{"objects", "hidden"} {
+		if err := s.erase(s.path(dir, token, objExt), token); err != nil {
+			return fmt.Errorf("artifact delete %s: %w", token, err)
+		}
 	}
 	for _, dir := range []string{"objects", "hidden"} {
 		err := os.Remove(s.path(dir, token, objExt))
@@ -887,6 +907,49 @@ func (s *Store) Delete(token string) error {
 		}
 	}
 	return nil
+}
+
+// erase overwrites the record of token in the pack file name links, if name
+// exists and is a pack: the stored bytes with zeros, and the header line
+// with one of the same length, `{"stored":<n>,"token":"<token>","erased":true`
+// padded with spaces before its "}", which readers still skip by; then it
+// fsyncs the pack. A one-object file is left to its removal. A pack in which
+// the record cannot be found (damaged) is not erased: the error says so.
+func (s *Store) erase(name, token string) error {
+	f, err := os.OpenFile(name, os.O_RDWR, 0)
+	if errors.Is(err, fs.ErrNotExist) {
+		return nil
+	}
+	if err != nil {
+		return err
+	}
+	defer f.Close()
+	buf := make([]byte, readBuf)
+	k, err := f.ReadAt(buf, 0)
+	if err != nil && err != io.EOF {
+		return err
+	}
+	if !bytes.HasPrefix(buf[:k], []byte(packMagic)) {
+		return nil
+	}
+	o, err := findRecord(f, token, buf, k)
+	if err != nil {
+		return fmt.Errorf("erase its record: %w", err)
+	}
+	hdr := fmt.Appendf(nil, `{"stored":%d,"token":%q,"erased":true`, o.n, token)
+	if width := o.off - 1 - o.hdr; int64(len(hdr)) < width {
+		hdr = append(append(hdr, bytes.Repeat([]byte{' '}, int(width)-len(hdr)-1)...), '}')
+		if _, err := f.WriteAt(hdr, o.hdr); err != nil {
+			return err
+		}
+	}
+	zeros := make([]byte, min(o.n, readBuf))
+	for at := int64(0); at < o.n; at += int64(len(zeros)) {
+		if _, err := f.WriteAt(zeros[:min(int64(len(zeros)), o.n-at)], o.off+at); err != nil {
+			return err
+		}
+	}
+	return f.Sync()
 }
 
 // Gone reports whether the store holds nothing under token, neither a

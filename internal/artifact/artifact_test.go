@@ -1642,3 +1642,64 @@ func TestPutManyWritesOneRecordPerToken(t *testing.T) {
 		t.Errorf("Observe = %+v, %v", obs, err)
 	}
 }
+
+// TestDeleteErasesItsRecord: deleting an object of a pack whose other
+// objects are kept overwrites its record, so neither its bytes nor its
+// Meta stay on disk with them; the others still read back. A name whose
+// record was erased (a crash inside Delete) reads as a mismatch, never as
+// the old bytes, and Delete again removes it.
+func TestDeleteErasesItsRecord(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	items := []artifact.Item{
+		{Token: "tok-a", TaskID: "task-keep-a", Attempt: 1, Data: []byte("kept bytes of a")},
+		{Token: "tok-b", TaskID: "task-secret-b", Attempt: 1, Data: bytes.Repeat([]byte("secret-b "), 10000)},
+		{Token: "tok-c", TaskID: "task-secret-c", Attempt: 1, Data: []byte("secret bytes of c")},
+		{Token: "tok-d", TaskID: "task-keep-d", Attempt: 1, Data: []byte("kept bytes of d")},
+	}
+	if _, errs := b.store.PutManyUnsynced(items); errors.Join(errs...) != nil {
+		t.Fatal(errors.Join(errs...))
+	}
+	pack := filepath.Join(b.store.Root(), "objects", "tok-a.obj")
+	before, err := os.Stat(pack)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := b.store.Hide("tok-b"); err != nil {
+		t.Fatal(err)
+	}
+	if err := b.store.Delete("tok-b"); err != nil {
+		t.Fatal(err)
+	}
+	if err := artifact.Erase(b.store, "tok-c"); err != nil {
+		t.Fatal(err)
+	}
+	if obs, err := b.store.Observe("tok-c"); err == nil && (obs.SHA256 == sha(items[2].Data) || obs.Meta.SHA256 != "") {
+		t.Errorf("an erased record reads as %+v; want no Meta and other bytes", obs)
+	}
+	if err := b.store.Delete("tok-c"); err != nil {
+		t.Fatal(err)
+	}
+	raw, err := os.ReadFile(pack)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, secret := range []string{"secret", "task-secret"} {
+		if bytes.Contains(raw, []byte(secret)) {
+			t.Errorf("the pack still holds %q after its objects were deleted", secret)
+		}
+	}
+	if int64(len(raw)) != before.Size() {
+		t.Errorf("pack size %d, want %d (records erased in place)", len(raw), before.Size())
+	}
+	for _, it := range []artifact.Item{items[0], items[3]} {
+		if obs, err := b.store.Observe(it.Token); err != nil || obs.SHA256 != sha(it.Data) || obs.Meta.TaskID != it.TaskID {
+			t.Errorf("%s after its neighbours' deletion: %+v, %v", it.Token, obs, err)
+		}
+	}
+	for _, tok := range []string{"tok-b", "tok-c"} {
+		if gone, err := b.store.Gone(tok); !gone || err != nil {
+			t.Errorf("Gone(%s) = %v, %v", tok, gone, err)
+		}
+	}
+}

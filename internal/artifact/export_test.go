@@ -7,3 +7,9 @@ func NamedTemporaryFiles(s *Store) { s.unnamed = false }
 
 // UnnamedTemporaryFiles reports whether s writes unnamed temporary files.
 func UnnamedTemporaryFiles(s *Store) bool { return s.unnamed }
+
+// Erase is Delete's first step alone, for objects/<token>.obj: what a crash
+// between the erasure and the removal of the names leaves.
+func Erase(s *Store, token string) error {
+	return s.erase(s.path("objects", token, objExt), token)
+}

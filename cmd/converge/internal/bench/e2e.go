@@ -78,7 +78,7 @@ func runE2E(ctx context.Context, e *env, res *Results) error {
 		done <- pipeline.Run(pctx, pipeline.Config{DatabaseURL: dbURL, Brokers: e.brokers, RedisURL: e.redisURL,
 			ArtifactDir: filepath.Join(e.dir, "artifacts-e2e"), Topic: "bench.e2e", SlotName: "bench_e2e", PublicationName: "bench_e2e",
 			Partitions: int32(e.cfg.Partitions), Worker: worker.Config{Concurrency: e.cfg.WorkerConcurrency},
-			Listener: ln, Logger: e.log, Ready: func(string) { close(ready) }})
+			Listener: ln, Logger: e.log, Finalize: true, Ready: func(string) { close(ready) }})
 	}()
 	defer func() {
 		cancel()

@@ -318,7 +318,7 @@ func (e *env) startPeerPipeline(ctx context.Context, run int) (*peerPipeline, er
 		p.done <- pipeline.Run(pctx, pipeline.Config{DatabaseURL: dbURL, Brokers: e.brokers, RedisURL: e.redisURL,
 			ArtifactDir: artifacts, Topic: fmt.Sprintf("bench.peer.%d", run), SlotName: slot, PublicationName: "bench_peer",
 			Partitions: int32(e.cfg.Partitions), Worker: worker.Config{Concurrency: e.cfg.WorkerConcurrency},
-			Listener: ln, Logger: e.log, Ready: func(string) { close(ready) }})
+			Listener: ln, Logger: e.log, Finalize: true, Ready: func(string) { close(ready) }})
 	}()
 	select {
 	case <-ready:

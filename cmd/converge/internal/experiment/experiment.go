@@ -247,7 +247,8 @@ func (x *X) start(ctx context.Context, faults *fault.Set, tune func(*pipeline.Co
 	cfg := pipeline.Config{
 		DatabaseURL: x.env.DatabaseURL, Brokers: x.env.Brokers, RedisURL: x.env.RedisURL, ArtifactDir: x.env.ArtifactDir,
 		SlotName: x.env.SlotName, PublicationName: x.env.PublicationName, Listener: ln, Faults: faults,
-		Logger: x.log, Registry: x.reg,
+		Finalize: true, // the experiments' own database
+		Logger:   x.log, Registry: x.reg,
 		Worker:            worker.Config{RetryBackoffMin: 20 * time.Millisecond, RetryBackoffMax: 200 * time.Millisecond},
 		Reconciler:        reconciler.Config{Interval: 100 * time.Millisecond, EffectDeadline: time.Second, TaskDeadline: 30 * time.Second},
 		HeartbeatInterval: time.Second,

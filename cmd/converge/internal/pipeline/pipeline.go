@@ -78,6 +78,13 @@ type Config struct {
 	LagSampleInterval time.Duration
 	// RepairPublication of the relay (cdc.Config): `converge dev` sets it.
 	RepairPublication bool
+	// Finalize the schema after migrating it (schemas.Finalize): the
+	// database then serves no binary older than this one, and the worker
+	// writes artifact pack files. For a database that only this pipeline
+	// uses: `converge dev`'s embedded one, the bench's and the
+	// experiments'. Without it the pipeline writes pack files only where
+	// the database was finalized before (schemas.Versions.ArtifactPacks).
+	Finalize bool
 	// HeartbeatInterval and SlotSampleInterval of the relay (cdc.Config).
 	// Default to the relay's defaults (10s each).
 	HeartbeatInterval  time.Duration
@@ -185,11 +192,16 @@ func Run(ctx context.Context, cfg Config) error {
 	if err := schemas.Migrate(ctx, pools["api"]); err != nil {
 		return err
 	}
-	// Every component runs this binary: nothing older is served (Finalize:
-	// artifact pack files). It fails on a database a newer release
-	// migrated past this binary, as Check does.
-	if _, err := schemas.Finalize(ctx, pools["api"]); err != nil {
+	v, err := schemas.Check(ctx, pools["api"]) // a database a newer release migrated fails here
+	if err != nil {
 		return err
+	}
+	if cfg.Finalize && v.OldestBinary < v.Binary {
+		from := v.OldestBinary
+		if v, err = schemas.Finalize(ctx, pools["api"]); err != nil {
+			return err
+		}
+		log.Info("schema finalized: it no longer serves binaries built before this one", slog.Int64("oldest_binary_was", from), slog.Int64("oldest_binary", v.OldestBinary))
 	}
 	ropt, err := taskview.ClientOptions(cfg.RedisURL)
 	if err != nil {
@@ -200,6 +212,10 @@ func Run(ctx context.Context, cfg Config) error {
 	store, err := artifact.Open(cfg.ArtifactDir, cfg.Faults)
 	if err != nil {
 		return err
+	}
+	if !v.ArtifactPacks() {
+		store.WriteOneObjectFiles()
+		log.Info("artifacts are written one file per object: the database still serves binaries that cannot read pack files; `converge migrate --finalize` ends that", slog.Int64("oldest_binary", v.OldestBinary))
 	}
 	reg := cfg.Registry
 

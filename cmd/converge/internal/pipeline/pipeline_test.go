@@ -28,6 +28,7 @@ import (
 	"github.com/converge-run/converge/internal/taskevent"
 	"github.com/converge-run/converge/internal/tenant"
 	"github.com/converge-run/converge/internal/testenv"
+	"github.com/converge-run/converge/schemas"
 )
 
 func TestMain(m *testing.M) { testenv.Main(m) }
@@ -76,7 +77,8 @@ func setupOn(t *testing.T, db *testenv.DB, mod func(cfg *pipeline.Config)) *bund
 	cfg := pipeline.Config{
 		DatabaseURL: db.URL, Brokers: k.Brokers, RedisURL: redisURL, ArtifactDir: t.TempDir(),
 		SlotName: "s_" + db.Name, PublicationName: "p_" + db.Name, Listener: ln,
-		Logger: slog.New(slog.NewTextHandler(io.Discard, nil)),
+		Logger:   slog.New(slog.NewTextHandler(io.Discard, nil)),
+		Finalize: true, // as converge dev on its embedded database
 	}
 	if mod != nil {
 		mod(&cfg)
@@ -429,4 +431,54 @@ WHERE datname = current_database() AND application_name LIKE 'converge-%' ORDER 
 		return true
 	})
 	t.Logf("application names: %v", got)
+}
+
+// TestArtifactFormatFollowsFinalize: the pipeline without Finalize leaves a
+// migrated database's floor where it is (it still serves the previous
+// release) and writes one file per artifact; with Finalize (converge dev
+// on its embedded database) it raises the floor to this binary and writes
+// pack files. Both serve the artifact.
+func TestArtifactFormatFollowsFinalize(t *testing.T) {
+	t.Parallel()
+	for _, finalize := range []bool{false, true} {
+		t.Run(fmt.Sprint("finalize=", finalize), func(t *testing.T) {
+			t.Parallel()
+			ctx := context.Background()
+			dir := t.TempDir()
+			b := setupWith(t, func(cfg *pipeline.Config) { cfg.Finalize, cfg.ArtifactDir = finalize, dir })
+			resp, body := b.post(t, "format-1", []byte(`{"document":{"a":1}}`))
+			if resp.StatusCode != http.StatusAccepted {
+				t.Fatalf("create: %d %s", resp.StatusCode, body)
+			}
+			var created struct {
+				TaskID string `json:"task_id"`
+			}
+			if err := json.Unmarshal(body, &created); err != nil {
+				t.Fatal(err)
+			}
+			wctx, cancel := context.WithTimeout(ctx, 60*time.Second)
+			defer cancel()
+			if task, err := b.client.Wait(wctx, created.TaskID); err != nil || task.Status != taskevent.StatusCompleted {
+				t.Fatalf("task: %+v, %v", task, err)
+			}
+			if got := b.artifact(t, created.TaskID); string(got) != `{"a":1}` {
+				t.Errorf("artifact %q", got)
+			}
+			names, _ := filepath.Glob(filepath.Join(dir, "objects", created.TaskID+".*.obj"))
+			if len(names) != 1 {
+				t.Fatalf("objects %v, want one", names)
+			}
+			raw, err := os.ReadFile(names[0])
+			if err != nil {
+				t.Fatal(err)
+			}
+			if pack := bytes.HasPrefix(raw, []byte("CVPACK1\n")); pack != finalize {
+				t.Errorf("artifact file starts %.12q: pack %v, want %v", raw, pack, finalize)
+			}
+			v, err := schemas.Check(ctx, b.db.Pool)
+			if err != nil || v.ArtifactPacks() != finalize || finalize && v.OldestBinary != v.Binary {
+				t.Errorf("schema after the pipeline: %+v, %v", v, err)
+			}
+		})
+	}
 }
