@@ -55,7 +55,8 @@ func (v Versions) ArtifactPacks() bool { return v.OldestBinary >= ArtifactPacksF
 // first checks as Check does and fails the same way; it returns the
 // versions after the change. `converge migrate --finalize` calls it once
 // every component runs this release (deploy/README.md, "Upgrades and
-// rollbacks"); the all-in-one pipeline calls it after migrating.
+// rollbacks"); the all-in-one pipeline calls it when told to
+// (pipeline.Config.Finalize: `converge dev` on its embedded database).
 func Finalize(ctx context.Context, pool *pgxpool.Pool) (Versions, error) {
 	v, err := Check(ctx, pool)
 	if err != nil {

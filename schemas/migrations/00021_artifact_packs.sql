@@ -9,8 +9,8 @@
 -- it is, so that a rollback to the previous release keeps reading every
 -- artifact; `converge migrate --finalize` raises it once the upgrade is
 -- done and no rollback is wanted (deploy/README.md, "Upgrades and
--- rollbacks"). The all-in-one pipeline (`converge dev`) finalizes by
--- itself.
+-- rollbacks"). `converge dev` finalizes its embedded database by itself,
+-- not one given with --database-url.
 COMMENT ON TABLE schema_compatibility IS 'oldest_binary: the oldest binary, by its highest migration, that this schema serves (schemas.Check). From 21 on, binaries write artifact pack files, which binaries before 21 cannot read.';
 
 -- +goose Down
