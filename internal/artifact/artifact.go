@@ -5,7 +5,7 @@
 // Layout under the root directory:
 //
 //	objects/<token>.obj  the name of one object: a link to the pack file that
-//	                     holds it
+//	                     holds it, or its one-object file
 //	hidden/<token>.obj   the name of an object hidden by a compensation
 //	                     (seed section 8)
 //	tmp/put-*            named temporary files of Puts in progress (or
@@ -23,9 +23,9 @@
 // erases an object's record in its pack before it removes the names; the
 // pack's space is freed when the last name linking it is removed. Copies of
 // the store must keep hard links (cp -a, rsync -H), or each name becomes a
-// copy of its whole pack. One-object files (the Meta's JSON line, then the bytes),
-// which earlier releases wrote and read, are still read, and still written
-// while the database serves such a release (WriteOneObjectFiles).
+// copy of its whole pack. One-object files (the Meta's JSON line, then the
+// bytes), which earlier releases wrote and read, are still read, and still
+// written while the database serves such a release (WriteOneObjectFiles).
 //
 // Put writes the pack to one temporary file, fsyncs it, hard-links it to
 // objects/<token>.obj for each of its objects and fsyncs the objects
