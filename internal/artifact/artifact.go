@@ -873,26 +873,54 @@ func (s *Store) hideFile(name string) error {
 }
 
 // Delete removes the object of token for good, readable or hidden. In a
-// pack file, which may hold other objects' records too, it first erases
-// the object's record (erase: its stored bytes overwritten with zeros, its
-// header with one that keeps only the stored length and the token) and
-// fsyncs the pack, so the bytes and the Meta of a deleted object do not
-// outlive it in a pack whose other objects are kept. Then it removes
-// objects/<token>.obj and hidden/<token>.obj and fsyncs both directories,
-// so a removal it reported survives a crash of the machine. The pack's
-// space is freed with its last name. A crash between the erasure and the
-// removal leaves a name whose record is erased (Observe then finds bytes
-// that differ from the Meta); Delete again removes it. Deleting an absent object is not an error (the call is idempotent: a
-// deletion retried after a crash finds it done). Only the retention of
-// whole tasks calls it, under its own ledger entry (ledger.DeleteArtifact,
-// kind artifact.delete); Gone verifies it.
+// pack file, which may hold other objects' records too, it erases the
+// object's record in two steps around the removal of its names, so that
+// neither its bytes nor its Meta nor its token (which holds the task id)
+// outlive it in a pack whose other objects are kept:
+//
+//  1. erase: the stored bytes are overwritten with zeros and the header
+//     with one of the same length that keeps only the stored length and
+//     the token (`{"stored":<n>,"token":"<token>","erased":true`, padded),
+//     then the pack is fsynced;
+//  2. objects/<token>.obj and hidden/<token>.obj are removed and both
+//     directories fsynced, so a removal it reported survives a crash of
+//     the machine;
+//  3. the token in the header is overwritten with '-' (no valid token is
+//     all '-', so no reader matches it; they skip the record by its
+//     length), through the pack still open from step 1, and the pack is
+//     fsynced.
+//
+// A crash in step 1 or between steps 1 and 2 leaves the name, and Delete
+// again finds the record by its token and goes on (Observe in between
+// finds bytes that differ from the Meta). A crash between steps 2 and 3
+// leaves the token, without bytes or Meta, in the pack until the pack's
+// last name goes: the one window in which something of a deleted object
+// stays. A pack in which the record cannot be found (damaged) is not
+// erased and its names are not removed: Delete fails, every time, so that
+// a deletion it reports done never left the bytes behind. The pack's space
+// is freed with its last name. The overwrites act in place: on
+// copy-on-write filesystems (btrfs, ZFS) the old blocks may persist until
+// reused. Deleting an absent object is not an error (the call is
+// idempotent: a deletion retried after a crash finds it done). Only the
+// retention of whole tasks calls it, under its own ledger entry
+// (ledger.DeleteArtifact, kind artifact.delete); Gone verifies it.
 func (s *Store) Delete(token string) error {
 	if !tokenRE.MatchString(token) {
 		return fmt.Errorf("%w: %q", ErrInvalidToken, token)
 	}
+	var erased []erasedRecord
+	defer func() {
+		for _, e := range erased {
+			e.f.Close()
+		}
+	}()
 	for _, dir := range []string{"objects", "hidden"} {
-		if err := s.erase(s.path(dir, token, objExt), token); err != nil {
+		e, err := s.erase(s.path(dir, token, objExt), token)
+		if err != nil {
 			return fmt.Errorf("artifact delete %s: %w", token, err)
+		}
+		if e.f != nil {
+			erased = append(erased, e)
 		}
 	}
 	for _, dir := range []string{"objects", "hidden"} {
@@ -906,50 +934,79 @@ func (s *Store) Delete(token string) error {
 			return fmt.Errorf("artifact delete %s: %w", token, err)
 		}
 	}
+	for _, e := range erased {
+		if _, err := e.f.WriteAt(bytes.Repeat([]byte{'-'}, len(token)), e.tokenAt); err != nil {
+			return fmt.Errorf("artifact delete %s: overwrite its token: %w", token, err)
+		}
+		if err := e.f.Sync(); err != nil {
+			return fmt.Errorf("artifact delete %s: overwrite its token: %w", token, err)
+		}
+	}
 	return nil
 }
 
-// erase overwrites the record of token in the pack file name links, if name
-// exists and is a pack: the stored bytes with zeros, and the header line
-// with one of the same length, `{"stored":<n>,"token":"<token>","erased":true`
-// padded with spaces before its "}", which readers still skip by; then it
-// fsyncs the pack. A one-object file is left to its removal. A pack in which
-// the record cannot be found (damaged) is not erased: the error says so.
-func (s *Store) erase(name, token string) error {
+// erasedRecord is a record erase overwrote: its pack, open for writing,
+// and where the token starts in its header.
+type erasedRecord struct {
+	f       *os.File
+	tokenAt int64
+}
+
+// erase is Delete's step 1 for the name name: if name exists and is a pack
+// file, it overwrites the record of token (the stored bytes with zeros, the
+// header line with `{"stored":<n>,"token":"<token>","erased":true` padded
+// with spaces before its "}", which readers still skip by) and fsyncs the
+// pack, and returns the pack, still open, for step 3. A one-object file,
+// left to its removal, and an absent name return no pack. A pack in which
+// the record cannot be found (damaged) returns an error.
+func (s *Store) erase(name, token string) (erasedRecord, error) {
 	f, err := os.OpenFile(name, os.O_RDWR, 0)
 	if errors.Is(err, fs.ErrNotExist) {
-		return nil
+		return erasedRecord{}, nil
 	}
 	if err != nil {
-		return err
+		return erasedRecord{}, err
 	}
-	defer f.Close()
+	e, err := eraseIn(f, token)
+	if err != nil || e.f == nil {
+		f.Close()
+	}
+	return e, err
+}
+
+func eraseIn(f *os.File, token string) (erasedRecord, error) {
 	buf := make([]byte, readBuf)
 	k, err := f.ReadAt(buf, 0)
 	if err != nil && err != io.EOF {
-		return err
+		return erasedRecord{}, err
 	}
 	if !bytes.HasPrefix(buf[:k], []byte(packMagic)) {
-		return nil
+		return erasedRecord{}, nil
 	}
 	o, err := findRecord(f, token, buf, k)
 	if err != nil {
-		return fmt.Errorf("erase its record: %w", err)
+		return erasedRecord{}, fmt.Errorf("erase its record: %w", err)
 	}
-	hdr := fmt.Appendf(nil, `{"stored":%d,"token":%q,"erased":true`, o.n, token)
-	if width := o.off - 1 - o.hdr; int64(len(hdr)) < width {
-		hdr = append(append(hdr, bytes.Repeat([]byte{' '}, int(width)-len(hdr)-1)...), '}')
-		if _, err := f.WriteAt(hdr, o.hdr); err != nil {
-			return err
-		}
+	prefix := fmt.Appendf(nil, `{"stored":%d,"token":"`, o.n)
+	hdr := fmt.Appendf(prefix, `%s","erased":true`, token)
+	width := o.off - 1 - o.hdr // the header line's length
+	if int64(len(hdr)) >= width {
+		return erasedRecord{}, fmt.Errorf("erase its record: header of %d bytes at offset %d, too short for an erased one", width, o.hdr)
+	}
+	hdr = append(append(hdr, bytes.Repeat([]byte{' '}, int(width)-len(hdr)-1)...), '}')
+	if _, err := f.WriteAt(hdr, o.hdr); err != nil {
+		return erasedRecord{}, err
 	}
 	zeros := make([]byte, min(o.n, readBuf))
 	for at := int64(0); at < o.n; at += int64(len(zeros)) {
 		if _, err := f.WriteAt(zeros[:min(int64(len(zeros)), o.n-at)], o.off+at); err != nil {
-			return err
+			return erasedRecord{}, err
 		}
 	}
-	return f.Sync()
+	if err := f.Sync(); err != nil {
+		return erasedRecord{}, err
+	}
+	return erasedRecord{f: f, tokenAt: o.hdr + int64(len(prefix))}, nil
 }
 
 // Gone reports whether the store holds nothing under token, neither a
