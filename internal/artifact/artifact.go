@@ -146,6 +146,10 @@ type Store struct {
 	// oneObject: Puts write one file per object, without a pack's magic
 	// line or a record's stored length (WriteOneObjectFiles).
 	oneObject bool
+	// beforeWrite, when set (tests), runs in putMany after every item was
+	// found absent and before any is written: where a concurrent Put of
+	// the same token commits first.
+	beforeWrite func()
 }
 
 // WriteOneObjectFiles makes the store's Puts write one file per object (the
@@ -286,6 +290,8 @@ type newObject struct {
 	parts [][]byte
 	dst   string
 	err   error
+	// at is where writePack wrote the object's record in its pack.
+	at int64
 }
 
 func (s *Store) putMany(items []Item, sync bool) ([]Meta, []error) {
@@ -323,6 +329,9 @@ func (s *Store) putMany(items []Item, sync bool) ([]Meta, []error) {
 			firsts[it.Token] = len(news)
 		}
 		news = append(news, o)
+	}
+	if s.beforeWrite != nil {
+		s.beforeWrite()
 	}
 	s.writeNew(news)
 	linked := make([]newObject, 0, len(news))
@@ -488,9 +497,7 @@ func (s *Store) writeNew(news []newObject) {
 		if p.err == nil {
 			p.err = p.f.Sync()
 		}
-		if p.err == nil && !s.unnamed {
-			p.err = p.f.Close()
-		}
+		var unlinked []newObject
 		for i := range p.objs {
 			o := &p.objs[i]
 			switch {
@@ -502,8 +509,17 @@ func (s *Store) writeNew(news []newObject) {
 				o.err = os.Link(p.f.Name(), o.dst)
 			}
 			if o.err != nil {
+				if p.err == nil {
+					unlinked = append(unlinked, *o)
+				}
 				o.err = fmt.Errorf("artifact write %s: %w", filepath.Base(o.dst), o.err)
 			}
+		}
+		if !s.oneObject && len(unlinked) > 0 && len(unlinked) < len(p.objs) {
+			// The pack lives on under its other objects' names: the records
+			// no name reaches (another Put of the token won, or the link
+			// failed) are erased, so that no Delete needs to find them.
+			scrubUnlinked(p.f, unlinked)
 		}
 		// Linked or not, the close decides nothing: a linked object is
 		// committed, its bytes fsynced before the link.
@@ -517,10 +533,37 @@ func (s *Store) writeNew(news []newObject) {
 	}
 }
 
+// scrubUnlinked erases the records of objs, which no name reaches, in the
+// pack f (erased headers with an all-'-' token, zeroed bytes) and fsyncs
+// it. It is best effort: a record it fails to erase is still unreachable
+// by any name, and only its bytes stay on disk until the pack is freed.
+func scrubUnlinked(f *os.File, objs []newObject) {
+	for _, o := range objs {
+		width := int64(bytes.IndexByte(o.parts[0], '\n'))
+		var size int64
+		for _, part := range o.parts {
+			size += int64(len(part))
+		}
+		n := size - width - 1
+		_ = overwriteRecord(f, o.at, width, n, strings.Repeat("-", len(o.meta.Token)))
+	}
+	_ = f.Sync()
+}
+
 // writePack writes a pack file of objs to f: the magic line (unless
 // !magic: a one-object file), then each object's record (its parts), the
-// small records gathered into one write.
+// small records gathered into one write. It sets each object's at.
 func writePack(f *os.File, objs []newObject, magic bool) error {
+	at := int64(0)
+	if magic {
+		at = int64(len(packMagic))
+	}
+	for i := range objs {
+		objs[i].at = at
+		for _, part := range objs[i].parts {
+			at += int64(len(part))
+		}
+	}
 	size := len(packMagic)
 	for _, o := range objs {
 		if len(o.parts) == 1 {
@@ -891,11 +934,15 @@ func (s *Store) hideFile(name string) error {
 //     fsynced.
 //
 // A crash in step 1 or between steps 1 and 2 leaves the name, and Delete
-// again finds the record by its token and goes on (Observe in between
-// finds bytes that differ from the Meta). A crash between steps 2 and 3
-// leaves the token, without bytes or Meta, in the pack until the pack's
-// last name goes: the one window in which something of a deleted object
-// stays. A pack in which the record cannot be found (damaged) is not
+// again finds the record by its token and goes on (Head and Observe in
+// between find a Meta with the token only, and bytes that differ from
+// it). A crash between steps 2 and 3, or a failure of a directory's fsync
+// in step 2 or of step 3 itself, leaves the token, without bytes or Meta,
+// in the pack until the pack's last name goes (a retry finds the names
+// gone): the one case in which something of a deleted object stays. A
+// record no name ever reached (its Put lost the race for the token) was
+// erased when it was written (scrubUnlinked). A Delete that opened a name
+// a concurrent Delete then removed finds nothing left to do. A pack in which the record cannot be found (damaged) is not
 // erased and its names are not removed: Delete fails, every time, so that
 // a deletion it reports done never left the bytes behind. The pack's space
 // is freed with its last name. The overwrites act in place: on
@@ -967,11 +1014,34 @@ func (s *Store) erase(name, token string) (erasedRecord, error) {
 	if err != nil {
 		return erasedRecord{}, err
 	}
+	return s.eraseOpen(f, name, token)
+}
+
+// eraseOpen is erase on f, name opened.
+func (s *Store) eraseOpen(f *os.File, name, token string) (erasedRecord, error) {
 	e, err := eraseIn(f, token)
+	if err != nil && !sameFile(f, name) {
+		// A concurrent Delete of the token removed the name (and then its
+		// token) after this one opened it: nothing is left to erase here.
+		err = nil
+	}
 	if err != nil || e.f == nil {
 		f.Close()
 	}
 	return e, err
+}
+
+// sameFile reports whether name still names the file f is open on.
+func sameFile(f *os.File, name string) bool {
+	a, err := f.Stat()
+	if err != nil {
+		return true
+	}
+	b, err := os.Stat(name)
+	if err != nil {
+		return false
+	}
+	return os.SameFile(a, b)
 }
 
 func eraseIn(f *os.File, token string) (erasedRecord, error) {
@@ -987,26 +1057,36 @@ func eraseIn(f *os.File, token string) (erasedRecord, error) {
 	if err != nil {
 		return erasedRecord{}, fmt.Errorf("erase its record: %w", err)
 	}
-	prefix := fmt.Appendf(nil, `{"stored":%d,"token":"`, o.n)
-	hdr := fmt.Appendf(prefix, `%s","erased":true`, token)
-	width := o.off - 1 - o.hdr // the header line's length
-	if int64(len(hdr)) >= width {
-		return erasedRecord{}, fmt.Errorf("erase its record: header of %d bytes at offset %d, too short for an erased one", width, o.hdr)
-	}
-	hdr = append(append(hdr, bytes.Repeat([]byte{' '}, int(width)-len(hdr)-1)...), '}')
-	if _, err := f.WriteAt(hdr, o.hdr); err != nil {
-		return erasedRecord{}, err
-	}
-	zeros := make([]byte, min(o.n, readBuf))
-	for at := int64(0); at < o.n; at += int64(len(zeros)) {
-		if _, err := f.WriteAt(zeros[:min(int64(len(zeros)), o.n-at)], o.off+at); err != nil {
-			return erasedRecord{}, err
-		}
+	if err := overwriteRecord(f, o.hdr, o.off-1-o.hdr, o.n, token); err != nil {
+		return erasedRecord{}, fmt.Errorf("erase its record: %w", err)
 	}
 	if err := f.Sync(); err != nil {
 		return erasedRecord{}, err
 	}
-	return erasedRecord{f: f, tokenAt: o.hdr + int64(len(prefix))}, nil
+	return erasedRecord{f: f, tokenAt: o.hdr + int64(len(fmt.Sprintf(`{"stored":%d,"token":"`, o.n)))}, nil
+}
+
+// overwriteRecord overwrites the record whose header line of width bytes
+// starts at hdr in the pack f: the header with
+// `{"stored":<n>,"token":"<token>","erased":true` padded with spaces before
+// its "}" (the same length, so readers still skip the record by it), the n
+// stored bytes after it with zeros. It does not fsync.
+func overwriteRecord(f *os.File, hdr, width, n int64, token string) error {
+	line := fmt.Appendf(nil, `{"stored":%d,"token":"%s","erased":true`, n, token)
+	if int64(len(line)) >= width {
+		return fmt.Errorf("header of %d bytes at offset %d, too short for an erased one", width, hdr)
+	}
+	line = append(append(line, bytes.Repeat([]byte{' '}, int(width)-len(line)-1)...), '}')
+	if _, err := f.WriteAt(line, hdr); err != nil {
+		return err
+	}
+	zeros := make([]byte, min(n, readBuf))
+	for at := int64(0); at < n; at += int64(len(zeros)) {
+		if _, err := f.WriteAt(zeros[:min(int64(len(zeros)), n-at)], hdr+width+1+at); err != nil {
+			return err
+		}
+	}
+	return nil
 }
 
 // Gone reports whether the store holds nothing under token, neither a

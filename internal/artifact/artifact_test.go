@@ -1738,3 +1738,72 @@ func TestDeleteOfADamagedPackFails(t *testing.T) {
 		t.Errorf("Gone = %v, %v; want the name kept", gone, err)
 	}
 }
+
+// TestUnlinkedRecordsAreErased: when another Put of a token commits between
+// this Put's check and its link, this Put's record of the token stays in a
+// pack that lives on under its neighbours' names; it is erased at once, so
+// that deleting the token later (which reaches only the winner's record)
+// leaves nothing of it.
+func TestUnlinkedRecordsAreErased(t *testing.T) {
+	t.Parallel()
+	for _, named := range []bool{false, true} {
+		t.Run(fmt.Sprint("named=", named), func(t *testing.T) {
+			t.Parallel()
+			b := setup(t, nil)
+			if named {
+				artifact.NamedTemporaryFiles(b.store)
+			}
+			x := artifact.Item{Token: artifact.Token("task-secret-x", 1), TaskID: "task-secret-x", Attempt: 1, Data: []byte("secret bytes of x")}
+			n := artifact.Item{Token: artifact.Token("task-keep-n", 1), TaskID: "task-keep-n", Attempt: 1, Data: []byte("kept bytes of n")}
+			artifact.BeforeWrite(b.store, func() {
+				artifact.BeforeWrite(b.store, nil)
+				if _, err := b.store.Put(x.Token, x.TaskID, x.Attempt, x.Data); err != nil {
+					t.Error(err)
+				}
+			})
+			metas, errs := b.store.PutManyUnsynced([]artifact.Item{x, n})
+			if errs[0] != nil || errs[1] != nil || metas[0].SHA256 != sha(x.Data) {
+				t.Fatalf("PutManyUnsynced: %v, %+v", errs, metas)
+			}
+			if err := b.store.Delete(x.Token); err != nil {
+				t.Fatal(err)
+			}
+			raw, err := os.ReadFile(filepath.Join(b.store.Root(), "objects", n.Token+".obj"))
+			if err != nil {
+				t.Fatal(err)
+			}
+			if i := bytes.Index(raw, []byte("secret")); i >= 0 {
+				t.Errorf("the neighbour's pack holds %q", raw[max(0, i-30):min(len(raw), i+30)])
+			}
+			if obs, err := b.store.Observe(n.Token); err != nil || obs.SHA256 != sha(n.Data) {
+				t.Errorf("neighbour: %+v, %v", obs, err)
+			}
+		})
+	}
+}
+
+// TestConcurrentDeleteOfOneToken: a Delete that opened the name before a
+// concurrent Delete of the token removed it (and then its token) finds
+// nothing to erase and reports no damage.
+func TestConcurrentDeleteOfOneToken(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	items := []artifact.Item{
+		{Token: "tok-del", TaskID: "a", Attempt: 1, Data: []byte("deleted")},
+		{Token: "tok-kept", TaskID: "b", Attempt: 1, Data: []byte("kept")},
+	}
+	if _, errs := b.store.PutManyUnsynced(items); errors.Join(errs...) != nil {
+		t.Fatal(errors.Join(errs...))
+	}
+	f, err := os.OpenFile(filepath.Join(b.store.Root(), "objects", "tok-del.obj"), os.O_RDWR, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	if err := b.store.Delete("tok-del"); err != nil {
+		t.Fatal(err)
+	}
+	if err := artifact.EraseOpened(b.store, f, "tok-del"); err != nil {
+		t.Errorf("the second Delete's erasure: %v, want nothing to do", err)
+	}
+}
