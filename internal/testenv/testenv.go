@@ -21,6 +21,7 @@ import (
 	"context"
 	"fmt"
 	"log/slog"
+	"math/rand/v2"
 	"net"
 	"net/url"
 	"os"
@@ -112,7 +113,11 @@ func unavailable(t testing.TB, what string, err error) {
 	t.Skipf("%s unavailable: %v", what, err)
 }
 
-// FreePort returns a TCP port on 127.0.0.1 that was free a moment ago.
+// FreePort returns a TCP port on 127.0.0.1 that was free a moment ago,
+// outside the kernel's ephemeral range where it can tell: a test that
+// binds it again later (a restart) does not find it taken by an outgoing
+// connection of a parallel test, which the kernel gives ephemeral ports
+// (net.ipv4.ip_local_port_range).
 func FreePort(t testing.TB) int {
 	t.Helper()
 	p, err := freePort()
@@ -123,12 +128,36 @@ func FreePort(t testing.TB) int {
 }
 
 func freePort() (int, error) {
+	if low, ok := ephemeralLow(); ok && low > 20000 {
+		for range 50 {
+			p := 10000 + rand.IntN(low-10000)
+			if l, err := net.Listen("tcp", "127.0.0.1:"+strconv.Itoa(p)); err == nil {
+				l.Close()
+				return p, nil
+			}
+		}
+	}
 	l, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		return 0, err
 	}
 	defer l.Close()
 	return l.Addr().(*net.TCPAddr).Port, nil
+}
+
+// ephemeralLow is the first port of the kernel's ephemeral range, where
+// /proc says.
+func ephemeralLow() (int, bool) {
+	b, err := os.ReadFile("/proc/sys/net/ipv4/ip_local_port_range")
+	if err != nil {
+		return 0, false
+	}
+	f := strings.Fields(string(b))
+	if len(f) != 2 {
+		return 0, false
+	}
+	low, err := strconv.Atoi(f[0])
+	return low, err == nil
 }
 
 func startPG() {
