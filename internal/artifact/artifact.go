@@ -545,7 +545,7 @@ func scrubUnlinked(f *os.File, objs []newObject) {
 			size += int64(len(part))
 		}
 		n := size - width - 1
-		_ = overwriteRecord(f, o.at, width, n, strings.Repeat("-", len(o.meta.Token)))
+		_, _ = overwriteRecord(f, o.at, width, n, strings.Repeat("-", len(o.meta.Token)))
 	}
 	_ = f.Sync()
 }
@@ -1057,36 +1057,40 @@ func eraseIn(f *os.File, token string) (erasedRecord, error) {
 	if err != nil {
 		return erasedRecord{}, fmt.Errorf("erase its record: %w", err)
 	}
-	if err := overwriteRecord(f, o.hdr, o.off-1-o.hdr, o.n, token); err != nil {
+	tokenAt, err := overwriteRecord(f, o.hdr, o.off-1-o.hdr, o.n, token)
+	if err != nil {
 		return erasedRecord{}, fmt.Errorf("erase its record: %w", err)
 	}
 	if err := f.Sync(); err != nil {
 		return erasedRecord{}, err
 	}
-	return erasedRecord{f: f, tokenAt: o.hdr + int64(len(fmt.Sprintf(`{"stored":%d,"token":"`, o.n)))}, nil
+	return erasedRecord{f: f, tokenAt: tokenAt}, nil
 }
 
 // overwriteRecord overwrites the record whose header line of width bytes
 // starts at hdr in the pack f: the header with
 // `{"stored":<n>,"token":"<token>","erased":true` padded with spaces before
 // its "}" (the same length, so readers still skip the record by it), the n
-// stored bytes after it with zeros. It does not fsync.
-func overwriteRecord(f *os.File, hdr, width, n int64, token string) error {
-	line := fmt.Appendf(nil, `{"stored":%d,"token":"%s","erased":true`, n, token)
+// stored bytes after it with zeros. It returns where the token starts in f.
+// It does not fsync.
+func overwriteRecord(f *os.File, hdr, width, n int64, token string) (tokenAt int64, err error) {
+	line := fmt.Appendf(nil, `{"stored":%d,"token":"`, n)
+	tokenAt = hdr + int64(len(line))
+	line = fmt.Appendf(line, `%s","erased":true`, token)
 	if int64(len(line)) >= width {
-		return fmt.Errorf("header of %d bytes at offset %d, too short for an erased one", width, hdr)
+		return 0, fmt.Errorf("header of %d bytes at offset %d, too short for an erased one", width, hdr)
 	}
 	line = append(append(line, bytes.Repeat([]byte{' '}, int(width)-len(line)-1)...), '}')
 	if _, err := f.WriteAt(line, hdr); err != nil {
-		return err
+		return 0, err
 	}
 	zeros := make([]byte, min(n, readBuf))
 	for at := int64(0); at < n; at += int64(len(zeros)) {
 		if _, err := f.WriteAt(zeros[:min(int64(len(zeros)), n-at)], hdr+width+1+at); err != nil {
-			return err
+			return 0, err
 		}
 	}
-	return nil
+	return tokenAt, nil
 }
 
 // Gone reports whether the store holds nothing under token, neither a

@@ -81,6 +81,53 @@ func readAll(t *testing.T, r io.Reader) []byte {
 	return b
 }
 
+// mustPutMany is PutManyUnsynced of items that all must succeed; it returns
+// their Metas.
+func mustPutMany(tb testing.TB, st *artifact.Store, items []artifact.Item) []artifact.Meta {
+	tb.Helper()
+	metas, errs := st.PutManyUnsynced(items)
+	if err := errors.Join(errs...); err != nil {
+		tb.Fatal(err)
+	}
+	return metas
+}
+
+// wantUnreadable writes content as objects/tok.obj and checks that every
+// reader reports an error other than ErrNotFound (no panic) and that a Put
+// of tok fails.
+func wantUnreadable(t *testing.T, b *testBundle, content []byte) {
+	t.Helper()
+	if err := os.WriteFile(filepath.Join(b.store.Root(), "objects", "tok.obj"), content, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := b.store.Head("tok"); err == nil || errors.Is(err, artifact.ErrNotFound) {
+		t.Errorf("Head: err = %v, want a non-NotFound error", err)
+	}
+	if r, _, err := b.store.Open("tok"); err == nil || errors.Is(err, artifact.ErrNotFound) {
+		t.Errorf("Open: err = %v, want a non-NotFound error", err)
+		if r != nil {
+			r.Close()
+		}
+	}
+	if _, err := b.store.Observe("tok"); err == nil || errors.Is(err, artifact.ErrNotFound) {
+		t.Errorf("Observe: err = %v, want a non-NotFound error", err)
+	}
+	if _, err := b.store.Put("tok", "t", 1, []byte("abc")); err == nil {
+		t.Error("Put over a corrupt object succeeded")
+	}
+}
+
+// runItems returns a run of 64 items of data, with tokens tok-<n+1> to
+// tok-<n+64>, and advances n.
+func runItems(n *int, data []byte) []artifact.Item {
+	items := make([]artifact.Item, 64)
+	for i := range items {
+		*n++
+		items[i] = artifact.Item{Token: fmt.Sprintf("tok-%d", *n), TaskID: "task", Attempt: 1, Data: data}
+	}
+	return items
+}
+
 func TestOpenCreatesLayout(t *testing.T) {
 	t.Parallel()
 	root := filepath.Join(t.TempDir(), "a", "b")
@@ -719,10 +766,7 @@ func TestPutManyWritesPacks(t *testing.T) {
 		}
 		items[i] = artifact.Item{Token: fmt.Sprintf("tok-%02d", i), TaskID: fmt.Sprintf("task-%d", i), Attempt: 1 + i%3, Data: data}
 	}
-	metas, errs := b.store.PutManyUnsynced(items)
-	if err := errors.Join(errs...); err != nil {
-		t.Fatal(err)
-	}
+	metas := mustPutMany(t, b.store, items)
 	if err := b.store.SyncObjects(); err != nil {
 		t.Fatal(err)
 	}
@@ -797,9 +841,7 @@ func TestFaultCorruptInPack(t *testing.T) {
 		{Token: "tok-b", TaskID: "b", Attempt: 1, Data: []byte("second")},
 		{Token: "tok-c", TaskID: "c", Attempt: 1, Data: []byte("third")},
 	}
-	if _, errs := b.store.PutManyUnsynced(items); errors.Join(errs...) != nil {
-		t.Fatal(errors.Join(errs...))
-	}
+	mustPutMany(t, b.store, items)
 	for i, it := range items {
 		obs, err := b.store.Observe(it.Token)
 		if err != nil {
@@ -871,25 +913,7 @@ func TestCorruptPack(t *testing.T) {
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			t.Parallel()
-			b := setup(t, nil)
-			if err := os.WriteFile(filepath.Join(b.store.Root(), "objects", "tok.obj"), []byte(tt.content), 0o644); err != nil {
-				t.Fatal(err)
-			}
-			if _, err := b.store.Head("tok"); err == nil || errors.Is(err, artifact.ErrNotFound) {
-				t.Errorf("Head: err = %v, want a non-NotFound error", err)
-			}
-			if r, _, err := b.store.Open("tok"); err == nil || errors.Is(err, artifact.ErrNotFound) {
-				t.Errorf("Open: err = %v, want a non-NotFound error", err)
-				if r != nil {
-					r.Close()
-				}
-			}
-			if _, err := b.store.Observe("tok"); err == nil || errors.Is(err, artifact.ErrNotFound) {
-				t.Errorf("Observe: err = %v, want a non-NotFound error", err)
-			}
-			if _, err := b.store.Put("tok", "t", 1, []byte("abc")); err == nil {
-				t.Error("Put over a corrupt pack succeeded")
-			}
+			wantUnreadable(t, setup(t, nil), []byte(tt.content))
 		})
 	}
 	t.Run("stored bytes cut short", func(t *testing.T) {
@@ -924,26 +948,8 @@ func TestCorruptHeader(t *testing.T) {
 		t.Run(tt.name, func(t *testing.T) {
 			t.Parallel()
 			b := setup(t, nil)
-			p := filepath.Join(b.store.Root(), "objects", "tok.obj")
-			if err := os.WriteFile(p, tt.content, 0o644); err != nil {
-				t.Fatal(err)
-			}
-			if _, err := b.store.Head("tok"); err == nil || errors.Is(err, artifact.ErrNotFound) {
-				t.Errorf("Head: err = %v, want a non-NotFound error", err)
-			}
-			if r, _, err := b.store.Open("tok"); err == nil || errors.Is(err, artifact.ErrNotFound) {
-				t.Errorf("Open: err = %v, want a non-NotFound error", err)
-				if r != nil {
-					r.Close()
-				}
-			}
-			if _, err := b.store.Observe("tok"); err == nil || errors.Is(err, artifact.ErrNotFound) {
-				t.Errorf("Observe: err = %v, want a non-NotFound error", err)
-			}
-			if _, err := b.store.Put("tok", "t", 1, []byte("x")); err == nil {
-				t.Error("Put over a corrupt object: want error")
-			}
-			if got, err := os.ReadFile(p); err != nil || !bytes.Equal(got, tt.content) {
+			wantUnreadable(t, b, tt.content)
+			if got, err := os.ReadFile(filepath.Join(b.store.Root(), "objects", "tok.obj")); err != nil || !bytes.Equal(got, tt.content) {
 				t.Errorf("the corrupt object was changed (%v)", err)
 			}
 		})
@@ -1312,15 +1318,9 @@ func BenchmarkPutRun(b *testing.B) {
 			n := 0
 			cpu0 := processCPU(b)
 			for b.Loop() {
-				items := make([]artifact.Item, 64)
-				for i := range items {
-					n++
-					items[i] = artifact.Item{Token: fmt.Sprintf("tok-%d", n), TaskID: "task", Attempt: 1, Data: data}
-				}
+				items := runItems(&n, data)
 				if mode != "one-by-one" {
-					if _, errs := st.PutManyUnsynced(items); errors.Join(errs...) != nil {
-						b.Fatal(errors.Join(errs...))
-					}
+					mustPutMany(b, st, items)
 				} else {
 					for _, it := range items {
 						if _, err := st.PutUnsynced(it.Token, it.TaskID, it.Attempt, it.Data); err != nil {
@@ -1357,14 +1357,8 @@ func BenchmarkRunReadBack(b *testing.B) {
 			n := 0
 			cpu0 := processCPU(b)
 			for b.Loop() {
-				items := make([]artifact.Item, 64)
-				for i := range items {
-					n++
-					items[i] = artifact.Item{Token: fmt.Sprintf("tok-%d", n), TaskID: "task", Attempt: 1, Data: data}
-				}
-				if _, errs := st.PutManyUnsynced(items); errors.Join(errs...) != nil {
-					b.Fatal(errors.Join(errs...))
-				}
+				items := runItems(&n, data)
+				mustPutMany(b, st, items)
 				if err := st.SyncObjects(); err != nil {
 					b.Fatal(err)
 				}
@@ -1426,9 +1420,7 @@ func putManyWithConflictsLeavesNothing(t *testing.T, st *artifact.Store) {
 	for i := range items {
 		items[i] = artifact.Item{Token: fmt.Sprintf("tok-%d", i), TaskID: "task", Attempt: 1, Data: data(i)}
 	}
-	if _, errs := st.PutManyUnsynced(items); errors.Join(errs...) != nil {
-		t.Fatal(errors.Join(errs...))
-	}
+	mustPutMany(t, st, items)
 	// Again, then with other content: found and conflicting.
 	again := append(slices.Clone(items[:2]), artifact.Item{Token: "tok-2", TaskID: "task", Attempt: 1, Data: []byte("other")})
 	_, errs := st.PutManyUnsynced(again)
@@ -1575,10 +1567,7 @@ func TestOneObjectFiles(t *testing.T) {
 		{Token: "tok-a", TaskID: "a", Attempt: 1, Data: []byte("first")},
 		{Token: "tok-b", TaskID: "b", Attempt: 2, Data: bytes.Repeat([]byte("b"), 100<<10)},
 	}
-	metas, errs := b.store.PutManyUnsynced(items)
-	if errors.Join(errs...) != nil {
-		t.Fatal(errors.Join(errs...))
-	}
+	metas := mustPutMany(t, b.store, items)
 	var infos []os.FileInfo
 	for i, it := range items {
 		p := filepath.Join(b.store.Root(), "objects", it.Token+".obj")
@@ -1661,9 +1650,7 @@ func TestDeleteErasesItsRecord(t *testing.T) {
 		item("task-secret-c", []byte("secret bytes of c")),
 		item("task-keep-d", []byte("kept bytes of d")),
 	}
-	if _, errs := b.store.PutManyUnsynced(items); errors.Join(errs...) != nil {
-		t.Fatal(errors.Join(errs...))
-	}
+	mustPutMany(t, b.store, items)
 	pack := filepath.Join(b.store.Root(), "objects", items[0].Token+".obj")
 	before, err := os.Stat(pack)
 	if err != nil {
@@ -1717,9 +1704,7 @@ func TestDeleteOfADamagedPackFails(t *testing.T) {
 		{Token: "tok-first", TaskID: "a", Attempt: 1, Data: []byte("first")},
 		{Token: "tok-second", TaskID: "b", Attempt: 1, Data: []byte("second")},
 	}
-	if _, errs := b.store.PutManyUnsynced(items); errors.Join(errs...) != nil {
-		t.Fatal(errors.Join(errs...))
-	}
+	mustPutMany(t, b.store, items)
 	p := filepath.Join(b.store.Root(), "objects", "tok-second.obj")
 	raw, err := os.ReadFile(p)
 	if err != nil {
@@ -1792,9 +1777,7 @@ func TestConcurrentDeleteOfOneToken(t *testing.T) {
 		{Token: "tok-del", TaskID: "a", Attempt: 1, Data: []byte("deleted")},
 		{Token: "tok-kept", TaskID: "b", Attempt: 1, Data: []byte("kept")},
 	}
-	if _, errs := b.store.PutManyUnsynced(items); errors.Join(errs...) != nil {
-		t.Fatal(errors.Join(errs...))
-	}
+	mustPutMany(t, b.store, items)
 	f, err := os.OpenFile(filepath.Join(b.store.Root(), "objects", "tok-del.obj"), os.O_RDWR, 0)
 	if err != nil {
 		t.Fatal(err)
