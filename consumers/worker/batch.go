@@ -14,6 +14,7 @@ import (
 	"github.com/converge-run/converge/internal/artifact"
 	"github.com/converge-run/converge/internal/canon"
 	"github.com/converge-run/converge/internal/consumergroup"
+	"github.com/converge-run/converge/internal/dbpool"
 	"github.com/converge-run/converge/internal/inbox"
 	"github.com/converge-run/converge/internal/ledger"
 	"github.com/converge-run/converge/internal/outbox"
@@ -122,7 +123,7 @@ func (w *Worker) runOf(recs []*kgo.Record) (run []*job, span int) {
 func (w *Worker) processRun(ctx context.Context, cl *kgo.Client, run []*job) int {
 	start := time.Now()
 	actx, cancel := context.WithTimeout(context.WithoutCancel(ctx), w.cfg.AttemptTimeout)
-	err := pgx.BeginFunc(actx, w.pool, func(tx pgx.Tx) error { return w.intakeRun(actx, tx, run) })
+	err := dbpool.InPipelinedTx(actx, w.pool, func(tx *dbpool.PipelinedTx) error { return w.intakeRun(actx, tx, run) })
 	cancel()
 	if err != nil {
 		// Nothing of the run was written: each record goes its own way.
@@ -183,7 +184,7 @@ func (w *Worker) processRun(ctx context.Context, cl *kgo.Client, run []*job) int
 	if len(ready) > 0 {
 		actx, cancel := context.WithTimeout(context.WithoutCancel(ctx), w.cfg.AttemptTimeout)
 		var completed []taskevent.Task
-		err := pgx.BeginFunc(actx, w.pool, func(tx pgx.Tx) error {
+		err := dbpool.InPipelinedTx(actx, w.pool, func(tx *dbpool.PipelinedTx) error {
 			var err error
 			completed, err = w.completeRun(actx, tx, ready, readyV)
 			return err
@@ -237,9 +238,10 @@ func (w *Worker) perRecord(ctx context.Context, cl *kgo.Client, run []*job, done
 
 // intakeRun is the intake of a run in tx: for every record, the inbox row
 // registered and the task started, reading its document (one round trip
-// for all, two statements a record); the documents canonicalized; the
-// effect rows planned (one more round trip, a statement a record:
-// ledger.QueuePlanNew). It fails with errNotFresh, and the transaction is
+// for all, BEGIN included, two statements a record); the documents
+// canonicalized; the effect rows planned (one more round trip, a statement
+// a record: ledger.QueuePlanNew); COMMIT is the third, sent by
+// dbpool.InPipelinedTx when intakeRun returns nil. It fails with errNotFresh, and the transaction is
 // rolled back, when a record is a redelivery, its task does not start (not
 // queued, or not visible yet) or starts an attempt other than its first,
 // has no document or an effect recorded already, or its document does not
@@ -253,7 +255,7 @@ func (w *Worker) perRecord(ctx context.Context, cl *kgo.Client, run []*job, done
 // have no put effect but the one of attempt 1, whose identity the plan's
 // insert finds (ON CONFLICT): no Live read is needed. A re-opened or
 // re-driven task (attempt 2 or more) takes the per-record path.
-func (w *Worker) intakeRun(ctx context.Context, tx pgx.Tx, run []*job) error {
+func (w *Worker) intakeRun(ctx context.Context, tx *dbpool.PipelinedTx, run []*job) error {
 	n := len(run)
 	var (
 		inserted = make([]bool, n)
@@ -266,7 +268,7 @@ func (w *Worker) intakeRun(ctx context.Context, tx pgx.Tx, run []*job) error {
 		inbox.QueueRegister(b, w.cfg.Group, j.ev.EventID, j.sha, w.lease, &inserted[i])
 		task.QueueStartIfQueuedReadingDocument(b, j.ev.TaskID, j.ev.TaskVersion, &started[i], &docs[i], &docFound[i])
 	}
-	if err := tx.SendBatch(ctx, b).Close(); err != nil {
+	if err := tx.SendBatch(ctx, b); err != nil {
 		return fmt.Errorf("intake of %d records: %w", n, err)
 	}
 	want := make([]ledger.Effect, n)
@@ -287,7 +289,7 @@ func (w *Worker) intakeRun(ctx context.Context, tx pgx.Tx, run []*job) error {
 	for i := range run {
 		ledger.QueuePlanNew(b, want[i], &effs[i], &planned[i])
 	}
-	if err := tx.SendBatch(ctx, b).Close(); err != nil {
+	if err := tx.SendBatch(ctx, b); err != nil {
 		return fmt.Errorf("plan %d effects: %w", n, err)
 	}
 	for i, j := range run {
@@ -301,12 +303,13 @@ func (w *Worker) intakeRun(ctx context.Context, tx pgx.Tx, run []*job) error {
 
 // completeRun is the completion of the verified jobs of a run in tx, as
 // completeInTx for each (inbox -> completed, task running -> completed,
-// effect -> verified: one round trip for all), then their TaskCompleted
-// outbox rows (one more, one statement: outbox.QueueInsertMany). Any
+// effect -> verified: one round trip for all, BEGIN included), then their
+// TaskCompleted outbox rows and COMMIT (one more, one statement:
+// outbox.QueueInsertMany). Any
 // transition that does not apply is errConcurrentChange; a second verified
 // artifact of a task violates ledger.OneVerifiedIndex. Either rolls the
 // transaction back, and the jobs go through the per-record path.
-func (w *Worker) completeRun(ctx context.Context, tx pgx.Tx, jobs []*job, vs []verifiedEffect) ([]taskevent.Task, error) {
+func (w *Worker) completeRun(ctx context.Context, tx *dbpool.PipelinedTx, jobs []*job, vs []verifiedEffect) ([]taskevent.Task, error) {
 	n := len(jobs)
 	finished := make([]bool, n)
 	completed := make([]task.Changed, n)
@@ -323,7 +326,7 @@ func (w *Worker) completeRun(ctx context.Context, tx pgx.Tx, jobs []*job, vs []v
 			ledger.QueueMarkVerified(b, j.effect.EffectID, v.from, &v.sha, &verified[i])
 		}
 	}
-	if err := tx.SendBatch(ctx, b).Close(); err != nil {
+	if err := tx.SendBatch(ctx, b); err != nil {
 		return nil, fmt.Errorf("complete %d tasks: %w", n, err)
 	}
 	out := make([]taskevent.Task, n)
@@ -343,8 +346,8 @@ func (w *Worker) completeRun(ctx context.Context, tx pgx.Tx, jobs []*job, vs []v
 	}
 	b = &pgx.Batch{}
 	outbox.QueueInsertMany(b, rows)
-	if err := tx.SendBatch(ctx, b).Close(); err != nil {
-		return nil, fmt.Errorf("insert %d TaskCompleted events: %w", n, err)
+	if err := tx.SendBatchAndCommit(ctx, b); err != nil {
+		return nil, fmt.Errorf("insert %d TaskCompleted events and commit: %w", n, err)
 	}
 	return out, nil
 }

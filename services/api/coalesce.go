@@ -14,6 +14,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/prometheus/client_golang/prometheus"
 
+	"github.com/converge-run/converge/internal/dbpool"
 	"github.com/converge-run/converge/internal/fault"
 	"github.com/converge-run/converge/internal/outbox"
 	"github.com/converge-run/converge/internal/tenant"
@@ -192,7 +193,7 @@ func (c *coalescer) run(group []*createReq) {
 	ctx, cancel := c.groupContext(live)
 	defer cancel()
 	results, err := c.createGroup(ctx, live)
-	var unknown *commitUnknownError
+	var unknown *dbpool.CommitUnknownError
 	if errors.As(err, &unknown) && c.committed(live, results) {
 		err = nil
 	}
@@ -312,7 +313,9 @@ func (c *coalescer) runAlone(r *createReq) {
 // createGroup runs the create transaction of seed 3.1 for every request of
 // group in one transaction and returns each request's outcome (in group's
 // order): the new task, or errKeyTaken when its record insert conflicted.
-// An error means the transaction was rolled back: nothing was written.
+// An error means the transaction was rolled back: nothing was written;
+// except a *dbpool.CommitUnknownError, returned with the outcomes the
+// requests have if the transaction committed.
 func (s *store) createGroup(ctx context.Context, group []*createReq, faults *fault.Set) ([]createResult, error) {
 	order := make([]int, len(group))
 	for i := range order {
@@ -323,66 +326,55 @@ func (s *store) createGroup(ctx context.Context, group []*createReq, faults *fau
 		return cmp.Or(cmp.Compare(ka.Scope, kb.Scope), cmp.Compare(ka.Key, kb.Key))
 	})
 
-	conn, err := s.acquireTx(ctx)
+	var results []createResult
+	err := dbpool.InPipelinedTx(ctx, s.pool, func(tx *dbpool.PipelinedTx) error {
+		var b pgx.Batch
+		now := make([]time.Time, len(group))
+		won := make([]bool, len(group))
+		queueLockTimeout(&b, groupLockTimeout)
+		for _, i := range order {
+			idempotency.QueueInsertSucceededOutcome(&b, group[i].k, group[i].draft.TaskID, group[i].draft.Response, &now[i], &won[i])
+		}
+		if err := tx.SendBatch(ctx, &b); err != nil {
+			return fmt.Errorf("insert %d idempotency records: %w", len(group), err)
+		}
+
+		results = make([]createResult, len(group))
+		b = pgx.Batch{}
+		events := make([]outbox.Row, 0, len(group))
+		winners := 0
+		for _, i := range order {
+			r := group[i]
+			if !won[i] {
+				results[i].err = errKeyTaken
+				continue
+			}
+			n, err := r.draft.build(now[i].UTC())
+			if err != nil {
+				return err
+			}
+			results[i].n = n
+			winners++
+			queueCreateRows(&b, r.k, r.p, n, &events)
+		}
+		if winners == 0 {
+			return nil // nothing inserted: the COMMIT ends a transaction that wrote nothing
+		}
+		if faults.Hit(fault.APICreateGroupAbort) != fault.ActionNone {
+			return fmt.Errorf("create %d tasks: %w", winners, fault.ErrInjected)
+		}
+		outbox.QueueInsertMany(&b, events)
+		if err := tx.SendBatchAndCommit(ctx, &b); err != nil {
+			return fmt.Errorf("create %d tasks: %w", winners, err)
+		}
+		return nil
+	})
+	var unknown *dbpool.CommitUnknownError
+	if errors.As(err, &unknown) {
+		return results, err // the caller settles it (coalescer.committed)
+	}
 	if err != nil {
 		return nil, err
 	}
-	defer conn.end()
-
-	var b pgx.Batch
-	now := make([]time.Time, len(group))
-	won := make([]bool, len(group))
-	b.Queue("BEGIN")
-	queueLockTimeout(&b, groupLockTimeout)
-	for _, i := range order {
-		idempotency.QueueInsertSucceededOutcome(&b, group[i].k, group[i].draft.TaskID, group[i].draft.Response, &now[i], &won[i])
-	}
-	if err := conn.SendBatch(ctx, &b).Close(); err != nil {
-		return nil, fmt.Errorf("insert %d idempotency records: %w", len(group), err)
-	}
-
-	results := make([]createResult, len(group))
-	b = pgx.Batch{}
-	events := make([]outbox.Row, 0, len(group))
-	winners := 0
-	for _, i := range order {
-		r := group[i]
-		if !won[i] {
-			results[i].err = errKeyTaken
-			continue
-		}
-		n, err := r.draft.build(now[i].UTC())
-		if err != nil {
-			return nil, err
-		}
-		results[i].n = n
-		winners++
-		queueCreateRows(&b, r.k, r.p, n, &events)
-	}
-	if winners == 0 {
-		return results, nil // nothing inserted; the deferred rollback ends the transaction
-	}
-	if faults.Hit(fault.APICreateGroupAbort) != fault.ActionNone {
-		return nil, fmt.Errorf("create %d tasks: %w", winners, fault.ErrInjected)
-	}
-	outbox.QueueInsertMany(&b, events)
-	queueCommit(&b)
-	if err := conn.SendBatch(ctx, &b).Close(); err != nil {
-		err = fmt.Errorf("create %d tasks: %w", winners, err)
-		if conn.Conn.Conn().IsClosed() {
-			// The connection broke (or the deadline closed it) before
-			// PostgreSQL's answer was read: the COMMIT may have run.
-			return results, &commitUnknownError{err: err}
-		}
-		return nil, err
-	}
-	conn.committed = true
 	return results, nil
 }
-
-// commitUnknownError is the error of a group transaction whose COMMIT was
-// sent and whose outcome was not received: it may have committed.
-type commitUnknownError struct{ err error }
-
-func (e *commitUnknownError) Error() string { return "commit outcome unknown: " + e.err.Error() }
-func (e *commitUnknownError) Unwrap() error { return e.err }

@@ -11,6 +11,7 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/converge-run/converge/internal/dbpool"
 	"github.com/converge-run/converge/internal/ledger"
 	"github.com/converge-run/converge/internal/outbox"
 	"github.com/converge-run/converge/internal/task"
@@ -71,52 +72,48 @@ type newTask struct {
 // to the task is checked at COMMIT. A loser gets errKeyTaken with nothing
 // written; it then reads the record.
 //
-// The transaction takes two round trips to PostgreSQL, its statements
-// pipelined (pgx.Batch: one write, one Sync): BEGIN, the transaction's
-// lock_timeout (aloneLockTimeout) and the record insert, whose RETURNING
-// gives the timestamp; then the task and task_input inserts
-// (package task), the outbox insert (package outbox) and COMMIT. A
-// statement that fails makes PostgreSQL skip the rest of its batch, COMMIT
-// included; the transaction is then rolled back. A connection whose
-// rollback fails is closed, never returned to the pool mid-transaction.
+// The transaction takes two round trips to PostgreSQL
+// (dbpool.InPipelinedTx): BEGIN, the transaction's lock_timeout
+// (aloneLockTimeout) and the record insert, whose RETURNING gives the
+// timestamp; then the task and task_input inserts (package task), the
+// outbox insert (package outbox) and COMMIT. A statement that fails makes
+// PostgreSQL skip the rest of its batch, COMMIT included; the transaction is
+// then rolled back.
 func (s *store) createOne(ctx context.Context, k idempotency.Key, p tenant.Principal, d *taskDraft, maxWait time.Duration) (*newTask, error) {
-	conn, err := s.acquireTx(ctx)
-	if err != nil {
-		return nil, err
-	}
-	defer conn.end()
+	var n *newTask
+	err := dbpool.InPipelinedTx(ctx, s.pool, func(tx *dbpool.PipelinedTx) error {
+		var b pgx.Batch
+		var now time.Time
+		queueLockTimeout(&b, aloneLockTimeout(ctx, maxWait))
+		idempotency.QueueInsertSucceeded(&b, k, d.TaskID, d.Response, &now)
+		err := tx.SendBatch(ctx, &b)
+		if errors.Is(err, pgx.ErrNoRows) {
+			return errKeyTaken
+		}
+		if lockNotAvailable(err) {
+			// Another transaction holds this key's record uncommitted: a
+			// concurrent request with the same key (seed 3.1), still running.
+			return &Error{Code: CodeIdempotencyInProgress, Detail: errKeyHeldDetail, Err: err}
+		}
+		if err != nil {
+			return fmt.Errorf("insert idempotency record: %w", err)
+		}
 
-	var b pgx.Batch
-	var now time.Time
-	b.Queue("BEGIN")
-	queueLockTimeout(&b, aloneLockTimeout(ctx, maxWait))
-	idempotency.QueueInsertSucceeded(&b, k, d.TaskID, d.Response, &now)
-	err = conn.SendBatch(ctx, &b).Close()
-	if errors.Is(err, pgx.ErrNoRows) {
-		return nil, errKeyTaken
-	}
-	if lockNotAvailable(err) {
-		// Another transaction holds this key's record uncommitted: a
-		// concurrent request with the same key (seed 3.1), still running.
-		return nil, &Error{Code: CodeIdempotencyInProgress, Detail: errKeyHeldDetail, Err: err}
-	}
-	if err != nil {
-		return nil, fmt.Errorf("insert idempotency record: %w", err)
-	}
-
-	n, err := d.build(now.UTC())
+		if n, err = d.build(now.UTC()); err != nil {
+			return err
+		}
+		b = pgx.Batch{}
+		queueCreateRows(&b, k, p, n, nil)
+		if err := tx.SendBatchAndCommit(ctx, &b); errors.Is(err, tenant.ErrQuotaExhausted) {
+			return err
+		} else if err != nil {
+			return fmt.Errorf("create task %s: %w", n.Task.TaskID, err)
+		}
+		return nil
+	})
 	if err != nil {
 		return nil, err
 	}
-	b = pgx.Batch{}
-	queueCreateRows(&b, k, p, n, nil)
-	queueCommit(&b)
-	if err := conn.SendBatch(ctx, &b).Close(); errors.Is(err, tenant.ErrQuotaExhausted) {
-		return nil, err
-	} else if err != nil {
-		return nil, fmt.Errorf("create task %s: %w", n.Task.TaskID, err)
-	}
-	conn.committed = true
 	return n, nil
 }
 
@@ -191,55 +188,6 @@ func queueCreateRows(b *pgx.Batch, k idempotency.Key, p tenant.Principal, n *new
 		*events = append(*events, row)
 	} else {
 		outbox.QueueInsert(b, row)
-	}
-}
-
-// queueCommit queues COMMIT on b, failing the batch unless PostgreSQL
-// answered COMMIT (a transaction already failed answers ROLLBACK).
-func queueCommit(b *pgx.Batch) {
-	b.Queue("COMMIT").Exec(func(tag pgconn.CommandTag) error {
-		if tag.String() != "COMMIT" {
-			return errors.New(tag.String())
-		}
-		return nil
-	})
-}
-
-// txConn is a pool connection running one transaction.
-type txConn struct {
-	*pgxpool.Conn
-	committed bool // set once COMMIT succeeded
-}
-
-// acquireTx takes a connection for a transaction; end must be called.
-func (s *store) acquireTx(ctx context.Context) (*txConn, error) {
-	conn, err := s.pool.Acquire(ctx)
-	if err != nil {
-		return nil, fmt.Errorf("acquire connection: %w", err)
-	}
-	return &txConn{Conn: conn}, nil
-}
-
-// end rolls the transaction back unless it committed, and releases the
-// connection.
-func (c *txConn) end() {
-	if !c.committed {
-		rollback(c.Conn.Conn())
-	}
-	c.Release()
-}
-
-// rollback ends the open transaction of conn; when that fails the
-// connection is closed, so the pool never reuses it mid-transaction (pgxpool
-// also destroys a released connection whose transaction status is not idle).
-func rollback(conn *pgx.Conn) {
-	if conn.IsClosed() {
-		return
-	}
-	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-	defer cancel()
-	if _, err := conn.Exec(ctx, "ROLLBACK"); err != nil {
-		_ = conn.Close(ctx)
 	}
 }
 

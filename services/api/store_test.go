@@ -13,6 +13,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 
+	"github.com/converge-run/converge/internal/dbpool"
 	"github.com/converge-run/converge/internal/task"
 	"github.com/converge-run/converge/internal/tenant"
 	"github.com/converge-run/converge/services/api/idempotency"
@@ -54,7 +55,7 @@ func TestCreateTaskGuardsTheRecord(t *testing.T) {
 		var batch pgx.Batch
 		batch.Queue("BEGIN")
 		queue(&batch)
-		queueCommit(&batch)
+		dbpool.QueueCommit(&batch)
 		err = conn.SendBatch(ctx, &batch).Close()
 		if _, rerr := conn.Exec(ctx, "ROLLBACK"); rerr != nil {
 			t.Fatal(rerr)

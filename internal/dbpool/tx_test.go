@@ -1,0 +1,227 @@
+package dbpool_test
+
+import (
+	"context"
+	"errors"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/converge-run/converge/internal/dbpool"
+	"github.com/converge-run/converge/internal/testenv"
+)
+
+// sends counts what a pool's connections send: batches and single
+// statements (each one round trip to PostgreSQL).
+type sends struct{ batches, queries atomic.Int64 }
+
+func (s *sends) TraceQueryStart(ctx context.Context, _ *pgx.Conn, _ pgx.TraceQueryStartData) context.Context {
+	s.queries.Add(1)
+	return ctx
+}
+func (s *sends) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEndData) {}
+func (s *sends) TraceBatchStart(ctx context.Context, _ *pgx.Conn, _ pgx.TraceBatchStartData) context.Context {
+	s.batches.Add(1)
+	return ctx
+}
+func (s *sends) TraceBatchQuery(context.Context, *pgx.Conn, pgx.TraceBatchQueryData) {}
+func (s *sends) TraceBatchEnd(context.Context, *pgx.Conn, pgx.TraceBatchEndData)     {}
+
+// txPool is a pool of one connection on a fresh database with table kv,
+// whose sends are counted.
+func txPool(t *testing.T) (*pgxpool.Pool, *sends) {
+	t.Helper()
+	ctx := context.Background()
+	db := testenv.NewDB(t)
+	if _, err := db.Pool.Exec(ctx, `CREATE TABLE kv (k text PRIMARY KEY, v int NOT NULL)`); err != nil {
+		t.Fatal(err)
+	}
+	cfg, err := dbpool.ParseConfig(db.URL, "")
+	if err != nil {
+		t.Fatal(err)
+	}
+	s := &sends{}
+	cfg.ConnConfig.Tracer = s
+	cfg.MaxConns = 1
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(pool.Close)
+	return pool, s
+}
+
+func insert(b *pgx.Batch, k string, v int) {
+	b.Queue(`INSERT INTO kv (k, v) VALUES ($1, $2)`, k, v)
+}
+
+func keys(t *testing.T, pool *pgxpool.Pool) string {
+	t.Helper()
+	var got string
+	if err := pool.QueryRow(context.Background(), `SELECT COALESCE(string_agg(k, ',' ORDER BY k), '') FROM kv`).Scan(&got); err != nil {
+		t.Fatal(err)
+	}
+	return got
+}
+
+// A transaction of two batches, the second with COMMIT, takes two round
+// trips: BEGIN travels with the first batch, COMMIT with the last.
+func TestPipelinedTxTakesOneRoundTripPerBatch(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool, s := txPool(t)
+	err := dbpool.InPipelinedTx(ctx, pool, func(tx *dbpool.PipelinedTx) error {
+		var b pgx.Batch
+		insert(&b, "a", 1)
+		if err := tx.SendBatch(ctx, &b); err != nil {
+			return err
+		}
+		b = pgx.Batch{}
+		insert(&b, "b", 2)
+		return tx.SendBatchAndCommit(ctx, &b)
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if b, q := s.batches.Load(), s.queries.Load(); b != 2 || q != 0 {
+		t.Errorf("sent %d batches and %d single statements, want 2 and 0", b, q)
+	}
+	if got := keys(t, pool); got != "a,b" {
+		t.Errorf("committed keys %q, want a,b", got)
+	}
+}
+
+// Without SendBatchAndCommit, COMMIT is sent on its own when fn returns nil;
+// a fn that sends nothing sends nothing.
+func TestPipelinedTxCommitsAfterFn(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool, s := txPool(t)
+	err := dbpool.InPipelinedTx(ctx, pool, func(tx *dbpool.PipelinedTx) error {
+		var b pgx.Batch
+		insert(&b, "a", 1)
+		return tx.SendBatch(ctx, &b)
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := keys(t, pool); got != "a" {
+		t.Errorf("committed keys %q, want a", got)
+	}
+	s.batches.Store(0)
+	s.queries.Store(0)
+	if err := dbpool.InPipelinedTx(ctx, pool, func(*dbpool.PipelinedTx) error { return nil }); err != nil {
+		t.Fatal(err)
+	}
+	if b, q := s.batches.Load(), s.queries.Load(); b != 0 || q != 0 {
+		t.Errorf("an empty transaction sent %d batches and %d statements, want none", b, q)
+	}
+}
+
+// Whatever ends a transaction without its COMMIT — fn's error, a failed
+// statement in a batch, a failed statement before the pipelined COMMIT —
+// rolls all of it back, and the connection goes back to the pool usable,
+// outside any transaction.
+func TestPipelinedTxRollsBack(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool, _ := txPool(t)
+	errFn := errors.New("fn failed")
+	pid := func() uint32 {
+		conn, err := pool.Acquire(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer conn.Release()
+		return conn.Conn().PgConn().PID()
+	}
+	first := pid()
+	for _, tc := range []struct {
+		name string
+		fn   func(tx *dbpool.PipelinedTx) error
+		want string
+	}{
+		{"fn error after a batch", func(tx *dbpool.PipelinedTx) error {
+			var b pgx.Batch
+			insert(&b, "x1", 1)
+			if err := tx.SendBatch(ctx, &b); err != nil {
+				return err
+			}
+			return errFn
+		}, errFn.Error()},
+		{"failed statement in the first batch", func(tx *dbpool.PipelinedTx) error {
+			var b pgx.Batch
+			insert(&b, "x2", 1)
+			insert(&b, "x2", 2) // unique violation
+			return tx.SendBatch(ctx, &b)
+		}, "23505"},
+		{"failed statement before COMMIT", func(tx *dbpool.PipelinedTx) error {
+			var b pgx.Batch
+			insert(&b, "x3", 1)
+			if err := tx.SendBatch(ctx, &b); err != nil {
+				return err
+			}
+			b = pgx.Batch{}
+			insert(&b, "x4", 1)
+			b.Queue(`SELECT 1/0`)
+			return tx.SendBatchAndCommit(ctx, &b)
+		}, "22012"},
+		{"a batch after COMMIT", func(tx *dbpool.PipelinedTx) error {
+			var b pgx.Batch
+			insert(&b, "y", 1)
+			if err := tx.SendBatchAndCommit(ctx, &b); err != nil {
+				return err
+			}
+			b = pgx.Batch{}
+			insert(&b, "x5", 1)
+			return tx.SendBatch(ctx, &b)
+		}, "after the transaction committed"},
+	} {
+		err := dbpool.InPipelinedTx(ctx, pool, tc.fn)
+		if err == nil || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("%s: err = %v, want it to contain %q", tc.name, err, tc.want)
+		}
+		// The transaction was rolled back on its connection, which the pool
+		// keeps (pgxpool destroys a connection released inside a
+		// transaction, and the next Acquire would open another).
+		if got := pid(); got != first {
+			t.Errorf("%s: the pool's connection is backend %d, want %d: the transaction's connection was not reused", tc.name, got, first)
+		}
+	}
+	if got := keys(t, pool); got != "y" {
+		t.Errorf("committed keys %q, want only y (the one committed before the failing batch)", got)
+	}
+}
+
+// A COMMIT sent whose answer is not read (here: the context ends while
+// PostgreSQL runs the batch, and pgx closes the connection) may have run:
+// the error says so.
+func TestPipelinedTxCommitUnknown(t *testing.T) {
+	t.Parallel()
+	pool, _ := txPool(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 300*time.Millisecond)
+	defer cancel()
+	err := dbpool.InPipelinedTx(ctx, pool, func(tx *dbpool.PipelinedTx) error {
+		var b pgx.Batch
+		insert(&b, "a", 1)
+		b.Queue(`SELECT pg_sleep(2)`)
+		return tx.SendBatchAndCommit(ctx, &b)
+	})
+	var unknown *dbpool.CommitUnknownError
+	if !errors.As(err, &unknown) {
+		t.Fatalf("err = %v, want a *CommitUnknownError", err)
+	}
+	// A failed statement before COMMIT is not unknown: COMMIT did not run.
+	err = dbpool.InPipelinedTx(context.Background(), pool, func(tx *dbpool.PipelinedTx) error {
+		var b pgx.Batch
+		b.Queue(`SELECT 1/0`)
+		return tx.SendBatchAndCommit(context.Background(), &b)
+	})
+	if err == nil || errors.As(err, &unknown) {
+		t.Fatalf("err = %v, want a statement's error, not a *CommitUnknownError", err)
+	}
+}
