@@ -29,9 +29,10 @@ type PipelinedTx struct {
 
 // InPipelinedTx runs fn in a PipelinedTx on a connection of pool. When fn
 // returns nil without having committed (SendBatchAndCommit), COMMIT is sent
-// on its own; when fn returns an error, or COMMIT fails, the transaction is
-// rolled back and the error returned. A fn that sends no batch sends
-// nothing.
+// on its own, with SendBatchAndCommit's errors (a lost answer is a
+// *CommitUnknownError); when fn returns an error, or a statement before
+// COMMIT fails, the transaction is rolled back and the error returned. A fn
+// that sends no batch sends nothing.
 func InPipelinedTx(ctx context.Context, pool *pgxpool.Pool, fn func(*PipelinedTx) error) error {
 	conn, err := pool.Acquire(ctx)
 	if err != nil {
@@ -45,12 +46,9 @@ func InPipelinedTx(ctx context.Context, pool *pgxpool.Pool, fn func(*PipelinedTx
 	if !tx.begun || tx.committed {
 		return nil
 	}
-	var b pgx.Batch
-	QueueCommit(&b)
-	if err := conn.SendBatch(ctx, &b).Close(); err != nil {
+	if err := tx.SendBatchAndCommit(ctx, &pgx.Batch{}); err != nil {
 		return fmt.Errorf("commit: %w", err)
 	}
-	tx.committed = true
 	return nil
 }
 

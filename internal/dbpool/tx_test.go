@@ -197,30 +197,55 @@ func TestPipelinedTxRollsBack(t *testing.T) {
 	}
 }
 
-// A COMMIT sent whose answer is not read (here: the context ends while
-// PostgreSQL runs the batch, and pgx closes the connection) may have run:
-// the error says so.
+// A COMMIT sent whose answer is not read may have run: the error says so,
+// whether COMMIT went with the last batch or on its own. Here commits are
+// held (a synchronous standby that never answers), the context ends while
+// COMMIT waits, pgx closes the connection, and PostgreSQL commits locally:
+// the transactions did commit although their callers could not know.
 func TestPipelinedTxCommitUnknown(t *testing.T) {
 	t.Parallel()
-	pool, _ := txPool(t)
-	ctx, cancel := context.WithTimeout(context.Background(), 300*time.Millisecond)
-	defer cancel()
-	err := dbpool.InPipelinedTx(ctx, pool, func(tx *dbpool.PipelinedTx) error {
-		var b pgx.Batch
-		insert(&b, "a", 1)
-		b.Queue(`SELECT pg_sleep(2)`)
-		return tx.SendBatchAndCommit(ctx, &b)
-	})
-	var unknown *dbpool.CommitUnknownError
-	if !errors.As(err, &unknown) {
-		t.Fatalf("err = %v, want a *CommitUnknownError", err)
+	h := testenv.NewCommitHold(t)
+	pool := h.DB.Pool
+	bg := context.Background()
+	if _, err := pool.Exec(bg, `CREATE TABLE kv (k text PRIMARY KEY, v int NOT NULL)`); err != nil {
+		t.Fatal(err)
+	}
+	h.Hold(t)
+	for _, tc := range []struct {
+		name   string
+		commit func(ctx context.Context, tx *dbpool.PipelinedTx, b *pgx.Batch) error
+		key    string
+	}{
+		{"COMMIT with the last batch", func(ctx context.Context, tx *dbpool.PipelinedTx, b *pgx.Batch) error {
+			return tx.SendBatchAndCommit(ctx, b)
+		}, "with-batch"},
+		{"COMMIT on its own", func(ctx context.Context, tx *dbpool.PipelinedTx, b *pgx.Batch) error {
+			return tx.SendBatch(ctx, b)
+		}, "alone"},
+	} {
+		ctx, cancel := context.WithTimeout(bg, 500*time.Millisecond)
+		err := dbpool.InPipelinedTx(ctx, pool, func(tx *dbpool.PipelinedTx) error {
+			var b pgx.Batch
+			insert(&b, tc.key, 1)
+			return tc.commit(ctx, tx, &b)
+		})
+		cancel()
+		var unknown *dbpool.CommitUnknownError
+		if !errors.As(err, &unknown) {
+			t.Errorf("%s: err = %v, want a *CommitUnknownError", tc.name, err)
+		}
+	}
+	h.Release(t)
+	if got := keys(t, pool); got != "alone,with-batch" {
+		t.Errorf("keys %q, want both transactions committed (locally, while their callers were told unknown)", got)
 	}
 	// A failed statement before COMMIT is not unknown: COMMIT did not run.
-	err = dbpool.InPipelinedTx(context.Background(), pool, func(tx *dbpool.PipelinedTx) error {
+	err := dbpool.InPipelinedTx(bg, pool, func(tx *dbpool.PipelinedTx) error {
 		var b pgx.Batch
 		b.Queue(`SELECT 1/0`)
-		return tx.SendBatchAndCommit(context.Background(), &b)
+		return tx.SendBatchAndCommit(bg, &b)
 	})
+	var unknown *dbpool.CommitUnknownError
 	if err == nil || errors.As(err, &unknown) {
 		t.Fatalf("err = %v, want a statement's error, not a *CommitUnknownError", err)
 	}
