@@ -25,8 +25,7 @@ func TestPostgresCrashDoesNotProduceConfirmedTransactionsAgain(t *testing.T) {
 	t.Parallel()
 	cl, db := testenv.NewCluster(t)
 	b := &testBundle{db: db, kafka: testenv.NewKafka(t), slot: "s_crash", pub: "p_crash"}
-	rr := b.start(t, b.config())
-	b.waitStreaming(t, rr)
+	rr := b.startStreaming(t, b.config())
 
 	var before []outboxEvent
 	var last pglogrepl.LSN
@@ -93,14 +92,12 @@ func TestSecondSlotRelaysWhatTheFirstRecorded(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
 	b2 := &testBundle{db: b.db, kafka: testenv.NewKafka(t), slot: "s2_" + b.db.Name, pub: "p2_" + b.db.Name}
-	second := b2.start(t, b2.config())
-	b2.waitStreaming(t, second)
+	second := b2.startStreaming(t, b2.config())
 	if err := second.stop(t); err != nil {
 		t.Fatalf("second relay: %v", err)
 	}
 
-	first := b.start(t, b.config())
-	b.waitStreaming(t, first)
+	first := b.startStreaming(t, b.config())
 	evs, last := b.insertEvents(t, 10)
 	testenv.Eventually(t, 20*time.Second, "first relay confirmed past the last commit, every row recorded", func() bool {
 		return first.relay.ConfirmedLSN() > last && b.unpublished(t) == 0
@@ -202,8 +199,7 @@ func TestProgressOfAnotherClusterIsIgnored(t *testing.T) {
 			if _, err := b.db.Pool.Exec(ctx, `INSERT INTO relay_progress (slot_name, system_identifier, confirmed_lsn) VALUES ($1, $2, 'FFFF/0')`, b.slot, writer); err != nil {
 				t.Fatal(err)
 			}
-			rr := b.start(t, b.config())
-			b.waitStreaming(t, rr)
+			rr := b.startStreaming(t, b.config())
 			evs, last := b.insertEvents(t, 5)
 			testenv.Eventually(t, 20*time.Second, "relay confirmed past the last commit", func() bool {
 				return rr.relay.ConfirmedLSN() > last
@@ -233,8 +229,7 @@ func TestCleanStopRecordsProgress(t *testing.T) {
 	b := setup(t)
 	cfg := b.config()
 	cfg.StatusInterval = time.Hour
-	rr := b.start(t, cfg)
-	b.waitStreaming(t, rr)
+	rr := b.startStreaming(t, cfg)
 	last := b.insertTx(t, b.event(t, "task-stop", 1))
 	testenv.Eventually(t, 20*time.Second, "row recorded published", func() bool { return b.unpublished(t) == 0 })
 	if p, _ := b.recordedProgress(t); p > last {
@@ -255,8 +250,7 @@ func TestCleanStopRecordsProgress(t *testing.T) {
 func TestProgressIsRecordedOnlyByTheSlotsWalsender(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
-	rr := b.start(t, b.config())
-	b.waitStreaming(t, rr)
+	b.startStreaming(t, b.config())
 	ctx := context.Background()
 	high := pglogrepl.LSN(0xFFFF) << 32
 	if written, err := (&store{pool: b.db.Pool}).recordProgress(ctx, b.slot, b.systemID(t), 1, high); err != nil || written {
@@ -281,8 +275,7 @@ SELECT $1, system_identifier::text, '0/1' FROM pg_control_system()`, b.slot); er
 	}
 	cfg := b.config()
 	cfg.StatusInterval = time.Hour // the marker does not write: only the forget changes the row
-	rr := b.start(t, cfg)
-	b.waitStreaming(t, rr)
+	b.startStreaming(t, cfg)
 	var n int
 	if err := b.db.Pool.QueryRow(ctx, `SELECT count(*) FROM relay_progress WHERE slot_name = $1`, b.slot).Scan(&n); err != nil {
 		t.Fatal(err)

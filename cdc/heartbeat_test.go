@@ -66,8 +66,7 @@ func TestRelayHeartbeatAdvancesIdleSlot(t *testing.T) {
 	cfg.SlotSampleInterval = 50 * time.Millisecond
 	reg := prometheus.NewRegistry()
 	cfg.Registerer = reg
-	rr := b.start(t, cfg)
-	b.waitStreaming(t, rr)
+	rr := b.startStreaming(t, cfg)
 
 	// No outbox row is written: only heartbeats can move the slot past the
 	// WAL of the other table.
@@ -127,8 +126,7 @@ func TestRelayIdleConfirmsKeepalivePosition(t *testing.T) {
 	cfg.StatusInterval = 20 * time.Millisecond
 	reg := prometheus.NewRegistry()
 	cfg.Registerer = reg
-	rr := b.start(t, cfg)
-	b.waitStreaming(t, rr)
+	b.startStreaming(t, cfg)
 
 	for range 3 {
 		target := b.writeOtherTable(t)

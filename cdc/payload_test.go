@@ -53,8 +53,7 @@ func TestRelayPayloadForms(t *testing.T) {
 	cfg := b.config()
 	reg := prometheus.NewRegistry()
 	cfg.Registerer = reg
-	rr := b.start(t, cfg)
-	b.waitStreaming(t, rr)
+	rr := b.startStreaming(t, cfg)
 
 	canonical := b.event(t, "task-p", 1)
 	b.insertRaw(t, canonical)

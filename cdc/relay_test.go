@@ -130,6 +130,15 @@ func (b *testBundle) slotState(t *testing.T) (confirmed pglogrepl.LSN, active, e
 	return confirmed, active, true
 }
 
+// startStreaming starts a relay built from cfg (start) and waits until it
+// streams (waitStreaming).
+func (b *testBundle) startStreaming(t *testing.T, cfg Config) *runningRelay {
+	t.Helper()
+	rr := b.start(t, cfg)
+	b.waitStreaming(t, rr)
+	return rr
+}
+
 // waitStreaming waits until rr streams from the slot: rows committed from
 // then on are relayed. (The slot shows active while it is being created,
 // before its consistent point: earlier commits are not in it.)
@@ -293,8 +302,7 @@ func checkRecord(t *testing.T, r *kgo.Record, e outboxEvent) {
 func TestRelayPublishes(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
-	rr := b.start(t, b.config())
-	b.waitStreaming(t, rr)
+	rr := b.startStreaming(t, b.config())
 
 	var all []outboxEvent
 	tx := func(evs ...outboxEvent) pglogrepl.LSN {
@@ -353,8 +361,7 @@ func TestRelayPublishes(t *testing.T) {
 
 	// Setup is idempotent: a second relay reuses publication and slot.
 	b.waitReleased(t)
-	rr2 := b.start(t, b.config())
-	b.waitStreaming(t, rr2)
+	rr2 := b.startStreaming(t, b.config())
 	e := b.event(t, "task-a", 5)
 	last = b.insertTx(t, e)
 	testenv.Eventually(t, 10*time.Second, "row published by the second relay", func() bool { return b.unpublished(t) == 0 })
@@ -392,8 +399,7 @@ func TestRelayCrashBetweenAckAndConfirm(t *testing.T) {
 			}
 			cfg := b.config()
 			cfg.Faults = faults
-			rr := b.start(t, cfg)
-			b.waitStreaming(t, rr)
+			rr := b.startStreaming(t, cfg)
 			before, _, _ := b.slotState(t)
 
 			var all []outboxEvent
@@ -483,8 +489,7 @@ func TestRelayLargeTransaction(t *testing.T) {
 func (b *testBundle) relayOneTransaction(t *testing.T, cfg Config, n, tasks int) {
 	t.Helper()
 	cfg.StatusInterval = 20 * time.Millisecond
-	rr := b.start(t, cfg)
-	b.waitStreaming(t, rr)
+	rr := b.startStreaming(t, cfg)
 	evs := make([]outboxEvent, n)
 	for i := range evs {
 		evs[i] = b.event(t, fmt.Sprintf("task-%d", i%tasks), int64(i/tasks+1))
@@ -513,8 +518,7 @@ func TestRelayCleanShutdown(t *testing.T) {
 	cfg.StatusInterval = time.Hour // only the final status update can confirm
 	reg := prometheus.NewRegistry()
 	cfg.Registerer = reg
-	rr := b.start(t, cfg)
-	b.waitStreaming(t, rr)
+	rr := b.startStreaming(t, cfg)
 	start, _, _ := b.slotState(t)
 
 	var all []outboxEvent
@@ -548,8 +552,7 @@ func TestRelayCleanShutdown(t *testing.T) {
 
 	// The slot resumes exactly after the last acknowledged commit: a new
 	// relay produces only the new row.
-	rr2 := b.start(t, b.config())
-	b.waitStreaming(t, rr2)
+	rr2 := b.startStreaming(t, b.config())
 	marker := b.event(t, "task-s", 4)
 	b.insertTx(t, marker)
 	testenv.Eventually(t, 10*time.Second, "marker published", func() bool { return b.unpublished(t) == 0 })
@@ -590,8 +593,7 @@ func counterSum(t *testing.T, reg *prometheus.Registry, name string) float64 {
 func TestRelaySlotActive(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
-	rr1 := b.start(t, b.config())
-	b.waitStreaming(t, rr1)
+	rr1 := b.startStreaming(t, b.config())
 	cfg := b.config()
 	reg := prometheus.NewRegistry()
 	cfg.Registerer = reg
@@ -694,8 +696,7 @@ func TestRelayPublicationDroppedWhileStreaming(t *testing.T) {
 	cfg.Registerer = reg
 	cfg.SlotSampleInterval = 100 * time.Millisecond
 	cfg.HeartbeatInterval = 50 * time.Millisecond
-	rr := b.start(t, cfg)
-	b.waitStreaming(t, rr)
+	rr := b.startStreaming(t, cfg)
 	before := b.event(t, "task-before", 1)
 	b.insertTx(t, before)
 	testenv.Eventually(t, 10*time.Second, "row before the drop published", func() bool { return b.unpublished(t) == 0 })
@@ -769,8 +770,7 @@ func TestRelayChecksPublicationOnRelationMessage(t *testing.T) {
 	ctx := context.Background()
 	cfg := b.config()
 	cfg.SlotSampleInterval = time.Hour
-	rr := b.start(t, cfg)
-	b.waitStreaming(t, rr)
+	rr := b.startStreaming(t, cfg)
 	tx, err := b.db.Pool.Begin(ctx)
 	if err != nil {
 		t.Fatal(err)
@@ -806,8 +806,7 @@ func TestRelayPublicationDroppedAndRecreated(t *testing.T) {
 	cfg := b.config()
 	cfg.Registerer = reg
 	cfg.SlotSampleInterval = 100 * time.Millisecond
-	rr := b.start(t, cfg)
-	b.waitStreaming(t, rr)
+	rr := b.startStreaming(t, cfg)
 	if _, err := b.db.Pool.Exec(ctx, "DROP PUBLICATION "+b.pub); err != nil {
 		t.Fatal(err)
 	}
@@ -865,8 +864,7 @@ func TestRelayOutboxRelationWithoutColumn(t *testing.T) {
 	cfg := b.config()
 	cfg.Registerer = reg
 	cfg.SlotSampleInterval = 100 * time.Millisecond
-	rr := b.start(t, cfg)
-	b.waitStreaming(t, rr)
+	rr := b.startStreaming(t, cfg)
 	b.insertTx(t, b.event(t, "task-ok", 1))
 	testenv.Eventually(t, 10*time.Second, "first row published", func() bool { return b.unpublished(t) == 0 })
 
@@ -945,8 +943,7 @@ func TestRelayRepairsPublicationWhenAsked(t *testing.T) {
 	cfg.RepairPublication = true
 	cfg.Registerer = reg
 	cfg.SlotSampleInterval = 100 * time.Millisecond
-	rr := b.start(t, cfg)
-	b.waitStreaming(t, rr)
+	rr := b.startStreaming(t, cfg)
 	ev := b.event(t, "task-repaired", 1)
 	b.insertTx(t, ev)
 	testenv.Eventually(t, 10*time.Second, "row published after the repair", func() bool { return b.unpublished(t) == 0 })
@@ -1066,8 +1063,7 @@ func TestRelayProduceFailure(t *testing.T) {
 	cfg.Registerer = reg
 	cfg.DeliveryTimeout = 2 * time.Second
 	cfg.RestartBackoffMin, cfg.RestartBackoffMax = 50*time.Millisecond, 200*time.Millisecond
-	rr := b.start(t, cfg)
-	b.waitStreaming(t, rr)
+	rr := b.startStreaming(t, cfg)
 	before, _, _ := b.slotState(t)
 
 	var refusing atomic.Bool
@@ -1149,8 +1145,7 @@ func TestRelayParksRefusedRecord(t *testing.T) {
 	reg := prometheus.NewRegistry()
 	cfg.Registerer = reg
 	cfg.KafkaOpts = []kgo.Opt{kgo.ProducerBatchMaxBytes(16 << 10)}
-	rr := b.start(t, cfg)
-	b.waitStreaming(t, rr)
+	b.startStreaming(t, cfg)
 
 	big := b.event(t, "task-big", 1)
 	big.payload = []byte(`{"pad":"` + strings.Repeat("x", 32<<10) + `"}`)

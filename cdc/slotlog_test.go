@@ -40,8 +40,7 @@ func TestCreatedSlotWarnsAfterEarlierOutboxRows(t *testing.T) {
 		var logs logBuffer
 		cfg := b.config()
 		cfg.Logger = slog.New(slog.NewTextHandler(&logs, &slog.HandlerOptions{Level: slog.LevelInfo}))
-		rr := b.start(t, cfg)
-		b.waitStreaming(t, rr)
+		rr := b.startStreaming(t, cfg)
 		if err := rr.stop(t); err != nil {
 			t.Fatal(err)
 		}

@@ -26,8 +26,7 @@ func TestRelayRecordsTransactionCommittedButNotYetVisible(t *testing.T) {
 	cfg.HeartbeatInterval = -1 // a heartbeat's commit would be held too
 	reg := prometheus.NewRegistry()
 	cfg.Registerer = reg
-	rr := b.start(t, cfg)
-	b.waitStreaming(t, rr)
+	rr := b.startStreaming(t, cfg)
 
 	before := rr.relay.ConfirmedLSN()
 	h.Hold(t)
@@ -101,8 +100,7 @@ func TestRelayRowDeletedBeforeItsTransactionIsRecorded(t *testing.T) {
 	cfg := b.config()
 	reg := prometheus.NewRegistry()
 	cfg.Registerer = reg
-	rr := b.start(t, cfg)
-	b.waitStreaming(t, rr)
+	rr := b.startStreaming(t, cfg)
 	if err := rr.stop(t); err != nil {
 		t.Fatal(err)
 	}
