@@ -126,7 +126,9 @@ func (w *Worker) processRun(ctx context.Context, cl *kgo.Client, run []*job) int
 	err := dbpool.InPipelinedTx(actx, w.pool, func(tx *dbpool.PipelinedTx) error { return w.intakeRun(actx, tx, run) })
 	cancel()
 	if err != nil {
-		// Nothing of the run was written: each record goes its own way.
+		// Nothing of the run was written (or, when the COMMIT's answer
+		// was lost, all of its intake): each record goes its own way, and
+		// the per-record path resumes an intake that committed.
 		if !errors.Is(err, errNotFresh) {
 			w.log.WarnContext(ctx, "intake of a run failed; its records are processed one by one", slog.Int("records", len(run)), slog.Any("err", err))
 		}

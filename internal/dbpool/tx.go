@@ -67,25 +67,46 @@ func (t *PipelinedTx) SendBatch(ctx context.Context, b *pgx.Batch) error {
 }
 
 // SendBatchAndCommit is SendBatch with COMMIT appended to b: when it returns
-// nil the transaction is committed. An error whose connection was closed
-// before PostgreSQL's answers were read (a broken connection, or ctx's end:
-// pgx closes the connection then) is a *CommitUnknownError: COMMIT may have
-// run. Any other error means it did not: a statement failed before it.
+// nil the transaction is committed. When it returns an error, PostgreSQL's
+// transaction status after the batch (the Sync's ReadyForQuery) says what
+// happened:
+//   - still in the transaction, or in a failed one (a statement failed, and
+//     PostgreSQL skipped the rest of the batch, COMMIT included): not
+//     committed; the error is returned as it is;
+//   - out of the transaction, with an error PostgreSQL raised (a
+//     *pgconn.PgError: COMMIT itself failed, as a deferred constraint does):
+//     not committed either;
+//   - anything else is a *CommitUnknownError: the connection was closed
+//     before the answers were read (a broken connection, or ctx's end: pgx
+//     closes the connection then), or COMMIT ran while a result callback of
+//     b returned an error. PostgreSQL runs a pipelined COMMIT whatever the
+//     client does with the results before it (pgx stops calling callbacks at
+//     the first error and only drains the rest), so a check that must keep
+//     the transaction from committing belongs in a statement, not in a
+//     callback of the last batch.
 func (t *PipelinedTx) SendBatchAndCommit(ctx context.Context, b *pgx.Batch) error {
 	QueueCommit(b)
-	if err := t.SendBatch(ctx, b); err != nil {
-		if t.conn.Conn().IsClosed() {
-			return &CommitUnknownError{Err: err}
-		}
+	err := t.SendBatch(ctx, b)
+	if err == nil {
+		t.committed = true
+		return nil
+	}
+	pc := t.conn.Conn().PgConn()
+	var pe *pgconn.PgError
+	switch {
+	case pc.IsClosed():
+	case pc.TxStatus() == 'T' || pc.TxStatus() == 'E':
+		return err
+	case errors.As(err, &pe):
 		return err
 	}
-	t.committed = true
-	return nil
+	return &CommitUnknownError{Err: err}
 }
 
 // CommitUnknownError is the error of a transaction whose COMMIT was sent and
-// whose answer was not received: it may have committed. The caller settles
-// it by reading what the transaction wrote, on another connection.
+// whose outcome was not received (SendBatchAndCommit): it may have
+// committed. The caller settles it by reading what the transaction wrote,
+// on another connection.
 type CommitUnknownError struct{ Err error }
 
 func (e *CommitUnknownError) Error() string { return "commit outcome unknown: " + e.Err.Error() }

@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/converge-run/converge/internal/dbpool"
@@ -248,5 +249,57 @@ func TestPipelinedTxCommitUnknown(t *testing.T) {
 	var unknown *dbpool.CommitUnknownError
 	if err == nil || errors.As(err, &unknown) {
 		t.Fatalf("err = %v, want a statement's error, not a *CommitUnknownError", err)
+	}
+}
+
+// What an error of SendBatchAndCommit says about the COMMIT it sent:
+// PostgreSQL's own errors, before COMMIT or of COMMIT, mean not committed,
+// even when a callback replaced the error; a callback's own error while
+// every statement succeeded is unknown, and the transaction did commit
+// (PostgreSQL runs the pipelined COMMIT whatever the client's checks say).
+func TestPipelinedTxCommitOutcomeOfTheLastBatch(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool, _ := txPool(t)
+	if _, err := pool.Exec(ctx, `CREATE TABLE child (k text REFERENCES kv (k) DEFERRABLE INITIALLY DEFERRED)`); err != nil {
+		t.Fatal(err)
+	}
+	errCheck := errors.New("a check of a result")
+	for _, tc := range []struct {
+		name    string
+		queue   func(b *pgx.Batch)
+		unknown bool
+		key     string // committed by the case, or ""
+	}{
+		{"a statement fails; its callback replaces the error", func(b *pgx.Batch) {
+			insert(b, "s", 1)
+			q := b.Queue(`SELECT 1/0`)
+			q.Fn = func(br pgx.BatchResults) error {
+				if _, err := br.Exec(); err != nil {
+					return errCheck // as tenant.QueueConsumeQuota maps 22012
+				}
+				return nil
+			}
+		}, false, ""},
+		{"COMMIT fails (a deferred foreign key)", func(b *pgx.Batch) {
+			insert(b, "d", 1)
+			b.Queue(`INSERT INTO child (k) VALUES ('no-such-key')`)
+		}, false, ""},
+		{"every statement succeeds; a callback fails", func(b *pgx.Batch) {
+			b.Queue(`INSERT INTO kv (k, v) VALUES ('c', 1)`).Exec(func(pgconn.CommandTag) error { return errCheck })
+		}, true, "c"},
+	} {
+		err := dbpool.InPipelinedTx(ctx, pool, func(tx *dbpool.PipelinedTx) error {
+			var b pgx.Batch
+			tc.queue(&b)
+			return tx.SendBatchAndCommit(ctx, &b)
+		})
+		var unknown *dbpool.CommitUnknownError
+		if err == nil || errors.As(err, &unknown) != tc.unknown {
+			t.Errorf("%s: err = %v, want an error that is a *CommitUnknownError: %v", tc.name, err, tc.unknown)
+		}
+	}
+	if got := keys(t, pool); got != "c" {
+		t.Errorf("committed keys %q, want only c", got)
 	}
 }

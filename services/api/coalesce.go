@@ -310,6 +310,10 @@ func (c *coalescer) runAlone(r *createReq) {
 	r.answer(n, err)
 }
 
+// errNoWinner ends a group transaction in which no request won its key:
+// nothing was inserted, and it is rolled back.
+var errNoWinner = errors.New("no request of the group won its key")
+
 // createGroup runs the create transaction of seed 3.1 for every request of
 // group in one transaction and returns each request's outcome (in group's
 // order): the new task, or errKeyTaken when its record insert conflicted.
@@ -358,7 +362,7 @@ func (s *store) createGroup(ctx context.Context, group []*createReq, faults *fau
 			queueCreateRows(&b, r.k, r.p, n, &events)
 		}
 		if winners == 0 {
-			return nil // nothing inserted: the COMMIT ends a transaction that wrote nothing
+			return errNoWinner // nothing inserted: rolled back
 		}
 		if faults.Hit(fault.APICreateGroupAbort) != fault.ActionNone {
 			return fmt.Errorf("create %d tasks: %w", winners, fault.ErrInjected)
@@ -370,7 +374,10 @@ func (s *store) createGroup(ctx context.Context, group []*createReq, faults *fau
 		return nil
 	})
 	var unknown *dbpool.CommitUnknownError
-	if errors.As(err, &unknown) {
+	switch {
+	case errors.Is(err, errNoWinner):
+		return results, nil // every request answers errKeyTaken
+	case errors.As(err, &unknown):
 		return results, err // the caller settles it (coalescer.committed)
 	}
 	if err != nil {
