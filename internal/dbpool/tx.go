@@ -20,11 +20,15 @@ import (
 // Sync per batch), COMMIT included, and leaves the transaction aborted; the
 // transaction is then rolled back when it ends (InPipelinedTx), and a
 // connection whose rollback fails is closed, never returned to the pool
-// mid-transaction.
+// mid-transaction. After a batch's error the transaction takes no more
+// batches and InPipelinedTx sends no COMMIT, even when fn goes on or returns
+// nil: a batch after a failed BEGIN or a failed COMMIT would otherwise run
+// outside any transaction, committed on its own.
 type PipelinedTx struct {
 	conn      *pgxpool.Conn
 	begun     bool
 	committed bool
+	failed    error // the first batch error, as returned to the caller
 }
 
 // InPipelinedTx runs fn in a PipelinedTx on a connection of pool. When fn
@@ -43,6 +47,9 @@ func InPipelinedTx(ctx context.Context, pool *pgxpool.Pool, fn func(*PipelinedTx
 	if err := fn(tx); err != nil {
 		return err
 	}
+	if tx.failed != nil {
+		return tx.failed // fn ignored it; nothing more is sent
+	}
 	if !tx.begun || tx.committed {
 		return nil
 	}
@@ -54,10 +61,24 @@ func InPipelinedTx(ctx context.Context, pool *pgxpool.Pool, fn func(*PipelinedTx
 
 // SendBatch sends b in the transaction (preceded by BEGIN when it is the
 // first batch) and reads all of its results: the error is the first one,
-// from PostgreSQL or from a result callback of b. b is changed.
+// from PostgreSQL or from a result callback of b. b is changed. After an
+// error, or after COMMIT, it sends nothing and returns an error.
 func (t *PipelinedTx) SendBatch(ctx context.Context, b *pgx.Batch) error {
-	if t.committed {
+	if err := t.send(ctx, b); err != nil {
+		if t.failed == nil {
+			t.failed = err
+		}
+		return err
+	}
+	return nil
+}
+
+func (t *PipelinedTx) send(ctx context.Context, b *pgx.Batch) error {
+	switch {
+	case t.committed:
 		return errors.New("batch sent after the transaction committed")
+	case t.failed != nil:
+		return fmt.Errorf("batch sent after the transaction failed: %w", t.failed)
 	}
 	if !t.begun {
 		b.QueuedQueries = append([]*pgx.QueuedQuery{{SQL: "BEGIN"}}, b.QueuedQueries...)
@@ -85,8 +106,11 @@ func (t *PipelinedTx) SendBatch(ctx context.Context, b *pgx.Batch) error {
 //     the transaction from committing belongs in a statement, not in a
 //     callback of the last batch.
 func (t *PipelinedTx) SendBatchAndCommit(ctx context.Context, b *pgx.Batch) error {
+	if t.committed || t.failed != nil {
+		return t.SendBatch(ctx, b) // refused
+	}
 	QueueCommit(b)
-	err := t.SendBatch(ctx, b)
+	err := t.send(ctx, b)
 	if err == nil {
 		t.committed = true
 		return nil
@@ -96,11 +120,14 @@ func (t *PipelinedTx) SendBatchAndCommit(ctx context.Context, b *pgx.Batch) erro
 	switch {
 	case pc.IsClosed():
 	case pc.TxStatus() == 'T' || pc.TxStatus() == 'E':
+		t.failed = err
 		return err
 	case errors.As(err, &pe):
+		t.failed = err
 		return err
 	}
-	return &CommitUnknownError{Err: err}
+	t.failed = &CommitUnknownError{Err: err}
+	return t.failed
 }
 
 // CommitUnknownError is the error of a transaction whose COMMIT was sent and

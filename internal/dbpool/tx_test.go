@@ -303,3 +303,52 @@ func TestPipelinedTxCommitOutcomeOfTheLastBatch(t *testing.T) {
 		t.Errorf("committed keys %q, want only c", got)
 	}
 }
+
+// After a batch's error the transaction sends nothing more, even when fn
+// ignores the error: a batch after a failed BEGIN or a failed COMMIT would
+// run outside any transaction and commit on its own (found by a review:
+// a failed first batch, whose BEGIN was skipped by a statement PostgreSQL
+// could not parse, let the next batch commit alone).
+func TestPipelinedTxSendsNothingAfterAFailure(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool, _ := txPool(t)
+	unparsable := func(b *pgx.Batch, k string) {
+		insert(b, k, 1)
+		b.Queue(`SELEC 1`)
+	}
+	// fn goes on after the error and ends with a failing COMMIT batch.
+	err := dbpool.InPipelinedTx(ctx, pool, func(tx *dbpool.PipelinedTx) error {
+		var b pgx.Batch
+		unparsable(&b, "a")
+		_ = tx.SendBatch(ctx, &b)
+		b = pgx.Batch{}
+		insert(&b, "b", 1)
+		if err := tx.SendBatch(ctx, &b); err == nil || !strings.Contains(err.Error(), "after the transaction failed") {
+			t.Errorf("a batch after a failed one: err = %v, want it refused", err)
+		}
+		b = pgx.Batch{}
+		insert(&b, "b2", 1)
+		return tx.SendBatchAndCommit(ctx, &b)
+	})
+	if err == nil || !strings.Contains(err.Error(), "after the transaction failed") {
+		t.Errorf("COMMIT after a failed batch: err = %v, want it refused", err)
+	}
+	// fn ignores the error and returns nil: InPipelinedTx returns the error
+	// and sends no COMMIT.
+	err = dbpool.InPipelinedTx(ctx, pool, func(tx *dbpool.PipelinedTx) error {
+		var b pgx.Batch
+		unparsable(&b, "c")
+		_ = tx.SendBatch(ctx, &b)
+		b = pgx.Batch{}
+		insert(&b, "d", 1)
+		_ = tx.SendBatch(ctx, &b)
+		return nil
+	})
+	if err == nil || !strings.Contains(err.Error(), "42601") {
+		t.Errorf("fn that ignored a failed batch: err = %v, want the batch's error (42601)", err)
+	}
+	if got := keys(t, pool); got != "" {
+		t.Errorf("committed keys %q, want none", got)
+	}
+}
