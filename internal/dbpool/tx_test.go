@@ -60,6 +60,29 @@ func insert(b *pgx.Batch, k string, v int) {
 	b.Queue(`INSERT INTO kv (k, v) VALUES ($1, $2)`, k, v)
 }
 
+// sendTwo sends a batch queued by first with send1, then, unless that
+// failed, one queued by second with send2 (tx.SendBatch or
+// tx.SendBatchAndCommit).
+func sendTwo(ctx context.Context, send1, send2 func(context.Context, *pgx.Batch) error, first, second func(*pgx.Batch)) error {
+	var b pgx.Batch
+	first(&b)
+	if err := send1(ctx, &b); err != nil {
+		return err
+	}
+	b = pgx.Batch{}
+	second(&b)
+	return send2(ctx, &b)
+}
+
+// wantKeys fails t unless the committed keys of kv are want (sorted, comma
+// separated).
+func wantKeys(t *testing.T, pool *pgxpool.Pool, want string) {
+	t.Helper()
+	if got := keys(t, pool); got != want {
+		t.Errorf("committed keys %q, want %q", got, want)
+	}
+}
+
 func keys(t *testing.T, pool *pgxpool.Pool) string {
 	t.Helper()
 	var got string
@@ -76,14 +99,9 @@ func TestPipelinedTxTakesOneRoundTripPerBatch(t *testing.T) {
 	ctx := context.Background()
 	pool, s := txPool(t)
 	err := dbpool.InPipelinedTx(ctx, pool, func(tx *dbpool.PipelinedTx) error {
-		var b pgx.Batch
-		insert(&b, "a", 1)
-		if err := tx.SendBatch(ctx, &b); err != nil {
-			return err
-		}
-		b = pgx.Batch{}
-		insert(&b, "b", 2)
-		return tx.SendBatchAndCommit(ctx, &b)
+		return sendTwo(ctx, tx.SendBatch, tx.SendBatchAndCommit,
+			func(b *pgx.Batch) { insert(b, "a", 1) },
+			func(b *pgx.Batch) { insert(b, "b", 2) })
 	})
 	if err != nil {
 		t.Fatal(err)
@@ -91,9 +109,7 @@ func TestPipelinedTxTakesOneRoundTripPerBatch(t *testing.T) {
 	if b, q := s.batches.Load(), s.queries.Load(); b != 2 || q != 0 {
 		t.Errorf("sent %d batches and %d single statements, want 2 and 0", b, q)
 	}
-	if got := keys(t, pool); got != "a,b" {
-		t.Errorf("committed keys %q, want a,b", got)
-	}
+	wantKeys(t, pool, "a,b")
 }
 
 // Without SendBatchAndCommit, COMMIT is sent on its own when fn returns nil;
@@ -110,9 +126,7 @@ func TestPipelinedTxCommitsAfterFn(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if got := keys(t, pool); got != "a" {
-		t.Errorf("committed keys %q, want a", got)
-	}
+	wantKeys(t, pool, "a")
 	s.batches.Store(0)
 	s.queries.Store(0)
 	if err := dbpool.InPipelinedTx(ctx, pool, func(*dbpool.PipelinedTx) error { return nil }); err != nil {
@@ -161,25 +175,14 @@ func TestPipelinedTxRollsBack(t *testing.T) {
 			return tx.SendBatch(ctx, &b)
 		}, "23505"},
 		{"failed statement before COMMIT", func(tx *dbpool.PipelinedTx) error {
-			var b pgx.Batch
-			insert(&b, "x3", 1)
-			if err := tx.SendBatch(ctx, &b); err != nil {
-				return err
-			}
-			b = pgx.Batch{}
-			insert(&b, "x4", 1)
-			b.Queue(`SELECT 1/0`)
-			return tx.SendBatchAndCommit(ctx, &b)
+			return sendTwo(ctx, tx.SendBatch, tx.SendBatchAndCommit,
+				func(b *pgx.Batch) { insert(b, "x3", 1) },
+				func(b *pgx.Batch) { insert(b, "x4", 1); b.Queue(`SELECT 1/0`) })
 		}, "22012"},
 		{"a batch after COMMIT", func(tx *dbpool.PipelinedTx) error {
-			var b pgx.Batch
-			insert(&b, "y", 1)
-			if err := tx.SendBatchAndCommit(ctx, &b); err != nil {
-				return err
-			}
-			b = pgx.Batch{}
-			insert(&b, "x5", 1)
-			return tx.SendBatch(ctx, &b)
+			return sendTwo(ctx, tx.SendBatchAndCommit, tx.SendBatch,
+				func(b *pgx.Batch) { insert(b, "y", 1) },
+				func(b *pgx.Batch) { insert(b, "x5", 1) })
 		}, "after the transaction committed"},
 	} {
 		err := dbpool.InPipelinedTx(ctx, pool, tc.fn)
@@ -193,9 +196,7 @@ func TestPipelinedTxRollsBack(t *testing.T) {
 			t.Errorf("%s: the pool's connection is backend %d, want %d: the transaction's connection was not reused", tc.name, got, first)
 		}
 	}
-	if got := keys(t, pool); got != "y" {
-		t.Errorf("committed keys %q, want only y (the one committed before the failing batch)", got)
-	}
+	wantKeys(t, pool, "y")
 }
 
 // A COMMIT sent whose answer is not read may have run: the error says so,
@@ -237,9 +238,7 @@ func TestPipelinedTxCommitUnknown(t *testing.T) {
 		}
 	}
 	h.Release(t)
-	if got := keys(t, pool); got != "alone,with-batch" {
-		t.Errorf("keys %q, want both transactions committed (locally, while their callers were told unknown)", got)
-	}
+	wantKeys(t, pool, "alone,with-batch")
 	// A failed statement before COMMIT is not unknown: COMMIT did not run.
 	err := dbpool.InPipelinedTx(bg, pool, func(tx *dbpool.PipelinedTx) error {
 		var b pgx.Batch
@@ -299,9 +298,7 @@ func TestPipelinedTxCommitOutcomeOfTheLastBatch(t *testing.T) {
 			t.Errorf("%s: err = %v, want an error that is a *CommitUnknownError: %v", tc.name, err, tc.unknown)
 		}
 	}
-	if got := keys(t, pool); got != "c" {
-		t.Errorf("committed keys %q, want only c", got)
-	}
+	wantKeys(t, pool, "c")
 }
 
 // After a batch's error the transaction sends nothing more, even when fn
@@ -348,7 +345,5 @@ func TestPipelinedTxSendsNothingAfterAFailure(t *testing.T) {
 	if err == nil || !strings.Contains(err.Error(), "42601") {
 		t.Errorf("fn that ignored a failed batch: err = %v, want the batch's error (42601)", err)
 	}
-	if got := keys(t, pool); got != "" {
-		t.Errorf("committed keys %q, want none", got)
-	}
+	wantKeys(t, pool, "")
 }
