@@ -145,7 +145,7 @@ func (e *CommitUnknownError) Unwrap() error { return e.Err }
 // releases the connection.
 func (t *PipelinedTx) end() {
 	if t.begun && !t.committed {
-		Rollback(t.conn.Conn())
+		rollback(t.conn.Conn())
 	}
 	t.conn.Release()
 }
@@ -161,10 +161,10 @@ func QueueCommit(b *pgx.Batch) {
 	})
 }
 
-// Rollback ends the open transaction of conn; when that fails the connection
+// rollback ends the open transaction of conn; when that fails the connection
 // is closed, so a pool never reuses it mid-transaction (pgxpool also
 // destroys a released connection whose transaction status is not idle).
-func Rollback(conn *pgx.Conn) {
+func rollback(conn *pgx.Conn) {
 	if conn.IsClosed() {
 		return
 	}
