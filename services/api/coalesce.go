@@ -233,22 +233,14 @@ func winners(results []createResult) int {
 }
 
 // committed settles a group transaction whose COMMIT was sent but whose
-// answer was lost (the group's deadline, a broken connection): it reads,
-// on another connection, the idempotency record of one request that
-// inserted a task; the transaction committed exactly when that record
-// names the task (all of a transaction or nothing). Not known (the read
-// failed, or the transaction is still running and not yet visible) is
-// false: the members then run alone, and each finds its key recorded and
-// answers from the record, as a retry of the request would.
+// answer was lost (the group's deadline, a broken connection) by the record
+// of one request that inserted a task (store.recordNames): all of a
+// transaction or nothing. Not known is false: the members then run alone,
+// and each finds its key recorded and answers from the record, as a retry
+// of the request would.
 func (c *coalescer) committed(group []*createReq, results []createResult) bool {
 	i := slices.IndexFunc(results, func(r createResult) bool { return r.n != nil })
-	if i < 0 {
-		return false
-	}
-	ctx, cancel := context.WithTimeout(context.Background(), c.timeout)
-	defer cancel()
-	rec, err := c.store.idempotencyRecord(ctx, group[i].k.Scope, group[i].k.Key)
-	return err == nil && rec.TaskID != nil && *rec.TaskID == results[i].n.Task.TaskID
+	return i >= 0 && c.store.recordNames(group[i].k, results[i].n.Task.TaskID)
 }
 
 // groupContext bounds a group transaction: by timeout, and by half the time

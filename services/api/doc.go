@@ -80,6 +80,16 @@
 // one second after a request found its tenant's quota exhausted, that
 // tenant's requests run alone. A lone request runs alone.
 //
+// A create transaction whose COMMIT was sent but whose answer was lost (a
+// broken connection, a deadline) may have committed: it is settled by
+// reading, on another connection, the idempotency record of a request that
+// inserted a task; the transaction committed exactly when the record names
+// that task. A settled group answers each request as committed; a settled
+// single request answers 202 with its task. Not known (the read failed, or
+// the commit is not visible yet) is treated as not committed: the group's
+// requests run alone, a single request answers 503 DATABASE_UNAVAILABLE,
+// and a retry with the same key answers from the record.
+//
 // Records are kept IdempotencyTTL (expires_at); a record is honoured until
 // it is deleted, so expiry must only be acted on by a retention job that
 // also checks the task is terminal and its outbox published (seed 3.3).

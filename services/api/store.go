@@ -111,10 +111,32 @@ func (s *store) createOne(ctx context.Context, k idempotency.Key, p tenant.Princ
 		}
 		return nil
 	})
+	var unknown *dbpool.CommitUnknownError
+	if errors.As(err, &unknown) && n != nil && s.recordNames(k, n.Task.TaskID) {
+		return n, nil // committed although its answer was lost
+	}
 	if err != nil {
 		return nil, err
 	}
 	return n, nil
+}
+
+// settleTimeout bounds the read that settles a create transaction whose
+// COMMIT's answer was lost (recordNames).
+const settleTimeout = 5 * time.Second
+
+// recordNames settles a create transaction whose COMMIT was sent but whose
+// answer was lost (a broken connection, the request's deadline): it reads,
+// on another connection, the idempotency record of key k; the transaction
+// committed exactly when that record names taskID (all of a transaction or
+// nothing). Not known (the read failed, or the transaction is still
+// running and not yet visible) is false: the request then fails as before,
+// and its retry with the same key answers from the record.
+func (s *store) recordNames(k idempotency.Key, taskID string) bool {
+	ctx, cancel := context.WithTimeout(context.Background(), settleTimeout)
+	defer cancel()
+	rec, err := s.idempotencyRecord(ctx, k.Scope, k.Key)
+	return err == nil && rec.TaskID != nil && *rec.TaskID == taskID
 }
 
 const (
