@@ -240,7 +240,7 @@ func winners(results []createResult) int {
 // of the request would.
 func (c *coalescer) committed(group []*createReq, results []createResult) bool {
 	i := slices.IndexFunc(results, func(r createResult) bool { return r.n != nil })
-	return i >= 0 && c.store.recordNames(group[i].k, results[i].n.Task.TaskID)
+	return i >= 0 && c.store.recordNames(group[i].k, results[i].n.Task.TaskID, c.timeout)
 }
 
 // groupContext bounds a group transaction: by timeout, and by half the time

@@ -82,13 +82,15 @@
 //
 // A create transaction whose COMMIT was sent but whose answer was lost (a
 // broken connection, a deadline) may have committed: it is settled by
-// reading, on another connection, the idempotency record of a request that
-// inserted a task; the transaction committed exactly when the record names
-// that task. A settled group answers each request as committed; a settled
-// single request answers 202 with its task. Not known (the read failed, or
-// the commit is not visible yet) is treated as not committed: the group's
-// requests run alone, a single request answers 503 DATABASE_UNAVAILABLE,
-// and a retry with the same key answers from the record.
+// reading, on a connection of the pool, the idempotency record of a request
+// that inserted a task; the transaction committed exactly when the record
+// names that task. A settled group answers each request as committed; a
+// settled single request answers 202 with its task. A record that is absent
+// or names another request's task, or a read that fails or does not see the
+// commit yet, counts as not committed: the group's requests run alone, and
+// a single request fails as a database error does (503
+// DATABASE_UNAVAILABLE, or 499 when its client has left); a retry with the
+// same key answers from the record.
 //
 // Records are kept IdempotencyTTL (expires_at); a record is honoured until
 // it is deleted, so expiry must only be acted on by a retention job that

@@ -143,5 +143,4 @@ func TestLostCommitAnswerOfOneRequestIsSettled(t *testing.T) {
 	if err != nil || rec.TaskID == nil || *rec.TaskID != n.Task.TaskID {
 		t.Fatalf("record %+v, err %v; want it to name task %s", rec, err, n.Task.TaskID)
 	}
-
 }

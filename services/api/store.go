@@ -112,7 +112,7 @@ func (s *store) createOne(ctx context.Context, k idempotency.Key, p tenant.Princ
 		return nil
 	})
 	var unknown *dbpool.CommitUnknownError
-	if errors.As(err, &unknown) && n != nil && s.recordNames(k, n.Task.TaskID) {
+	if errors.As(err, &unknown) && n != nil && s.recordNames(k, n.Task.TaskID, settleTimeout) {
 		return n, nil // committed although its answer was lost
 	}
 	if err != nil {
@@ -121,19 +121,21 @@ func (s *store) createOne(ctx context.Context, k idempotency.Key, p tenant.Princ
 	return n, nil
 }
 
-// settleTimeout bounds the read that settles a create transaction whose
-// COMMIT's answer was lost (recordNames).
+// settleTimeout bounds the read that settles a single request's create
+// transaction whose COMMIT's answer was lost (recordNames).
 const settleTimeout = 5 * time.Second
 
 // recordNames settles a create transaction whose COMMIT was sent but whose
 // answer was lost (a broken connection, the request's deadline): it reads,
-// on another connection, the idempotency record of key k; the transaction
+// on a connection of the pool, the idempotency record of key k; the transaction
 // committed exactly when that record names taskID (all of a transaction or
-// nothing). Not known (the read failed, or the transaction is still
-// running and not yet visible) is false: the request then fails as before,
-// and its retry with the same key answers from the record.
-func (s *store) recordNames(k idempotency.Key, taskID string) bool {
-	ctx, cancel := context.WithTimeout(context.Background(), settleTimeout)
+// nothing). The read takes at most timeout. Not named (no record, or one
+// naming another request's task) and not known (the read failed, or the
+// transaction is still running and not yet visible) are false: the request
+// then fails as before, and its retry with the same key answers from the
+// record.
+func (s *store) recordNames(k idempotency.Key, taskID string, timeout time.Duration) bool {
+	ctx, cancel := context.WithTimeout(context.Background(), timeout)
 	defer cancel()
 	rec, err := s.idempotencyRecord(ctx, k.Scope, k.Key)
 	return err == nil && rec.TaskID != nil && *rec.TaskID == taskID
