@@ -18,7 +18,10 @@ import (
 // stallProxy forwards TCP connections to target until stall: then it keeps
 // every connection open and forwards nothing more, as a PostgreSQL that is
 // SIGSTOPped or behind a partition that drops packets (connections are not
-// refused, they just never answer).
+// refused, they just never answer). After lose, the connections open at that
+// moment still forward what the client sends but drop what the server
+// answers (a network that loses the answers); later connections are
+// forwarded whole.
 type stallProxy struct {
 	ln      net.Listener
 	target  string
@@ -27,6 +30,7 @@ type stallProxy struct {
 	wg      sync.WaitGroup
 	mu      sync.Mutex
 	conns   []net.Conn
+	drops   []*atomic.Bool // per connection: drop the server's bytes
 	once    sync.Once
 }
 
@@ -50,12 +54,14 @@ func newStallProxy(t *testing.T, target string) *stallProxy {
 				c.Close()
 				continue
 			}
+			drop := &atomic.Bool{}
 			p.mu.Lock()
 			p.conns = append(p.conns, c, up)
+			p.drops = append(p.drops, drop)
 			p.mu.Unlock()
 			p.wg.Add(2)
-			go p.pipe(c, up)
-			go p.pipe(up, c)
+			go p.pipe(c, up, drop)
+			go p.pipe(up, c, nil)
 		}
 	}()
 	t.Cleanup(p.close)
@@ -76,8 +82,40 @@ func (p *stallProxy) close() {
 	})
 }
 
-func (p *stallProxy) pipe(dst, src net.Conn) {
+// proxiedPoolConfig starts a stallProxy to the database of url and returns
+// it with a pool configuration of url whose connections go through it.
+func proxiedPoolConfig(t *testing.T, url string) (*stallProxy, *pgxpool.Config) {
+	t.Helper()
+	pcfg, err := pgxpool.ParseConfig(url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	proxy := newStallProxy(t, net.JoinHostPort(pcfg.ConnConfig.Host, strconv.Itoa(int(pcfg.ConnConfig.Port))))
+	host, port, _ := net.SplitHostPort(proxy.ln.Addr().String())
+	p, err := strconv.Atoi(port)
+	if err != nil {
+		t.Fatal(err)
+	}
+	pcfg.ConnConfig.Host, pcfg.ConnConfig.Port = host, uint16(p)
+	return proxy, pcfg
+}
+
+// lose makes the connections open now drop the server's answers.
+func (p *stallProxy) lose() {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	for _, d := range p.drops {
+		d.Store(true)
+	}
+}
+
+// pipe copies src to dst (holding the bytes once stalled, dropping them
+// while drop is set) until src ends, then closes dst: a peer that hangs up
+// is seen by the other side (pgconn's cancel request waits for the
+// server's EOF).
+func (p *stallProxy) pipe(dst, src net.Conn, drop *atomic.Bool) {
 	defer p.wg.Done()
+	defer dst.Close()
 	buf := make([]byte, 32<<10)
 	for {
 		n, err := src.Read(buf)
@@ -86,8 +124,10 @@ func (p *stallProxy) pipe(dst, src net.Conn) {
 				<-p.done // hold the bytes: nothing answers
 				return
 			}
-			if _, werr := dst.Write(buf[:n]); werr != nil {
-				return
+			if drop == nil || !drop.Load() {
+				if _, werr := dst.Write(buf[:n]); werr != nil {
+					return
+				}
 			}
 		}
 		if err != nil {
@@ -103,15 +143,7 @@ func (p *stallProxy) pipe(dst, src net.Conn) {
 func TestDatabaseThatStopsAnsweringIs503(t *testing.T) {
 	t.Parallel()
 	base := setup(t) // the database, tenants and tokens
-	pcfg, err := pgxpool.ParseConfig(base.db.URL)
-	if err != nil {
-		t.Fatal(err)
-	}
-	proxy := newStallProxy(t, net.JoinHostPort(pcfg.ConnConfig.Host, strconv.Itoa(int(pcfg.ConnConfig.Port))))
-	host, port, _ := net.SplitHostPort(proxy.ln.Addr().String())
-	pcfg.ConnConfig.Host = host
-	p, _ := strconv.Atoi(port)
-	pcfg.ConnConfig.Port = uint16(p)
+	proxy, pcfg := proxiedPoolConfig(t, base.db.URL)
 	pool, err := pgxpool.NewWithConfig(context.Background(), pcfg)
 	if err != nil {
 		t.Fatal(err)
