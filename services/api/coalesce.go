@@ -193,10 +193,6 @@ func (c *coalescer) run(group []*createReq) {
 	ctx, cancel := c.groupContext(live)
 	defer cancel()
 	results, err := c.createGroup(ctx, live)
-	var unknown *dbpool.CommitUnknownError
-	if errors.As(err, &unknown) && c.committed(live, results) {
-		err = nil
-	}
 	if err != nil {
 		// Nothing of the group was committed: each request alone.
 		c.aborts.Inc()
@@ -232,15 +228,15 @@ func winners(results []createResult) int {
 	return n
 }
 
-// committed settles a group transaction whose COMMIT was sent but whose
-// answer was lost (the group's deadline, a broken connection) by the record
-// of one request that inserted a task (store.recordNames): all of a
-// transaction or nothing. Not known is false: the members then run alone,
-// and each finds its key recorded and answers from the record, as a retry
-// of the request would.
-func (c *coalescer) committed(group []*createReq, results []createResult) bool {
+// groupCommitted settles a group transaction whose COMMIT was sent but
+// whose answer was lost (the group's deadline, a broken connection) by the
+// record of one request that inserted a task (recordNames, its read bounded
+// by timeout): all of a transaction or nothing. Not known is false: the
+// members then run alone, and each finds its key recorded and answers from
+// the record, as a retry of the request would.
+func (s *store) groupCommitted(group []*createReq, results []createResult, timeout time.Duration) bool {
 	i := slices.IndexFunc(results, func(r createResult) bool { return r.n != nil })
-	return i >= 0 && c.store.recordNames(group[i].k, results[i].n.Task.TaskID, c.timeout)
+	return i >= 0 && s.recordNames(group[i].k, results[i].n.Task.TaskID, timeout)
 }
 
 // groupContext bounds a group transaction: by timeout, and by half the time
@@ -266,7 +262,7 @@ func (c *coalescer) createGroup(ctx context.Context, group []*createReq) (result
 			err = fmt.Errorf("create group transaction: panic: %v", v)
 		}
 	}()
-	return c.store.createGroup(ctx, group, c.faults)
+	return c.store.createGroup(ctx, group, c.faults, c.timeout)
 }
 
 // runAlone answers r with the single-request create transaction
@@ -309,10 +305,10 @@ var errNoWinner = errors.New("no request of the group won its key")
 // createGroup runs the create transaction of seed 3.1 for every request of
 // group in one transaction and returns each request's outcome (in group's
 // order): the new task, or errKeyTaken when its record insert conflicted.
-// An error means the transaction was rolled back: nothing was written;
-// except a *dbpool.CommitUnknownError, returned with the outcomes the
-// requests have if the transaction committed.
-func (s *store) createGroup(ctx context.Context, group []*createReq, faults *fault.Set) ([]createResult, error) {
+// An error means nothing was written. A COMMIT whose answer was lost is
+// settled by groupCommitted (its read bounded by settle): committed, the
+// outcomes are returned; else the error.
+func (s *store) createGroup(ctx context.Context, group []*createReq, faults *fault.Set, settle time.Duration) ([]createResult, error) {
 	order := make([]int, len(group))
 	for i := range order {
 		order[i] = i
@@ -369,8 +365,8 @@ func (s *store) createGroup(ctx context.Context, group []*createReq, faults *fau
 	switch {
 	case errors.Is(err, errNoWinner):
 		return results, nil // every request answers errKeyTaken
-	case errors.As(err, &unknown):
-		return results, err // the caller settles it (coalescer.committed)
+	case errors.As(err, &unknown) && s.groupCommitted(group, results, settle):
+		return results, nil // committed although its answer was lost
 	}
 	if err != nil {
 		return nil, err

@@ -583,18 +583,18 @@ func TestCommittedReadsTheRecord(t *testing.T) {
 		t.Fatal(err)
 	}
 	loser := createResult{err: errKeyTaken}
-	if !c.committed([]*createReq{groupReq(pa, "other", "2"), r}, []createResult{loser, {n: n}}) {
+	if !s.groupCommitted([]*createReq{groupReq(pa, "other", "2"), r}, []createResult{loser, {n: n}}, c.timeout) {
 		t.Fatal("the record names the task: want committed")
 	}
 	other := *n
 	other.Task.TaskID = "not-" + n.Task.TaskID
-	if c.committed([]*createReq{r}, []createResult{{n: &other}}) {
+	if s.groupCommitted([]*createReq{r}, []createResult{{n: &other}}, c.timeout) {
 		t.Fatal("the record names another task: want not committed")
 	}
-	if c.committed([]*createReq{groupReq(pa, "absent", "3")}, []createResult{{n: n}}) {
+	if s.groupCommitted([]*createReq{groupReq(pa, "absent", "3")}, []createResult{{n: n}}, c.timeout) {
 		t.Fatal("no record: want not committed")
 	}
-	if c.committed([]*createReq{r}, []createResult{loser}) {
+	if s.groupCommitted([]*createReq{r}, []createResult{loser}, c.timeout) {
 		t.Fatal("no request inserted a task: want not committed")
 	}
 }

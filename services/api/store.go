@@ -127,9 +127,9 @@ const settleTimeout = 5 * time.Second
 
 // recordNames settles a create transaction whose COMMIT was sent but whose
 // answer was lost (a broken connection, the request's deadline): it reads,
-// on a connection of the pool, the idempotency record of key k; the transaction
-// committed exactly when that record names taskID (all of a transaction or
-// nothing). The read takes at most timeout. Not named (no record, or one
+// on a connection of the pool, the idempotency record of key k; the
+// transaction committed exactly when that record names taskID (all of a
+// transaction or nothing). The read takes at most timeout. Not named (no record, or one
 // naming another request's task) and not known (the read failed, or the
 // transaction is still running and not yet visible) are false: the request
 // then fails as before, and its retry with the same key answers from the
