@@ -2,6 +2,7 @@ package api
 
 import (
 	"context"
+	"net/http"
 	"testing"
 	"time"
 
@@ -47,5 +48,55 @@ func TestLostCommitAnswerOfOneRequestIsSettled(t *testing.T) {
 	rec, err := idempotency.Get(context.Background(), b.db.Pool, r.k.Scope, r.k.Key)
 	if err != nil || rec.TaskID == nil || *rec.TaskID != n.Task.TaskID {
 		t.Fatalf("record %+v, err %v; want it to name task %s", rec, err, n.Task.TaskID)
+	}
+}
+
+// The same seen by a client: a create whose transaction committed while
+// PostgreSQL's answers to its second round trip (the task, its document,
+// the outbox row and COMMIT) were lost is answered 202 with the task that
+// exists once its RequestTimeout has ended the wait, not 503; the key's
+// replay names the same task, and the database holds one task.
+func TestLostCommitAnswerIsSettledOverHTTP(t *testing.T) {
+	t.Parallel()
+	base := setup(t) // the database, tenants and tokens
+	proxy, pcfg := proxiedPoolConfig(t, base.db.URL)
+	pool, err := pgxpool.NewWithConfig(context.Background(), pcfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(pool.Close)
+	b := setup(t, func(c *Config) {
+		c.Pool, c.Auth, c.RequestTimeout = pool, tenant.NewAuthenticator(base.db.Pool, 0), 2*time.Second
+	})
+	b.db, b.token = base.db, base.token
+	if r := b.post(t, "lost-http-warm-up", wrap(`{"warm":1}`)); r.status != http.StatusAccepted {
+		t.Fatalf("warm-up create: %d %s", r.status, r.body)
+	}
+
+	const marker = "the-answers-to-this-are-lost"
+	proxy.loseFrom(marker) // in the document: sent in the second round trip only
+	body := wrap(`{"note":"` + marker + `"}`)
+	start := time.Now()
+	r := b.post(t, "lost-http", body)
+	if r.status != http.StatusAccepted {
+		t.Fatalf("create whose COMMIT ran: %d %s, want 202 with its task", r.status, clip(string(r.body), 300))
+	}
+	taskID, _ := r.json(t)["task_id"].(string)
+	t.Logf("answered after %s", time.Since(start).Round(10*time.Millisecond))
+
+	rec, err := idempotency.Get(context.Background(), base.db.Pool, tenant.CreateScope(base.tenant.ID), "lost-http")
+	if err != nil || rec.TaskID == nil || *rec.TaskID != taskID {
+		t.Fatalf("record %+v, err %v; want it to name the answered task %q", rec, err, taskID)
+	}
+	again := b.post(t, "lost-http", body)
+	if id, _ := again.json(t)["task_id"].(string); id != taskID || again.header.Get("Idempotent-Replayed") != "true" {
+		t.Fatalf("replay: %d %s (Idempotent-Replayed %q), want task %s replayed", again.status, again.body, again.header.Get("Idempotent-Replayed"), taskID)
+	}
+	var tasks int
+	if err := base.db.Pool.QueryRow(context.Background(), `SELECT count(*) FROM task WHERE tenant_id = $1`, base.tenant.ID).Scan(&tasks); err != nil {
+		t.Fatal(err)
+	}
+	if tasks != 2 { // the warm-up's and this one
+		t.Fatalf("%d tasks of the tenant, want 2", tasks)
 	}
 }

@@ -1,6 +1,7 @@
 package api
 
 import (
+	"bytes"
 	"context"
 	"net"
 	"net/http"
@@ -21,7 +22,8 @@ import (
 // refused, they just never answer). After lose, the connections open at that
 // moment still forward what the client sends but drop what the server
 // answers (a network that loses the answers); later connections are
-// forwarded whole.
+// forwarded whole. After loseFrom(marker), a connection that sends marker
+// drops the server's answers from that message on.
 type stallProxy struct {
 	ln      net.Listener
 	target  string
@@ -31,6 +33,7 @@ type stallProxy struct {
 	mu      sync.Mutex
 	conns   []net.Conn
 	drops   []*atomic.Bool // per connection: drop the server's bytes
+	marker  atomic.Pointer[[]byte]
 	once    sync.Once
 }
 
@@ -60,8 +63,8 @@ func newStallProxy(t *testing.T, target string) *stallProxy {
 			p.drops = append(p.drops, drop)
 			p.mu.Unlock()
 			p.wg.Add(2)
-			go p.pipe(c, up, drop)
-			go p.pipe(up, c, nil)
+			go p.pipe(c, up, drop, nil)
+			go p.pipe(up, c, nil, drop)
 		}
 	}()
 	t.Cleanup(p.close)
@@ -109,17 +112,33 @@ func (p *stallProxy) lose() {
 	}
 }
 
+// loseFrom makes a connection drop the server's answers once the client
+// has sent marker on it (from the message that holds it on).
+func (p *stallProxy) loseFrom(marker string) {
+	m := []byte(marker)
+	p.marker.Store(&m)
+}
+
 // pipe copies src to dst (holding the bytes once stalled, dropping them
 // while drop is set) until src ends, then closes dst: a peer that hangs up
 // is seen by the other side (pgconn's cancel request waits for the
-// server's EOF).
-func (p *stallProxy) pipe(dst, src net.Conn, drop *atomic.Bool) {
+// server's EOF). On a client's pipe, arm is its connection's drop flag,
+// set before the bytes that complete loseFrom's marker are forwarded.
+func (p *stallProxy) pipe(dst, src net.Conn, drop, arm *atomic.Bool) {
 	defer p.wg.Done()
 	defer dst.Close()
 	buf := make([]byte, 32<<10)
+	var tail []byte // the last bytes forwarded, for a marker split across reads
 	for {
 		n, err := src.Read(buf)
 		if n > 0 {
+			if m := p.marker.Load(); arm != nil && m != nil {
+				seen := append(tail, buf[:n]...)
+				if bytes.Contains(seen, *m) {
+					arm.Store(true)
+				}
+				tail = append(tail[:0], seen[max(0, len(seen)-len(*m)):]...)
+			}
 			if p.stalled.Load() {
 				<-p.done // hold the bytes: nothing answers
 				return
