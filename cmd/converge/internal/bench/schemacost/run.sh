@@ -5,21 +5,26 @@
 # 2026-12-07 (ninth), items 1 and 2.
 #
 # Usage (from the repository root, after make build):
-#   cmd/converge/internal/bench/schemacost/run.sh [-r rounds] [-t tasks-per-client] [-s script] [variant...]
+#   cmd/converge/internal/bench/schemacost/run.sh [-r rounds] [-t tasks-per-client] [-s script] [-p seconds] [variant...]
 # variant: a (the schema as migrated) or x for variant-x.sql applied to a
 # copy; default: a c. script: task.sql (default) or task-cast.sql. Each run
 # is pgbench -M prepared, 8 clients, 2 threads; tasks per run = 8 x
 # tasks-per-client (default 1000). Prints one line per run, then per variant
 # the median CPU (ms per task: the postmaster and all its children, from
 # /proc) and the median of the per-round ratios to the first variant.
+# With -p, each round instead runs the first variant and each other one at
+# the same time for that many seconds (4 clients each, the start order
+# alternating): both see the same machine, whose speed drifts by more than
+# these effects between runs; it prints the other's tps over the first's
+# (above 1: the other is cheaper) and their medians.
 # Needs pg_config, the server binaries, pgbench, psql, python3. As root the
 # cluster runs as the postgres user. PORT (default 55432) must be free.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 root=$(cd "$here/../../../../.." && pwd)
-rounds=10 tpc=1000 script=task.sql port=${PORT:-55432}
-while getopts r:t:s: o; do
-  case $o in r) rounds=$OPTARG ;; t) tpc=$OPTARG ;; s) script=$OPTARG ;; *) exit 2 ;; esac
+rounds=10 tpc=1000 script=task.sql port=${PORT:-55432} pair=
+while getopts r:t:s:p: o; do
+  case $o in r) rounds=$OPTARG ;; t) tpc=$OPTARG ;; s) script=$OPTARG ;; p) pair=$OPTARG ;; *) exit 2 ;; esac
 done
 shift $((OPTIND - 1))
 [ $# -ge 1 ] || set -- a c
@@ -30,6 +35,7 @@ if [ "$(id -u)" = 0 ]; then chown postgres "$work"; fi
 as_pg "$bindir/initdb -D $work/data -A trust -U postgres >/dev/null"
 as_pg "$bindir/pg_ctl -D $work/data -l $work/log -w -o '-c port=$port -c listen_addresses=127.0.0.1 -c unix_socket_directories= -c wal_level=logical -c shared_buffers=256MB -c max_wal_size=16GB -c checkpoint_timeout=3600 -c jit=off' start >/dev/null"
 trap 'as_pg "$bindir/pg_ctl -D $work/data -m fast stop >/dev/null"; rm -rf "$work"' EXIT
+export PGOPTIONS="-c client_min_messages=warning"
 psql=(psql -h 127.0.0.1 -p "$port" -U postgres -qAt -v ON_ERROR_STOP=1)
 "${psql[@]}" -c "CREATE DATABASE base"
 "$root/bin/converge" migrate --finalize --database-url "postgres://postgres@127.0.0.1:$port/base" >/dev/null
@@ -59,10 +65,45 @@ pgcpu() {
   done
   echo "$t"
 }
+truncate() {
+  "${psql[@]}" -d "v_$1" -c "TRUNCATE task, task_input, idempotency_record, outbox_event, inbox_message, effect_ledger CASCADE"
+}
+if [ -n "$pair" ]; then
+  first=$1
+  shift
+  for i in $(seq "$rounds"); do
+    for v in "$@"; do
+      truncate "$first"
+      truncate "$v"
+      "${psql[@]}" -c "CHECKPOINT"
+      order=("$first" "$v")
+      if [ $((i % 2)) = 0 ]; then order=("$v" "$first"); fi
+      for d in "${order[@]}"; do
+        pgbench -h 127.0.0.1 -p "$port" -U postgres -n -M prepared -c 4 -j 1 -T "$pair" "${defs[@]}" -f "$here/$script" "v_$d" >"$work/pair.$d" 2>&1 &
+      done
+      wait
+      a=$(grep -o "tps = [0-9.]*" "$work/pair.$first" | cut -d' ' -f3)
+      b=$(grep -o "tps = [0-9.]*" "$work/pair.$v" | cut -d' ' -f3)
+      echo "$i $v $(echo "scale=4; $b / $a" | bc) $b $first $a"
+    done
+  done | tee "$work/results"
+  python3 - "$work/results" "$first" <<'PY'
+import statistics, sys
+r = {}
+for l in open(sys.argv[1]):
+    f = l.split()
+    r.setdefault(f[1], []).append(float(f[2]))
+print("variant  median tps ratio to %s (run at the same time)" % sys.argv[2])
+for v, x in r.items():
+    print("%-8s %.3f  (%s)" % (v, statistics.median(x), " ".join("%.3f" % y for y in x)))
+PY
+  exit 0
+fi
 n=$((tpc * 8)) tick=$(getconf CLK_TCK)
 for i in $(seq "$rounds"); do
   for v in "$@"; do
-    "${psql[@]}" -d "v_$v" -c "TRUNCATE task, task_input, idempotency_record, outbox_event, inbox_message, effect_ledger CASCADE" -c "CHECKPOINT"
+    truncate "$v"
+    "${psql[@]}" -c "CHECKPOINT"
     c0=$(pgcpu)
     tps=$(pgbench -h 127.0.0.1 -p "$port" -U postgres -n -M prepared -c 8 -j 2 -t "$tpc" "${defs[@]}" -f "$here/$script" "v_$v" 2>&1 | grep -o "tps = [0-9.]*" | cut -d' ' -f3)
     c1=$(pgcpu)
