@@ -58,17 +58,7 @@ func TestLostCommitAnswerOfOneRequestIsSettled(t *testing.T) {
 // replay names the same task, and the database holds one task.
 func TestLostCommitAnswerIsSettledOverHTTP(t *testing.T) {
 	t.Parallel()
-	base := setup(t) // the database, tenants and tokens
-	proxy, pcfg := proxiedPoolConfig(t, base.db.URL)
-	pool, err := pgxpool.NewWithConfig(context.Background(), pcfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(pool.Close)
-	b := setup(t, func(c *Config) {
-		c.Pool, c.Auth, c.RequestTimeout = pool, tenant.NewAuthenticator(base.db.Pool, 0), 2*time.Second
-	})
-	b.db, b.token = base.db, base.token
+	b, proxy := proxiedSetup(t, 2*time.Second)
 	if r := b.post(t, "lost-http-warm-up", wrap(`{"warm":1}`)); r.status != http.StatusAccepted {
 		t.Fatalf("warm-up create: %d %s", r.status, r.body)
 	}
@@ -84,7 +74,7 @@ func TestLostCommitAnswerIsSettledOverHTTP(t *testing.T) {
 	taskID, _ := r.json(t)["task_id"].(string)
 	t.Logf("answered after %s", time.Since(start).Round(10*time.Millisecond))
 
-	rec, err := idempotency.Get(context.Background(), base.db.Pool, tenant.CreateScope(base.tenant.ID), "lost-http")
+	rec, err := idempotency.Get(context.Background(), b.db.Pool, tenant.CreateScope(b.tenant.ID), "lost-http")
 	if err != nil || rec.TaskID == nil || *rec.TaskID != taskID {
 		t.Fatalf("record %+v, err %v; want it to name the answered task %q", rec, err, taskID)
 	}
@@ -93,7 +83,7 @@ func TestLostCommitAnswerIsSettledOverHTTP(t *testing.T) {
 		t.Fatalf("replay: %d %s (Idempotent-Replayed %q), want task %s replayed", again.status, again.body, again.header.Get("Idempotent-Replayed"), taskID)
 	}
 	var tasks int
-	if err := base.db.Pool.QueryRow(context.Background(), `SELECT count(*) FROM task WHERE tenant_id = $1`, base.tenant.ID).Scan(&tasks); err != nil {
+	if err := b.db.Pool.QueryRow(context.Background(), `SELECT count(*) FROM task WHERE tenant_id = $1`, b.tenant.ID).Scan(&tasks); err != nil {
 		t.Fatal(err)
 	}
 	if tasks != 2 { // the warm-up's and this one

@@ -103,6 +103,27 @@ func proxiedPoolConfig(t *testing.T, url string) (*stallProxy, *pgxpool.Config) 
 	return proxy, pcfg
 }
 
+// proxiedSetup returns a bundle whose API (requests and authentication)
+// reaches its database through a stallProxy, with requestTimeout as its
+// RequestTimeout, and the proxy. The bundle's db, tenant and token are
+// those of the database behind the proxy.
+func proxiedSetup(t *testing.T, requestTimeout time.Duration) (*testBundle, *stallProxy) {
+	t.Helper()
+	base := setup(t) // the database, tenants and tokens
+	proxy, pcfg := proxiedPoolConfig(t, base.db.URL)
+	pool, err := pgxpool.NewWithConfig(context.Background(), pcfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(pool.Close)
+	t.Cleanup(proxy.close) // before pool.Close: a stalled proxy's connections do not answer
+	b := setup(t, func(c *Config) {
+		c.Pool, c.Auth, c.RequestTimeout = pool, tenant.NewAuthenticator(pool, 0), requestTimeout
+	})
+	b.db, b.tenant, b.token = base.db, base.tenant, base.token
+	return b, proxy
+}
+
 // lose makes the connections open now drop the server's answers.
 func (p *stallProxy) lose() {
 	p.mu.Lock()
@@ -161,19 +182,7 @@ func (p *stallProxy) pipe(dst, src net.Conn, drop, arm *atomic.Bool) {
 // POST and GET for 90 s).
 func TestDatabaseThatStopsAnsweringIs503(t *testing.T) {
 	t.Parallel()
-	base := setup(t) // the database, tenants and tokens
-	proxy, pcfg := proxiedPoolConfig(t, base.db.URL)
-	pool, err := pgxpool.NewWithConfig(context.Background(), pcfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(pool.Close)
-	t.Cleanup(proxy.close) // before pool.Close: its connections do not answer
-	b := setup(t, func(c *Config) {
-		c.Pool, c.Auth, c.RequestTimeout = pool, tenant.NewAuthenticator(pool, 0), time.Second
-	})
-	b.db = base.db
-	b.token = base.token
+	b, proxy := proxiedSetup(t, time.Second)
 	if r := b.post(t, "stall-before", []byte(`{"document":{"a":1}}`)); r.status != http.StatusAccepted && r.status != http.StatusCreated {
 		t.Fatalf("create before the stall: %d %s", r.status, r.body)
 	}
