@@ -72,7 +72,11 @@ func TestLostCommitAnswerIsSettledOverHTTP(t *testing.T) {
 		t.Fatalf("create whose COMMIT ran: %d %s, want 202 with its task", r.status, clip(string(r.body), 300))
 	}
 	taskID, _ := r.json(t)["task_id"].(string)
-	t.Logf("answered after %s", time.Since(start).Round(10*time.Millisecond))
+	took := time.Since(start)
+	t.Logf("answered after %s", took.Round(10*time.Millisecond))
+	if n := proxy.armed.Load(); n != 1 || took < 2*time.Second {
+		t.Fatalf("%d connections lost their answers and the request took %s; want 1, and the 2 s RequestTimeout waited out", n, took)
+	}
 
 	rec, err := idempotency.Get(context.Background(), b.db.Pool, tenant.CreateScope(b.tenant.ID), "lost-http")
 	if err != nil || rec.TaskID == nil || *rec.TaskID != taskID {

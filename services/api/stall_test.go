@@ -34,6 +34,7 @@ type stallProxy struct {
 	conns   []net.Conn
 	drops   []*atomic.Bool // per connection: drop the server's bytes
 	marker  atomic.Pointer[[]byte]
+	armed   atomic.Int32 // connections that sent the marker
 	once    sync.Once
 }
 
@@ -120,7 +121,7 @@ func proxiedSetup(t *testing.T, requestTimeout time.Duration) (*testBundle, *sta
 	b := setup(t, func(c *Config) {
 		c.Pool, c.Auth, c.RequestTimeout = pool, tenant.NewAuthenticator(pool, 0), requestTimeout
 	})
-	b.db, b.tenant, b.token = base.db, base.tenant, base.token
+	b.db, b.tenant, b.token, b.adminToken = base.db, base.tenant, base.token, base.adminToken
 	return b, proxy
 }
 
@@ -155,8 +156,8 @@ func (p *stallProxy) pipe(dst, src net.Conn, drop, arm *atomic.Bool) {
 		if n > 0 {
 			if m := p.marker.Load(); arm != nil && m != nil {
 				seen := append(tail, buf[:n]...)
-				if bytes.Contains(seen, *m) {
-					arm.Store(true)
+				if bytes.Contains(seen, *m) && !arm.Swap(true) {
+					p.armed.Add(1)
 				}
 				tail = append(tail[:0], seen[max(0, len(seen)-len(*m)):]...)
 			}
