@@ -17,24 +17,49 @@
 # alternating): both see the same machine, whose speed drifts by more than
 # these effects between runs; it prints the other's tps over the first's
 # (above 1: the other is cheaper) and their medians.
-# Needs pg_config, the server binaries, pgbench, psql, python3. As root the
-# cluster runs as the postgres user. PORT (default 55432) must be free.
+# Needs pg_config, the server binaries, pgbench, psql, python3, bc. As root
+# the cluster runs as the postgres user. PORT (default 55432) must be free.
+# The payloads' timestamps have dashes for colons (pgbench reads ":name" as
+# a variable); PostgreSQL only checks that they are JSON.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 root=$(cd "$here/../../../../.." && pwd)
 rounds=10 tpc=1000 script=task.sql port=${PORT:-55432} pair=
+usage() { sed -n '/^# Usage/,/^#   cmd/p' "$0" >&2; exit 2; }
+die() { echo "run.sh: $*" >&2; exit 1; }
 while getopts r:t:s:p: o; do
-  case $o in r) rounds=$OPTARG ;; t) tpc=$OPTARG ;; s) script=$OPTARG ;; p) pair=$OPTARG ;; *) exit 2 ;; esac
+  case $o in r) rounds=$OPTARG ;; t) tpc=$OPTARG ;; s) script=$OPTARG ;; p) pair=$OPTARG ;; *) usage ;; esac
 done
 shift $((OPTIND - 1))
 [ $# -ge 1 ] || set -- a c
+positive='^[1-9][0-9]*$'
+[[ $rounds =~ $positive && $tpc =~ $positive ]] || die "-r and -t take positive integers"
+[[ -z $pair || $pair =~ $positive ]] || die "-p takes a positive number of seconds"
+[[ -z $pair || $# -ge 2 ]] || die "-p compares the first variant with others: give two or more"
+[ -f "$here/$script" ] || die "no script $here/$script"
+for v in "$@"; do
+  [[ $v = a || -f $here/variant-$v.sql ]] || die "no variant $v ($here/variant-$v.sql)"
+done
+! (echo >"/dev/tcp/127.0.0.1/$port") 2>/dev/null || die "port $port is in use (set PORT)"
 bindir=$(pg_config --bindir)
 work=$(mktemp -d /tmp/schemacost.XXXXXX)
 as_pg() { if [ "$(id -u)" = 0 ]; then su postgres -s /bin/sh -c "$1"; else sh -c "$1"; fi; }
+# On failure, the cluster's log and the last pgbench output are printed
+# before the directory goes.
+cleanup() {
+  local rc=$?
+  if [ "$rc" != 0 ]; then
+    for f in "$work/pgbench.out" "$work/log"; do
+      if [ -f "$f" ]; then echo "--- $f (tail)" >&2; tail -20 "$f" >&2; fi
+    done
+  fi
+  if [ -f "$work/data/postmaster.pid" ]; then as_pg "$bindir/pg_ctl -D $work/data -m fast stop >/dev/null" || true; fi
+  rm -rf "$work"
+}
+trap cleanup EXIT
 if [ "$(id -u)" = 0 ]; then chown postgres "$work"; fi
 as_pg "$bindir/initdb -D $work/data -A trust -U postgres >/dev/null"
 as_pg "$bindir/pg_ctl -D $work/data -l $work/log -w -o '-c port=$port -c listen_addresses=127.0.0.1 -c unix_socket_directories= -c wal_level=logical -c shared_buffers=256MB -c max_wal_size=16GB -c checkpoint_timeout=3600 -c jit=off' start >/dev/null"
-trap 'as_pg "$bindir/pg_ctl -D $work/data -m fast stop >/dev/null"; rm -rf "$work"' EXIT
 export PGOPTIONS="-c client_min_messages=warning"
 psql=(psql -h 127.0.0.1 -p "$port" -U postgres -qAt -v ON_ERROR_STOP=1)
 "${psql[@]}" -c "CREATE DATABASE base"
@@ -65,7 +90,7 @@ pgcpu() {
   done
   echo "$t"
 }
-truncate() {
+truncate_tables() {
   "${psql[@]}" -d "v_$1" -c "TRUNCATE task, task_input, idempotency_record, outbox_event, inbox_message, effect_ledger CASCADE"
 }
 if [ -n "$pair" ]; then
@@ -73,15 +98,25 @@ if [ -n "$pair" ]; then
   shift
   for i in $(seq "$rounds"); do
     for v in "$@"; do
-      truncate "$first"
-      truncate "$v"
+      truncate_tables "$first"
+      truncate_tables "$v"
       "${psql[@]}" -c "CHECKPOINT"
       order=("$first" "$v")
       if [ $((i % 2)) = 0 ]; then order=("$v" "$first"); fi
+      pids=()
       for d in "${order[@]}"; do
         pgbench -h 127.0.0.1 -p "$port" -U postgres -n -M prepared -c 4 -j 1 -T "$pair" "${defs[@]}" -f "$here/$script" "v_$d" >"$work/pair.$d" 2>&1 &
+        pids+=($!)
       done
-      wait
+      for d in "${order[@]}"; do
+        ok=1
+        wait "${pids[0]}" || ok=
+        pids=("${pids[@]:1}")
+        if [ -z "$ok" ] || grep -q "aborted" "$work/pair.$d"; then
+          cp "$work/pair.$d" "$work/pgbench.out"
+          die "pgbench on $d failed"
+        fi
+      done
       a=$(grep -o "tps = [0-9.]*" "$work/pair.$first" | cut -d' ' -f3)
       b=$(grep -o "tps = [0-9.]*" "$work/pair.$v" | cut -d' ' -f3)
       echo "$i $v $(echo "scale=4; $b / $a" | bc) $b $first $a"
@@ -102,13 +137,15 @@ fi
 n=$((tpc * 8)) tick=$(getconf CLK_TCK)
 for i in $(seq "$rounds"); do
   for v in "$@"; do
-    truncate "$v"
+    truncate_tables "$v"
     "${psql[@]}" -c "CHECKPOINT"
     c0=$(pgcpu)
-    tps=$(pgbench -h 127.0.0.1 -p "$port" -U postgres -n -M prepared -c 8 -j 2 -t "$tpc" "${defs[@]}" -f "$here/$script" "v_$v" 2>&1 | grep -o "tps = [0-9.]*" | cut -d' ' -f3)
+    pgbench -h 127.0.0.1 -p "$port" -U postgres -n -M prepared -c 8 -j 2 -t "$tpc" "${defs[@]}" -f "$here/$script" "v_$v" >"$work/pgbench.out" 2>&1 ||
+      die "pgbench on $v failed"
+    tps=$(grep -o "tps = [0-9.]*" "$work/pgbench.out" | cut -d' ' -f3)
     c1=$(pgcpu)
     done_=$("${psql[@]}" -d "v_$v" -c "SELECT count(*) FROM task WHERE status = 'completed'")
-    if [ "$done_" != "$n" ]; then echo "run $i of $v: $done_ of $n tasks completed (see $work/log)" >&2; exit 1; fi
+    if [ "$done_" != "$n" ]; then die "run $i of $v: $done_ of $n tasks completed"; fi
     echo "$i $v $(echo "scale=3; ($c1 - $c0) * 1000 / $tick / $n" | bc) $tps"
   done
 done | tee "$work/results"

@@ -18,7 +18,7 @@ CREATE OR REPLACE FUNCTION task_rules(
 ) RETURNS boolean LANGUAGE plpgsql IMMUTABLE PARALLEL SAFE AS $$
 BEGIN
   -- Every row: the rules below AND-ed, one expression (NULL passes, as
-  -- in a CHECK). schemas' TestTableRulesFastPath keeps the two in step.
+  -- in a CHECK). The draft's test that kept the two in step was removed with it.
   IF (
     (artifact_sha256 ~ '^[0-9a-f]{64}$')
     AND (attempt >= 0)
@@ -95,7 +95,7 @@ CREATE OR REPLACE FUNCTION idempotency_record_rules(
 ) RETURNS boolean LANGUAGE plpgsql IMMUTABLE PARALLEL SAFE AS $$
 BEGIN
   -- Every row: the rules below AND-ed, one expression (NULL passes, as
-  -- in a CHECK). schemas' TestTableRulesFastPath keeps the two in step.
+  -- in a CHECK). The draft's test that kept the two in step was removed with it.
   IF (
     ((state <> 'succeeded') OR ((task_id IS NOT NULL) AND (response_status IS NOT NULL) AND (response_body IS NOT NULL)))
     AND (request_fingerprint ~ '^[0-9a-f]{64}$')
@@ -137,7 +137,7 @@ CREATE OR REPLACE FUNCTION outbox_event_rules(
 ) RETURNS boolean LANGUAGE plpgsql IMMUTABLE PARALLEL SAFE AS $$
 BEGIN
   -- Every row: the rules below AND-ed, one expression (NULL passes, as
-  -- in a CHECK). schemas' TestTableRulesFastPath keeps the two in step.
+  -- in a CHECK). The draft's test that kept the two in step was removed with it.
   IF (
     (decision = ANY (ARRAY['republished', 'discarded']))
     AND (((decision IS NULL) = (decided_at IS NULL)) AND ((decision IS NULL) OR (parked_at IS NOT NULL)))
@@ -187,7 +187,7 @@ CREATE OR REPLACE FUNCTION inbox_message_rules(
 ) RETURNS boolean LANGUAGE plpgsql IMMUTABLE PARALLEL SAFE AS $$
 BEGIN
   -- Every row: the rules below AND-ed, one expression (NULL passes, as
-  -- in a CHECK). schemas' TestTableRulesFastPath keeps the two in step.
+  -- in a CHECK). The draft's test that kept the two in step was removed with it.
   IF (
     (deliveries >= 1)
     AND (state = ANY (ARRAY['processing', 'completed', 'failed']))
@@ -224,7 +224,7 @@ CREATE OR REPLACE FUNCTION effect_ledger_rules(
 ) RETURNS boolean LANGUAGE plpgsql IMMUTABLE PARALLEL SAFE AS $$
 BEGIN
   -- Every row: the rules below AND-ed, one expression (NULL passes, as
-  -- in a CHECK). schemas' TestTableRulesFastPath keeps the two in step.
+  -- in a CHECK). The draft's test that kept the two in step was removed with it.
   IF (
     (attempt >= 1)
     AND (effect_kind = ANY (ARRAY['artifact.put', 'artifact.hide', 'artifact.delete']))
