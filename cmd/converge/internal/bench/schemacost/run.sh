@@ -90,6 +90,14 @@ pgcpu() {
   done
   echo "$t"
 }
+# pgb DB OUT ARGS...: pgbench of the script on v_DB (ARGS: clients, length),
+# its output in OUT; tps_of OUT: the rate pgbench printed.
+pgb() {
+  local db=$1 out=$2
+  shift 2
+  pgbench -h 127.0.0.1 -p "$port" -U postgres -n -M prepared "$@" "${defs[@]}" -f "$here/$script" "v_$db" >"$out" 2>&1
+}
+tps_of() { grep -o "tps = [0-9.]*" "$1" | cut -d' ' -f3; }
 truncate_tables() {
   "${psql[@]}" -d "v_$1" -c "TRUNCATE task, task_input, idempotency_record, outbox_event, inbox_message, effect_ledger CASCADE"
 }
@@ -105,7 +113,7 @@ if [ -n "$pair" ]; then
       if [ $((i % 2)) = 0 ]; then order=("$v" "$first"); fi
       pids=()
       for d in "${order[@]}"; do
-        pgbench -h 127.0.0.1 -p "$port" -U postgres -n -M prepared -c 4 -j 1 -T "$pair" "${defs[@]}" -f "$here/$script" "v_$d" >"$work/pair.$d" 2>&1 &
+        pgb "$d" "$work/pair.$d" -c 4 -j 1 -T "$pair" &
         pids+=($!)
       done
       for d in "${order[@]}"; do
@@ -117,8 +125,8 @@ if [ -n "$pair" ]; then
           die "pgbench on $d failed"
         fi
       done
-      a=$(grep -o "tps = [0-9.]*" "$work/pair.$first" | cut -d' ' -f3)
-      b=$(grep -o "tps = [0-9.]*" "$work/pair.$v" | cut -d' ' -f3)
+      a=$(tps_of "$work/pair.$first")
+      b=$(tps_of "$work/pair.$v")
       echo "$i $v $(echo "scale=4; $b / $a" | bc) $b $first $a"
     done
   done | tee "$work/results"
@@ -140,9 +148,8 @@ for i in $(seq "$rounds"); do
     truncate_tables "$v"
     "${psql[@]}" -c "CHECKPOINT"
     c0=$(pgcpu)
-    pgbench -h 127.0.0.1 -p "$port" -U postgres -n -M prepared -c 8 -j 2 -t "$tpc" "${defs[@]}" -f "$here/$script" "v_$v" >"$work/pgbench.out" 2>&1 ||
-      die "pgbench on $v failed"
-    tps=$(grep -o "tps = [0-9.]*" "$work/pgbench.out" | cut -d' ' -f3)
+    pgb "$v" "$work/pgbench.out" -c 8 -j 2 -t "$tpc" || die "pgbench on $v failed"
+    tps=$(tps_of "$work/pgbench.out")
     c1=$(pgcpu)
     done_=$("${psql[@]}" -d "v_$v" -c "SELECT count(*) FROM task WHERE status = 'completed'")
     if [ "$done_" != "$n" ]; then die "run $i of $v: $done_ of $n tasks completed"; fi
