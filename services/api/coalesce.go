@@ -231,12 +231,20 @@ func winners(results []createResult) int {
 // groupCommitted settles a group transaction whose COMMIT was sent but
 // whose answer was lost (the group's deadline, a broken connection) by the
 // record of one request that inserted a task (recordNames, its read bounded
-// by timeout): all of a transaction or nothing. Not known is false: the
+// by the members' contexts, settleContext): all of a transaction or
+// nothing. Not known is false: the
 // members then run alone, and each finds its key recorded and answers from
 // the record, as a retry of the request would.
-func (s *store) groupCommitted(group []*createReq, results []createResult, timeout time.Duration) bool {
+func (s *store) groupCommitted(group []*createReq, results []createResult) bool {
 	i := slices.IndexFunc(results, func(r createResult) bool { return r.n != nil })
-	return i >= 0 && s.recordNames(group[i].k, results[i].n.Task.TaskID, timeout)
+	if i < 0 {
+		return false
+	}
+	reqs := make([]context.Context, len(group))
+	for j, r := range group {
+		reqs[j] = r.ctx
+	}
+	return s.recordNames(reqs, group[i].k, results[i].n.Task.TaskID)
 }
 
 // groupContext bounds a group transaction: by timeout, and by half the time
@@ -262,7 +270,7 @@ func (c *coalescer) createGroup(ctx context.Context, group []*createReq) (result
 			err = fmt.Errorf("create group transaction: panic: %v", v)
 		}
 	}()
-	return c.store.createGroup(ctx, group, c.faults, c.timeout)
+	return c.store.createGroup(ctx, group, c.faults)
 }
 
 // runAlone answers r with the single-request create transaction
@@ -306,9 +314,9 @@ var errNoWinner = errors.New("no request of the group won its key")
 // group in one transaction and returns each request's outcome (in group's
 // order): the new task, or errKeyTaken when its record insert conflicted.
 // An error means nothing was written. A COMMIT whose answer was lost is
-// settled by groupCommitted (its read bounded by settle): committed, the
+// settled by groupCommitted: committed, the
 // outcomes are returned; else the error.
-func (s *store) createGroup(ctx context.Context, group []*createReq, faults *fault.Set, settle time.Duration) ([]createResult, error) {
+func (s *store) createGroup(ctx context.Context, group []*createReq, faults *fault.Set) ([]createResult, error) {
 	order := make([]int, len(group))
 	for i := range order {
 		order[i] = i
@@ -365,7 +373,7 @@ func (s *store) createGroup(ctx context.Context, group []*createReq, faults *fau
 	switch {
 	case errors.Is(err, errNoWinner):
 		return results, nil // every request answers errKeyTaken
-	case errors.As(err, &unknown) && s.groupCommitted(group, results, settle):
+	case errors.As(err, &unknown) && s.groupCommitted(group, results):
 		return results, nil // committed although its answer was lost
 	}
 	if err != nil {

@@ -575,7 +575,6 @@ func TestCommittedReadsTheRecord(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
 	s := &store{pool: b.db.Pool}
-	c, _ := testCoalescer(t, s, nil)
 	pa := tenant.Principal{TenantID: b.tenant.ID}
 	r := groupReq(pa, "settled", "1")
 	n, err := s.createOne(context.Background(), r.k, r.p, r.draft, maxAloneLockTimeout)
@@ -583,18 +582,18 @@ func TestCommittedReadsTheRecord(t *testing.T) {
 		t.Fatal(err)
 	}
 	loser := createResult{err: errKeyTaken}
-	if !s.groupCommitted([]*createReq{groupReq(pa, "other", "2"), r}, []createResult{loser, {n: n}}, c.timeout) {
+	if !s.groupCommitted([]*createReq{groupReq(pa, "other", "2"), r}, []createResult{loser, {n: n}}) {
 		t.Fatal("the record names the task: want committed")
 	}
 	other := *n
 	other.Task.TaskID = "not-" + n.Task.TaskID
-	if s.groupCommitted([]*createReq{r}, []createResult{{n: &other}}, c.timeout) {
+	if s.groupCommitted([]*createReq{r}, []createResult{{n: &other}}) {
 		t.Fatal("the record names another task: want not committed")
 	}
-	if s.groupCommitted([]*createReq{groupReq(pa, "absent", "3")}, []createResult{{n: n}}, c.timeout) {
+	if s.groupCommitted([]*createReq{groupReq(pa, "absent", "3")}, []createResult{{n: n}}) {
 		t.Fatal("no record: want not committed")
 	}
-	if s.groupCommitted([]*createReq{r}, []createResult{loser}, c.timeout) {
+	if s.groupCommitted([]*createReq{r}, []createResult{loser}) {
 		t.Fatal("no request inserted a task: want not committed")
 	}
 }

@@ -2,12 +2,14 @@ package api
 
 import (
 	"context"
+	"errors"
 	"net/http"
 	"testing"
 	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/converge-run/converge/internal/dbpool"
 	"github.com/converge-run/converge/internal/tenant"
 	"github.com/converge-run/converge/services/api/idempotency"
 )
@@ -92,5 +94,180 @@ func TestLostCommitAnswerIsSettledOverHTTP(t *testing.T) {
 	}
 	if tasks != 2 { // the warm-up's and this one
 		t.Fatalf("%d tasks of the tenant, want 2", tasks)
+	}
+}
+
+// The read that settles a lost COMMIT answer ends with its requests: at
+// the earliest of their deadlines, or settleGrace from now when that has
+// passed or is nearer, at most settleTimeout from now, and at once when
+// every request's client has left (context.Canceled, not a deadline).
+func TestSettleContext(t *testing.T) {
+	t.Parallel()
+	within := func(t *testing.T, ctx context.Context, want time.Time) {
+		t.Helper()
+		got, ok := ctx.Deadline()
+		if !ok || got.Sub(want).Abs() > 200*time.Millisecond {
+			t.Fatalf("settle deadline %v (set %v), want about %v", got, ok, want)
+		}
+		if ctx.Err() != nil {
+			t.Fatalf("settle context ended at once: %v", ctx.Err())
+		}
+	}
+	deadline := func(d time.Duration) context.Context {
+		ctx, cancel := context.WithTimeout(context.Background(), d)
+		t.Cleanup(cancel)
+		return ctx
+	}
+	cancelled := func() (context.Context, context.CancelFunc) {
+		ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+		t.Cleanup(cancel)
+		return ctx, cancel
+	}
+	passed := deadline(-time.Second)
+
+	t.Run("deadline passed: the grace", func(t *testing.T) {
+		ctx, stop := settleContext(passed)
+		defer stop()
+		within(t, ctx, time.Now().Add(settleGrace))
+	})
+	t.Run("deadline near: the grace", func(t *testing.T) {
+		ctx, stop := settleContext(deadline(settleGrace / 4))
+		defer stop()
+		within(t, ctx, time.Now().Add(settleGrace))
+	})
+	t.Run("deadline between: the deadline", func(t *testing.T) {
+		d := (settleGrace + settleTimeout) / 2
+		ctx, stop := settleContext(deadline(d))
+		defer stop()
+		within(t, ctx, time.Now().Add(d))
+	})
+	t.Run("deadline far or none: settleTimeout", func(t *testing.T) {
+		for _, req := range []context.Context{deadline(time.Hour), context.Background()} {
+			ctx, stop := settleContext(req)
+			within(t, ctx, time.Now().Add(settleTimeout))
+			stop()
+		}
+	})
+	t.Run("a group: its earliest deadline", func(t *testing.T) {
+		d := (settleGrace + settleTimeout) / 2
+		ctx, stop := settleContext(deadline(time.Hour), deadline(d), context.Background())
+		defer stop()
+		within(t, ctx, time.Now().Add(d))
+	})
+	t.Run("client gone: none", func(t *testing.T) {
+		req, cancel := cancelled()
+		cancel()
+		ctx, stop := settleContext(req)
+		defer stop()
+		select {
+		case <-ctx.Done():
+		case <-time.After(time.Second):
+			t.Fatal("the settle context of a request whose client left did not end")
+		}
+	})
+	t.Run("client leaves during the read: it ends", func(t *testing.T) {
+		req, cancel := cancelled()
+		ctx, stop := settleContext(req)
+		defer stop()
+		if ctx.Err() != nil {
+			t.Fatalf("ended before the client left: %v", ctx.Err())
+		}
+		cancel()
+		select {
+		case <-ctx.Done():
+		case <-time.After(time.Second):
+			t.Fatal("the settle context did not end when the client left")
+		}
+	})
+	t.Run("a group: ends only when every client left", func(t *testing.T) {
+		a, cancelA := cancelled()
+		b, cancelB := cancelled()
+		ctx, stop := settleContext(a, b, passed)
+		cancelA()
+		cancelB()
+		time.Sleep(50 * time.Millisecond)
+		if ctx.Err() != nil { // passed ended by its deadline: its client may be waiting
+			t.Fatalf("ended while a member whose deadline passed may still read the answer: %v", ctx.Err())
+		}
+		stop()
+		ctx, stop = settleContext(a, b)
+		defer stop()
+		select {
+		case <-ctx.Done():
+		case <-time.After(time.Second):
+			t.Fatal("the settle context of a group whose clients all left did not end")
+		}
+	})
+}
+
+// A create whose COMMIT's answer was lost while PostgreSQL cannot be read
+// at all (here: the proxy stalls every connection from the message that
+// holds the COMMIT on) answers 503 about settleGrace after its
+// RequestTimeout, not settleTimeout after it: the handler, the tenant's
+// in-flight slot and the key's flight are not held for the settle read.
+func TestSettleReadEndsSoonAfterTheDeadline(t *testing.T) {
+	t.Parallel()
+	const requestTimeout = time.Second
+	b, proxy := proxiedSetup(t, requestTimeout)
+	if r := b.post(t, "settle-bound-warm-up", wrap(`{"warm":1}`)); r.status != http.StatusAccepted {
+		t.Fatalf("warm-up create: %d %s", r.status, r.body)
+	}
+	const marker = "the-database-stalls-here"
+	proxy.stallAtMarker.Store(true)
+	proxy.loseFrom(marker)
+	start := time.Now()
+	r := b.post(t, "settle-bound", wrap(`{"note":"`+marker+`"}`))
+	took := time.Since(start)
+	t.Logf("answered %d after %s", r.status, took.Round(10*time.Millisecond))
+	if r.status != http.StatusServiceUnavailable || r.json(t)["code"] != CodeDatabaseUnavailable {
+		t.Fatalf("create whose COMMIT's answer was lost and cannot be settled: %d %s, want 503 %s", r.status, clip(string(r.body), 300), CodeDatabaseUnavailable)
+	}
+	if n := proxy.armed.Load(); n != 1 {
+		t.Fatalf("%d connections sent the COMMIT's batch into the stall, want 1", n)
+	}
+	// settleTimeout (5 s) after the deadline was the bound before; the
+	// margin (2 s) is for a slow machine.
+	if limit := requestTimeout + settleGrace + 2*time.Second; took < requestTimeout || took > limit {
+		t.Fatalf("answered after %s, want between the RequestTimeout (%s) and %s", took, requestTimeout, limit)
+	}
+}
+
+// A create whose client leaves while its COMMIT is unanswered does not
+// read its record at all: nobody is there to receive the answer.
+func TestSettleReadIsSkippedWhenTheClientLeft(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	proxy, pcfg := proxiedPoolConfig(t, b.db.URL)
+	pool, err := pgxpool.NewWithConfig(context.Background(), pcfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(pool.Close)
+	t.Cleanup(proxy.close) // before pool.Close: a stalled proxy's connections do not answer
+	s := &store{pool: pool}
+	warm := groupReq(tenant.Principal{TenantID: b.tenant.ID}, "settle-left-warm-up", "0")
+	if _, err := s.createOne(context.Background(), warm.k, warm.p, warm.draft, maxAloneLockTimeout); err != nil {
+		t.Fatal(err)
+	}
+
+	r := groupReq(tenant.Principal{TenantID: b.tenant.ID}, "settle-left", "1")
+	ctx, leave := context.WithTimeout(context.Background(), time.Minute)
+	defer leave()
+	leftAt := make(chan time.Time, 1)
+	build := r.draft.build
+	r.draft.build = func(now time.Time) (*newTask, error) {
+		proxy.stalled.Store(true) // the second batch, COMMIT included, is held
+		time.AfterFunc(100*time.Millisecond, func() { leftAt <- time.Now(); leave() })
+		return build(now)
+	}
+	_, err = s.createOne(ctx, r.k, r.p, r.draft, maxAloneLockTimeout)
+	took := time.Since(<-leftAt)
+	t.Logf("createOne returned %v, %s after the client left", err, took.Round(10*time.Millisecond))
+	var unknown *dbpool.CommitUnknownError
+	if !errors.As(err, &unknown) {
+		t.Fatalf("createOne = %v, want its COMMIT unknown", err)
+	}
+	if took >= settleGrace {
+		t.Fatalf("returned %s after the client left: the settle read ran for nobody", took)
 	}
 }

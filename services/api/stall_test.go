@@ -23,7 +23,8 @@ import (
 // moment still forward what the client sends but drop what the server
 // answers (a network that loses the answers); later connections are
 // forwarded whole. After loseFrom(marker), a connection that sends marker
-// drops the server's answers from that message on.
+// drops the server's answers from that message on, or, with stallAtMarker,
+// stalls the proxy from that message on (the message is not forwarded).
 type stallProxy struct {
 	ln      net.Listener
 	target  string
@@ -35,7 +36,10 @@ type stallProxy struct {
 	drops   []*atomic.Bool // per connection: drop the server's bytes
 	marker  atomic.Pointer[[]byte]
 	armed   atomic.Int32 // connections that sent the marker
-	once    sync.Once
+	// stallAtMarker: the first message holding the marker stalls the proxy
+	// (it and everything after it are held) instead of losing answers.
+	stallAtMarker atomic.Bool
+	once          sync.Once
 }
 
 func newStallProxy(t *testing.T, target string) *stallProxy {
@@ -158,6 +162,9 @@ func (p *stallProxy) pipe(dst, src net.Conn, drop, arm *atomic.Bool) {
 				seen := append(tail, buf[:n]...)
 				if bytes.Contains(seen, *m) && !arm.Swap(true) {
 					p.armed.Add(1)
+					if p.stallAtMarker.Load() {
+						p.stalled.Store(true)
+					}
 				}
 				tail = append(tail[:0], seen[max(0, len(seen)-len(*m)):]...)
 			}

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"strconv"
+	"sync/atomic"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -112,7 +113,7 @@ func (s *store) createOne(ctx context.Context, k idempotency.Key, p tenant.Princ
 		return nil
 	})
 	var unknown *dbpool.CommitUnknownError
-	if errors.As(err, &unknown) && n != nil && s.recordNames(k, n.Task.TaskID, settleTimeout) {
+	if errors.As(err, &unknown) && n != nil && s.recordNames([]context.Context{ctx}, k, n.Task.TaskID) {
 		return n, nil // committed although its answer was lost
 	}
 	if err != nil {
@@ -121,21 +122,67 @@ func (s *store) createOne(ctx context.Context, k idempotency.Key, p tenant.Princ
 	return n, nil
 }
 
-// settleTimeout bounds the read that settles a single request's create
-// transaction whose COMMIT's answer was lost (recordNames).
-const settleTimeout = 5 * time.Second
+const (
+	// settleGrace is how long past its request's deadline the read that
+	// settles a lost COMMIT answer may take: the deadline is often what lost
+	// the answer (pgx closes a connection whose context ends mid-batch).
+	settleGrace = time.Second
+	// settleTimeout caps the settle read, also for a request without a
+	// deadline.
+	settleTimeout = 5 * time.Second
+)
+
+// settleContext returns the context of the read that settles the lost
+// COMMIT answer of the requests whose contexts are reqs (one request, or a
+// group's members). It ends at the earliest of their deadlines, or
+// settleGrace from now if that is later, and at most settleTimeout from
+// now; and at once when every one of reqs was cancelled (ctx.Err() is
+// context.Canceled, not DeadlineExceeded: the client left, so nobody reads
+// the answer). The handler, its tenant's in-flight slot and its key's
+// flight are so held at most settleGrace past the request's deadline, and
+// not at all for a client that is gone (the eighth session's review: up to
+// 5 s past the deadline, also when the client had left).
+func settleContext(reqs ...context.Context) (context.Context, context.CancelFunc) {
+	now := time.Now()
+	end := now.Add(settleTimeout)
+	for _, r := range reqs {
+		if d, ok := r.Deadline(); ok && d.Before(end) {
+			end = d
+		}
+	}
+	if grace := now.Add(settleGrace); end.Before(grace) {
+		end = grace
+	}
+	ctx, cancel := context.WithDeadline(context.Background(), end)
+	var present atomic.Int64
+	present.Store(int64(len(reqs)))
+	stops := make([]func() bool, len(reqs))
+	for i, r := range reqs {
+		stops[i] = context.AfterFunc(r, func() {
+			if errors.Is(r.Err(), context.Canceled) && present.Add(-1) == 0 {
+				cancel()
+			}
+		})
+	}
+	return ctx, func() {
+		for _, stop := range stops {
+			stop()
+		}
+		cancel()
+	}
+}
 
 // recordNames settles a create transaction whose COMMIT was sent but whose
 // answer was lost (a broken connection, the request's deadline): it reads,
 // on a connection of the pool, the idempotency record of key k; the
 // transaction committed exactly when that record names taskID (all of a
-// transaction or nothing). The read takes at most timeout. Not named (no record, or one
-// naming another request's task) and not known (the read failed, or the
-// transaction is still running and not yet visible) are false: the request
-// then fails as before, and its retry with the same key answers from the
-// record.
-func (s *store) recordNames(k idempotency.Key, taskID string, timeout time.Duration) bool {
-	ctx, cancel := context.WithTimeout(context.Background(), timeout)
+// transaction or nothing). The read is bounded by settleContext(reqs...).
+// Not named (no record, or one naming another request's task) and not
+// known (the read failed or ran out of time, or the transaction is still
+// running and not yet visible) are false: the request then fails as
+// before, and its retry with the same key answers from the record.
+func (s *store) recordNames(reqs []context.Context, k idempotency.Key, taskID string) bool {
+	ctx, cancel := settleContext(reqs...)
 	defer cancel()
 	rec, err := s.idempotencyRecord(ctx, k.Scope, k.Key)
 	return err == nil && rec.TaskID != nil && *rec.TaskID == taskID
