@@ -39,6 +39,17 @@ type testBundle struct {
 // adjust the Config before New.
 func setup(t *testing.T, opts ...func(*Config)) *testBundle {
 	t.Helper()
+	return setupWith(t, func(_ *testBundle, c *Config) {
+		for _, o := range opts {
+			o(c)
+		}
+	})
+}
+
+// setupWith is setup whose option sees the bundle (its database, tenants
+// and tokens) as well as the Config.
+func setupWith(t *testing.T, opt func(*testBundle, *Config)) *testBundle {
+	t.Helper()
 	db := testenv.NewDB(t)
 	_, rdb := testenv.Redis(t)
 	store, err := artifact.Open(t.TempDir(), nil)
@@ -50,9 +61,7 @@ func setup(t *testing.T, opts ...func(*Config)) *testBundle {
 	_, b.adminToken = b.addTenant(t, "ops", true, nil)
 	cfg := Config{Pool: db.Pool, Redis: rdb, ArtifactStore: store, Registerer: b.reg,
 		Auth: tenant.NewAuthenticator(db.Pool, 0), Logger: slog.New(slog.NewTextHandler(io.Discard, nil))}
-	for _, o := range opts {
-		o(&cfg)
-	}
+	opt(b, &cfg)
 	b.srv, err = New(cfg)
 	if err != nil {
 		t.Fatal(err)

@@ -110,22 +110,22 @@ func proxiedPoolConfig(t *testing.T, url string) (*stallProxy, *pgxpool.Config) 
 
 // proxiedSetup returns a bundle whose API (requests and authentication)
 // reaches its database through a stallProxy, with requestTimeout as its
-// RequestTimeout, and the proxy. The bundle's db, tenant and token are
-// those of the database behind the proxy.
+// RequestTimeout, and the proxy. The bundle's db (its direct pool), tenant
+// and tokens are those of the database behind the proxy.
 func proxiedSetup(t *testing.T, requestTimeout time.Duration) (*testBundle, *stallProxy) {
 	t.Helper()
-	base := setup(t) // the database, tenants and tokens
-	proxy, pcfg := proxiedPoolConfig(t, base.db.URL)
-	pool, err := pgxpool.NewWithConfig(context.Background(), pcfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(pool.Close)
-	t.Cleanup(proxy.close) // before pool.Close: a stalled proxy's connections do not answer
-	b := setup(t, func(c *Config) {
+	var proxy *stallProxy
+	b := setupWith(t, func(b *testBundle, c *Config) {
+		var pcfg *pgxpool.Config
+		proxy, pcfg = proxiedPoolConfig(t, b.db.URL)
+		pool, err := pgxpool.NewWithConfig(context.Background(), pcfg)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(pool.Close)
+		t.Cleanup(proxy.close) // before pool.Close: a stalled proxy's connections do not answer
 		c.Pool, c.Auth, c.RequestTimeout = pool, tenant.NewAuthenticator(pool, 0), requestTimeout
 	})
-	b.db, b.tenant, b.token, b.adminToken = base.db, base.tenant, base.token, base.adminToken
 	return b, proxy
 }
 
