@@ -205,7 +205,7 @@ func (c *APICmd) Run(env *runEnv) error {
 	if err != nil {
 		return err
 	}
-	srv, err := api.New(api.Config{Pool: pool, Redis: rdb, ArtifactStore: store, MaxBodyBytes: c.MaxBodyBytes, MaxInFlightPerTenant: c.MaxInFlight, CreateBatchMax: c.CreateBatchMax, DeadLetters: dls,
+	srv, err := api.New(api.Config{Pool: pool, Redis: rdb, ArtifactStore: store, MaxBodyBytes: c.MaxBodyBytes, MaxInFlightPerTenant: c.MaxInFlight, CreateBatchMax: c.CreateBatchMax, CreateTransactions: c.CreateTx, DeadLetters: dls,
 		OutboxProducer: producer, Topic: c.Topic, Auth: tenant.NewAuthenticator(pool, 0), Logger: env.log, Registerer: reg, Gatherer: reg, Faults: env.faults})
 	if err != nil {
 		return err

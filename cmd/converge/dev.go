@@ -166,7 +166,7 @@ func (c *DevCmd) Run(env *runEnv) error {
 		Finalize:    c.DatabaseURL == "",
 		DatabaseURL: dbURL, Brokers: brokers, RedisURL: redisURL, ArtifactDir: artifactDir,
 		Topic: c.Topic, Partitions: c.TopicPartitions, SlotName: c.SlotName, PublicationName: c.PublicationName,
-		Listener: ln, AdminListener: adminLn, MaxBodyBytes: c.MaxBodyBytes, MaxInFlightPerTenant: c.MaxInFlight, CreateBatchMax: c.CreateBatchMax, Faults: env.faults, Logger: log, Registry: reg,
+		Listener: ln, AdminListener: adminLn, MaxBodyBytes: c.MaxBodyBytes, MaxInFlightPerTenant: c.MaxInFlight, CreateBatchMax: c.CreateBatchMax, CreateTransactions: c.CreateTx, Faults: env.faults, Logger: log, Registry: reg,
 		Worker:     worker.Config{VisibilityTimeout: c.WorkerVisibilityTimeout},
 		Reconciler: reconciler.Config{OutboxRetention: c.OutboxRetention, TaskRetention: c.TaskRetention},
 		Supervised: supervised,

@@ -62,6 +62,9 @@ type Config struct {
 	// CreateBatchMax of the API (group commit of creates). Defaults to the
 	// API's default.
 	CreateBatchMax int
+	// CreateTransactions of the API (group commit transactions at once).
+	// Defaults to the API's default.
+	CreateTransactions int
 	// Faults armed in every component. Defaults to none.
 	Faults *fault.Set
 	// Logger defaults to slog.Default().
@@ -280,7 +283,7 @@ func Run(ctx context.Context, cfg Config) error {
 		return err
 	}
 	srv, err := api.New(api.Config{
-		Pool: pools["api"], Redis: rdb, ArtifactStore: store, MaxBodyBytes: cfg.MaxBodyBytes, MaxInFlightPerTenant: cfg.MaxInFlightPerTenant, CreateBatchMax: cfg.CreateBatchMax, DeadLetters: dls,
+		Pool: pools["api"], Redis: rdb, ArtifactStore: store, MaxBodyBytes: cfg.MaxBodyBytes, MaxInFlightPerTenant: cfg.MaxInFlightPerTenant, CreateBatchMax: cfg.CreateBatchMax, CreateTransactions: cfg.CreateTransactions, DeadLetters: dls,
 		OutboxProducer: producer, Topic: cfg.Topic,
 		Auth:   tenant.NewAuthenticator(pools["api"], 0),
 		Logger: log.With("component", "api"), Registerer: reg, Gatherer: reg, Faults: cfg.Faults,

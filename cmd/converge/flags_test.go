@@ -1,0 +1,70 @@
+package main
+
+import (
+	"os"
+	"strings"
+	"testing"
+
+	"github.com/alecthomas/kong"
+)
+
+// Every environment variable a converge command reads is in README's
+// table of settings (its name in backquotes), so that an operator finds
+// each one there.
+func TestEveryEnvironmentVariableIsDocumented(t *testing.T) {
+	readme, err := os.ReadFile("../../README.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var cli CLI
+	p, err := kong.New(&cli, kong.Name("converge"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	seen := map[string]bool{}
+	var walk func(n *kong.Node)
+	walk = func(n *kong.Node) {
+		for _, f := range n.Flags {
+			for _, env := range f.Envs {
+				if !seen[env] && !strings.Contains(string(readme), "`"+env+"`") {
+					t.Errorf("%s (--%s of %q) is not in README.md", env, f.Name, n.Path())
+				}
+				seen[env] = true
+			}
+		}
+		for _, c := range n.Children {
+			walk(c)
+		}
+	}
+	walk(p.Model.Node)
+	if len(seen) < 10 {
+		t.Fatalf("found %d environment variables; the walk of the flags is broken", len(seen))
+	}
+}
+
+// The group commit's settings reach the commands that run the API, from
+// their flags or their environment.
+func TestCreateGroupSettings(t *testing.T) {
+	t.Setenv("CONVERGE_CREATE_TRANSACTIONS", "3")
+	for _, args := range [][]string{{"dev"}, {"api"}, {"api", "--create-transactions", "5", "--create-batch-max", "8"}} {
+		var cli CLI
+		p, err := kong.New(&cli, kong.Name("converge"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := p.Parse(args); err != nil {
+			t.Fatalf("%v: %v", args, err)
+		}
+		got := cli.Dev.Pipeline
+		if args[0] == "api" {
+			got = cli.API.Pipeline
+		}
+		wantTx, wantBatch := 3, 32
+		if len(args) > 1 {
+			wantTx, wantBatch = 5, 8
+		}
+		if got.CreateTx != wantTx || got.CreateBatchMax != wantBatch {
+			t.Fatalf("%v: create transactions %d, batch %d; want %d and %d", args, got.CreateTx, got.CreateBatchMax, wantTx, wantBatch)
+		}
+	}
+}
