@@ -7,8 +7,10 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/converge-run/converge/internal/canon"
 	"github.com/converge-run/converge/internal/dbpool"
 	"github.com/converge-run/converge/internal/tenant"
 	"github.com/converge-run/converge/services/api/idempotency"
@@ -269,5 +271,92 @@ func TestSettleReadIsSkippedWhenTheClientLeft(t *testing.T) {
 	}
 	if took >= settleGrace {
 		t.Fatalf("returned %s after the client left: the settle read ran for nobody", took)
+	}
+}
+
+// The same for a group transaction, seen by its clients: two creates
+// committed together while PostgreSQL's answers to the group's second round
+// trip were lost are each answered 202 with their own task once the
+// group's deadline ends the wait (the group is settled by one member's
+// record, groupCommitted), not answered from the record as replays after
+// running alone. The group forms because the API's only create
+// transaction is busy: a third request waits for its key's record, held
+// by a transaction of the test, until its lock_timeout.
+func TestLostCommitAnswerOfAGroupIsSettledOverHTTP(t *testing.T) {
+	t.Parallel()
+	b, proxy := proxiedSetup(t, 4*time.Second, func(c *Config) { c.CreateTransactions = 1 })
+	if r := b.post(t, "group-lost-warm-up", wrap(`{"warm":1}`)); r.status != http.StatusAccepted {
+		t.Fatalf("warm-up create: %d %s", r.status, r.body)
+	}
+	ctx := context.Background()
+	holder, err := b.db.Pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer holder.Rollback(ctx) //nolint:errcheck // the key is only held, never committed
+	var held pgx.Batch
+	var at time.Time
+	idempotency.QueueInsertSucceeded(&held, idempotency.Key{Scope: tenant.CreateScope(b.tenant.ID), Key: "group-lost-held",
+		Fingerprint: Fingerprint(canon.SHA256Hex([]byte("held")), OutputFormatJCS), TTL: time.Hour}, "held-task", []byte(`{}`), &at)
+	if err := holder.SendBatch(ctx, &held).Close(); err != nil {
+		t.Fatal(err)
+	}
+
+	const marker = "the-answers-to-this-group-are-lost"
+	proxy.loseFrom(marker) // in one member's document: the group's second round trip
+	answers := make(chan *response, 3)
+	post := func(key, doc string) {
+		r, err := b.try(http.MethodPost, "/v1/tasks", http.Header{"Content-Type": {"application/json"}, "Idempotency-Key": {key}}, wrap(doc))
+		if err != nil {
+			r = &response{status: -1, body: []byte(err.Error())}
+		}
+		r.header.Set("X-Test-Key", key)
+		answers <- r
+	}
+	go post("group-lost-held", `{"held":1}`) // takes the create transaction and waits for the lock
+	deadline := time.Now().Add(10 * time.Second)
+	for waiting := 0; waiting == 0; {
+		if time.Now().After(deadline) {
+			t.Fatal("the held key's request never waited for its lock")
+		}
+		if err := b.db.Pool.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'`).Scan(&waiting); err != nil {
+			t.Fatal(err)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	start := time.Now()
+	go post("group-lost-1", `{"note":"`+marker+`"}`)
+	go post("group-lost-2", `{"n":2}`)
+
+	tasks := map[string]string{}
+	for range 3 {
+		r := <-answers
+		key := r.header.Get("X-Test-Key")
+		if key == "group-lost-held" {
+			if r.status != http.StatusConflict {
+				t.Errorf("the held key's create: %d %s, want 409 while its record is held", r.status, clip(string(r.body), 300))
+			}
+			continue
+		}
+		t.Logf("%s answered %d after %s", key, r.status, time.Since(start).Round(10*time.Millisecond))
+		if r.status != http.StatusAccepted || r.header.Get("Idempotent-Replayed") != "" {
+			t.Fatalf("%s: %d %s (Idempotent-Replayed %q), want 202 with its new task: its group committed", key, r.status, clip(string(r.body), 300), r.header.Get("Idempotent-Replayed"))
+		}
+		tasks[key], _ = r.json(t)["task_id"].(string)
+	}
+	if n := proxy.armed.Load(); n != 1 {
+		t.Fatalf("%d connections lost their answers, want 1 (the group's)", n)
+	}
+	if count, sum := batchSamples(t, b.reg); count != 2 || sum != 3 { // the warm-up's 1 and the group's 2
+		t.Fatalf("converge_api_create_batch_size: %d transactions, %v requests; want the warm-up's and one group of 2", count, sum)
+	}
+	for key, id := range tasks {
+		rec, err := idempotency.Get(ctx, b.db.Pool, tenant.CreateScope(b.tenant.ID), key)
+		if err != nil || rec.TaskID == nil || *rec.TaskID != id {
+			t.Fatalf("record of %s %+v, err %v; want it to name the answered task %q", key, rec, err, id)
+		}
+	}
+	if len(tasks) != 2 || tasks["group-lost-1"] == tasks["group-lost-2"] {
+		t.Fatalf("tasks %v, want two different ones", tasks)
 	}
 }

@@ -110,9 +110,10 @@ func proxiedPoolConfig(t *testing.T, url string) (*stallProxy, *pgxpool.Config) 
 
 // proxiedSetup returns a bundle whose API (requests and authentication)
 // reaches its database through a stallProxy, with requestTimeout as its
-// RequestTimeout, and the proxy. The bundle's db (its direct pool), tenant
-// and tokens are those of the database behind the proxy.
-func proxiedSetup(t *testing.T, requestTimeout time.Duration) (*testBundle, *stallProxy) {
+// RequestTimeout and opts applied, and the proxy. The bundle's db (its
+// direct pool), tenant and tokens are those of the database behind the
+// proxy.
+func proxiedSetup(t *testing.T, requestTimeout time.Duration, opts ...func(*Config)) (*testBundle, *stallProxy) {
 	t.Helper()
 	var proxy *stallProxy
 	b := setupWith(t, func(b *testBundle, c *Config) {
@@ -125,6 +126,9 @@ func proxiedSetup(t *testing.T, requestTimeout time.Duration) (*testBundle, *sta
 		t.Cleanup(pool.Close)
 		t.Cleanup(proxy.close) // before pool.Close: a stalled proxy's connections do not answer
 		c.Pool, c.Auth, c.RequestTimeout = pool, tenant.NewAuthenticator(pool, 0), requestTimeout
+		for _, o := range opts {
+			o(c)
+		}
 	})
 	return b, proxy
 }
