@@ -13,7 +13,7 @@ import (
 // BenchCmd runs every stage against its physical limit (make bench).
 type BenchCmd struct {
 	Quick             bool          `help:"Small sizes: every stage in a few minutes."`
-	Stages            []string      `sep:"," help:"Stages to run (create,relay,rss,worker,e2e,peer; default all)."`
+	Stages            []string      `sep:"," help:"Stages to run (create,relay,rss,worker,e2e,peer; default all; ab only when named, with --ab-binaries)."`
 	Runs              int           `help:"Repetitions of each measurement; the median is reported (default 3)."`
 	CreateClients     []int         `sep:"," help:"Client counts of the create stage (default 1,4,16,64)."`
 	CreateDuration    time.Duration `help:"Length of each create measurement (default 5s)."`
@@ -27,6 +27,7 @@ type BenchCmd struct {
 	RiverDir          string        `type:"path" help:"Source directory of the peer stage's River program (default cmd/converge/internal/bench/riverpeer)."`
 	Partitions        int           `help:"Partitions of the task-events topic in the worker and end-to-end stages (default 4)."`
 	WorkerConcurrency int           `help:"Records the worker processes at once in the worker and end-to-end stages; also the worker pgbench's clients (default 4)."`
+	ABBinaries        []string      `name:"ab-binaries" sep:"," help:"Two converge executables A,B that the ab stage runs side by side on the same job, --runs rounds of --peer-tasks tasks each (e.g. builds of two commits)."`
 	Dir               string        `type:"path" help:"Working directory (cluster, broker, logs); default a temporary directory, removed at the end."`
 	ProfileDir        string        `type:"path" help:"Write CPU profiles of the converge process per stage to this directory."`
 	Statements        bool          `help:"Load pg_stat_statements and print each peer run's costliest statements per task (off by default: it costs every statement)."`
@@ -60,6 +61,7 @@ func (c *BenchCmd) Run(env *runEnv) error {
 	if len(c.E2ERates) > 0 {
 		cfg.E2ERates = c.E2ERates
 	}
+	cfg.ABBinaries = c.ABBinaries
 	cfg.Stages, cfg.Dir, cfg.ProfileDir, cfg.Statements, cfg.Progress = c.Stages, c.Dir, c.ProfileDir, c.Statements, os.Stdout
 	res, err := bench.Run(env.ctx, cfg)
 	if res == nil {

@@ -232,9 +232,9 @@ func winners(results []createResult) int {
 // whose answer was lost (the group's deadline, a broken connection) by the
 // record of one request that inserted a task (recordNames, its read bounded
 // by the members' contexts, settleContext): all of a transaction or
-// nothing. Not known is false: the
-// members then run alone, and each finds its key recorded and answers from
-// the record, as a retry of the request would.
+// nothing. Not known is false: the members then run alone, and each finds
+// its key recorded and answers from the record, as a retry of the request
+// would.
 func (s *store) groupCommitted(group []*createReq, results []createResult) bool {
 	i := slices.IndexFunc(results, func(r createResult) bool { return r.n != nil })
 	if i < 0 {
@@ -314,8 +314,8 @@ var errNoWinner = errors.New("no request of the group won its key")
 // group in one transaction and returns each request's outcome (in group's
 // order): the new task, or errKeyTaken when its record insert conflicted.
 // An error means nothing was written. A COMMIT whose answer was lost is
-// settled by groupCommitted: committed, the
-// outcomes are returned; else the error.
+// settled by groupCommitted: committed, the outcomes are returned; else the
+// error.
 func (s *store) createGroup(ctx context.Context, group []*createReq, faults *fault.Set) ([]createResult, error) {
 	order := make([]int, len(group))
 	for i := range order {

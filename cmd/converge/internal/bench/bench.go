@@ -2,6 +2,7 @@ package bench
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"io"
 	"log/slog"
@@ -36,8 +37,16 @@ const (
 	StagePeer   = "peer"
 )
 
-// AllStages is every stage in order.
+// StageAB runs only when asked for (Config.ABBinaries): two converge
+// executables side by side.
+const StageAB = "ab"
+
+// AllStages is every stage that runs by default, in order; StageAB runs
+// after them when it is asked for.
 var AllStages = []string{StageCreate, StageRelay, StageRSS, StageWorker, StageE2E, StagePeer}
+
+// knownStages is AllStages and StageAB.
+var knownStages = append(slices.Clone(AllStages), StageAB)
 
 // Config sizes a run. Zero values take the defaults of Full; Quick and Tiny
 // return smaller sizes.
@@ -87,6 +96,12 @@ type Config struct {
 	// cmd/converge/internal/bench/riverpeer, relative to the working
 	// directory (make bench runs from the repository root).
 	RiverDir string
+	// Loadgen is the converge executable whose `converge loadgen` the peer
+	// and ab stages run. Defaults to this executable.
+	Loadgen string
+	// ABBinaries are the two converge executables (A, B) the ab stage runs
+	// side by side; required by, and only used by, that stage.
+	ABBinaries []string
 	// Dir holds the cluster, broker and artifact data; removed at the end
 	// when it was created by Run. Defaults to a new temporary directory.
 	Dir string
@@ -177,12 +192,20 @@ func (c *Config) setDefaults() {
 	}
 }
 
-// Validate reports an unknown stage.
+// Validate reports an unknown stage, and an ab stage without two
+// executables or executables without the ab stage.
 func (c *Config) Validate() error {
 	for _, s := range c.Stages {
-		if !slices.Contains(AllStages, s) {
-			return fmt.Errorf("bench: unknown stage %q (want %s)", s, strings.Join(AllStages, ", "))
+		if !slices.Contains(knownStages, s) {
+			return fmt.Errorf("bench: unknown stage %q (want %s)", s, strings.Join(knownStages, ", "))
 		}
+	}
+	ab := slices.Contains(c.Stages, StageAB)
+	switch {
+	case ab && len(c.ABBinaries) != 2:
+		return fmt.Errorf("bench: the ab stage needs two converge executables (--ab-binaries A,B), got %d", len(c.ABBinaries))
+	case !ab && len(c.ABBinaries) > 0:
+		return errors.New("bench: --ab-binaries is for the ab stage (--stages ab)")
 	}
 	return nil
 }
@@ -199,6 +222,7 @@ type Results struct {
 	Worker   *WorkerResult `json:"worker,omitempty"`
 	E2E      *E2EResult    `json:"end_to_end,omitempty"`
 	Peer     *PeerResult   `json:"peer,omitempty"`
+	AB       *ABResult     `json:"ab,omitempty"`
 	// Errors of stages that could not finish (the others still ran).
 	Errors map[string]string `json:"errors,omitempty"`
 	// TotalSeconds of the run.
@@ -249,8 +273,9 @@ func Run(ctx context.Context, cfg Config) (*Results, error) {
 		StageWorker: runWorker,
 		StageE2E:    runE2E,
 		StagePeer:   runPeer,
+		StageAB:     runAB,
 	}
-	for _, s := range AllStages {
+	for _, s := range knownStages {
 		if !slices.Contains(cfg.Stages, s) || ctx.Err() != nil {
 			continue
 		}
@@ -397,6 +422,14 @@ func (e *env) close() {
 
 func (e *env) progress(format string, args ...any) {
 	fmt.Fprintf(e.cfg.Progress, "%s  %s\n", time.Now().Format("15:04:05"), fmt.Sprintf(format, args...))
+}
+
+// loadgenExecutable is Config.Loadgen, or this executable.
+func (e *env) loadgenExecutable() (string, error) {
+	if e.cfg.Loadgen != "" {
+		return e.cfg.Loadgen, nil
+	}
+	return os.Executable()
 }
 
 // newDB creates and migrates database name and returns its URL and a pool.

@@ -6,7 +6,9 @@ import (
 	"io"
 	"log/slog"
 	"os"
+	"os/exec"
 	"os/signal"
+	"path/filepath"
 	"strings"
 	"syscall"
 	"testing"
@@ -120,6 +122,75 @@ func TestMedian(t *testing.T) {
 	} {
 		if got := median(tc.in); got != tc.want {
 			t.Errorf("median(%v) = %v, want %v", tc.in, got, tc.want)
+		}
+	}
+}
+
+// TestABTiny runs the ab stage once at a tiny size, with the same freshly
+// built converge on both sides: it proves the stage works (both sides
+// start on the shared cluster, run at the same time and are measured). It
+// asserts nothing about speed.
+func TestABTiny(t *testing.T) {
+	if testing.Short() {
+		t.Skip("builds converge and starts its own PostgreSQL cluster; skipped with -short")
+	}
+	if _, err := localpg.BinDir(); err != nil {
+		unavailable(t, err)
+	}
+	if pgbenchPath() == "pgbench" {
+		unavailable(t, errors.New("pgbench not found"))
+	}
+	bin := filepath.Join(t.TempDir(), "converge")
+	if out, err := exec.Command("go", "build", "-o", bin, "github.com/converge-run/converge/cmd/converge").CombinedOutput(); err != nil {
+		t.Fatalf("go build: %v\n%s", err, out)
+	}
+	cfg := Config{Stages: []string{StageAB}, Runs: 1, PeerTasks: 100, NoFsync: true, Loadgen: bin, ABBinaries: []string{bin, bin},
+		Logger: slog.New(slog.NewTextHandler(io.Discard, nil))}
+	var progress strings.Builder
+	cfg.Progress = &progress
+	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
+	defer cancel()
+	res, err := Run(ctx, cfg)
+	if err != nil {
+		t.Fatalf("Run: %v\n%s", err, progress.String())
+	}
+	if len(res.Errors) > 0 {
+		t.Fatalf("stage failed: %v\n%s", res.Errors, progress.String())
+	}
+	ab := res.AB
+	if ab == nil || len(ab.Rounds) != 1 {
+		t.Fatalf("ab result %+v, want one round\n%s", ab, progress.String())
+	}
+	r := ab.Rounds[0]
+	if r.WindowSeconds <= 0 || r.TasksPerSec[0] <= 0 || r.TasksPerSec[1] <= 0 || r.CPUMsPerTask[0] <= 0 || r.CPUMsPerTask[1] <= 0 {
+		t.Fatalf("round %+v: want a window both ran in, and rates and CPU for both sides", r)
+	}
+	var md strings.Builder
+	res.Markdown(&md)
+	if !strings.Contains(md.String(), "A/B side by side") {
+		t.Errorf("markdown lacks the ab section:\n%s", md.String())
+	}
+	t.Log("\n" + progress.String())
+}
+
+// The ab stage is asked for with two executables, and only then.
+func TestABConfig(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		stages, bins []string
+		ok           bool
+	}{
+		{[]string{StageAB}, []string{"a", "b"}, true},
+		{[]string{StagePeer, StageAB}, []string{"a", "b"}, true},
+		{[]string{StageAB}, []string{"a"}, false},
+		{[]string{StageAB}, nil, false},
+		{[]string{StagePeer}, []string{"a", "b"}, false},
+		{nil, []string{"a", "b"}, false}, // the default stages leave ab out
+	} {
+		c := Config{Stages: tc.stages, ABBinaries: tc.bins}
+		c.setDefaults()
+		if err := c.Validate(); (err == nil) != tc.ok {
+			t.Errorf("stages %v, binaries %v: %v, want ok %v", tc.stages, tc.bins, err, tc.ok)
 		}
 	}
 }

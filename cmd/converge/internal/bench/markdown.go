@@ -102,6 +102,18 @@ func (r *Results) Markdown(w io.Writer) {
 			fmt.Fprintf(w, "\nPostgreSQL's CPU of converge's runs, ms per task, by application_name of its backends (median of each): %s.\n", strings.Join(parts, ", "))
 		}
 	}
+	if ab := r.AB; ab != nil && len(ab.Rounds) > 0 {
+		fmt.Fprintln(w)
+		fmt.Fprintf(w, "A/B side by side: A `%s` and B `%s` on the same job at the same time, %d tasks each from %d closed-loop clients per round, rates in the window both ran (median of %d rounds):\n\n",
+			ab.Binaries[0], ab.Binaries[1], ab.Tasks, ab.Clients, len(ab.Rounds))
+		fmt.Fprintln(w, "| round (started first) | A tasks/s | B tasks/s | B / A | A CPU ms per task | B CPU ms per task | B / A |")
+		fmt.Fprintln(w, "|---|---|---|---|---|---|---|")
+		for i, rd := range ab.Rounds {
+			fmt.Fprintf(w, "| %d (%s) | %.0f | %.0f | %.3f | %.2f | %.2f | %.3f |\n", i+1, rd.First, rd.TasksPerSec[0], rd.TasksPerSec[1], rd.Ratio,
+				rd.CPUMsPerTask[0], rd.CPUMsPerTask[1], rd.CPURatio)
+		}
+		fmt.Fprintf(w, "\nB / A: rate %.3f, CPU per task %.3f (medians).\n", ab.RatioMedian, ab.CPURatioMedian)
+	}
 	r.boundsMarkdown(w)
 	if len(r.Errors) > 0 {
 		fmt.Fprintln(w)

@@ -348,11 +348,11 @@ func (p *peerPipeline) stop() {
 	dropSlots(p.e, p.db) // the run's slot, so that settle can drop its database
 }
 
-// loadgen runs `converge loadgen` (this executable) with 16 closed-loop
-// clients for n tasks and waits for them (one query per poll); it returns
-// the process's CPU time.
+// loadgen runs `converge loadgen` (Config.Loadgen, by default this
+// executable) with 16 closed-loop clients for n tasks and waits for them
+// (one query per poll); it returns the process's CPU time.
 func (p *peerPipeline) loadgen(ctx context.Context, prefix string, n int) (time.Duration, error) {
-	self, err := os.Executable()
+	self, err := p.e.loadgenExecutable()
 	if err != nil {
 		return 0, err
 	}
