@@ -9,6 +9,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strconv"
+	"strings"
 	"syscall"
 	"time"
 
@@ -30,11 +31,11 @@ import (
 // and Redis (so neither's consumer groups or keys meet the other's), and
 // the same load generator for both (`converge loadgen` of Config.Loadgen)
 // with 16 closed-loop clients and PeerTasks tasks. A round starts both
-// sides (the start order alternating), warms both up, then starts both load
-// generators at once. Each side's rate is counted in the window in which
-// both ran: from the later of the two first creates to the earlier of the
-// two last completions (created_at and completed_at, one clock), tasks
-// completed in the window over its length. Each side's CPU per task is its
+// sides (the start order alternating), warms both up at once, then starts
+// both load generators at once. Each side's rate is counted in the window
+// in which both ran: from the later of the two first creates to the
+// earlier of the two last completions (created_at and completed_at, one
+// clock), tasks completed in the window over its length. Each side's CPU per task is its
 // process tree (dev, its redis-server) and its database's backends over the
 // whole round. B over A is reported per round and as the median.
 //
@@ -106,18 +107,31 @@ func runAB(ctx context.Context, e *env, res *Results) error {
 	// The sides' directories go at the end of the stage, not after each
 	// round (see runPeer: freed inodes slow the next allocations on the
 	// file system BENCHMARKS.md reports).
+	failed := false
 	defer func() {
+		if failed {
+			if e.ownDir {
+				e.progress("ab      give --dir to keep the sides' logs and load generator reports after a failure")
+			} else {
+				e.progress("ab      the sides' directories (logs, load generator reports) are kept in %s", e.dir)
+			}
+			return
+		}
 		for round := range e.cfg.Runs {
 			for _, name := range []string{"a", "b"} {
 				_ = os.RemoveAll(e.abDir(name, round))
 			}
 		}
 	}()
+	if e.cfg.Runs%2 == 1 {
+		e.progress("ab      %d rounds: the start order alternates, so an odd number favours no side only on average; give an even --runs", e.cfg.Runs)
+	}
 	var ratios, cpuRatios []float64
 	for round := range e.cfg.Runs {
 		r, err := e.abRound(ctx, pool, round)
 		e.settle(ctx)
 		if err != nil {
+			failed = true
 			return fmt.Errorf("round %d: %w", round+1, err)
 		}
 		e.progress("ab      round %d (%s first): A %.0f tasks/s, B %.0f tasks/s in the %.1f s both ran: B/A %.3f; CPU ms per task A %.2f, B %.2f: B/A %.3f",
@@ -152,10 +166,10 @@ func (e *env) abRound(ctx context.Context, pool *pgxpool.Pool, round int) (ABRou
 		}
 		sides[i] = s
 	}
-	for _, i := range order {
-		if err := sides[i].loadgen(ctx, "warm-", 200); err != nil {
-			return out, err
-		}
+	// Both warm up at once, so that neither waits idle for the other's
+	// warm-up before the measurement starts.
+	if err := bothLoad(ctx, sides, order, "warm-", 200); err != nil {
+		return out, err
 	}
 
 	type meter struct {
@@ -174,16 +188,8 @@ func (e *env) abRound(ctx context.Context, pool *pgxpool.Pool, round int) (ABRou
 		}
 	}
 	prefix := fmt.Sprintf("ab-%d-%d-", round, time.Now().UnixNano())
-	errs := make(chan error, 2)
-	for _, i := range order {
-		go func(s *abSide) { errs <- s.loadgen(ctx, prefix, e.cfg.PeerTasks) }(sides[i])
-	}
-	var lgErr error
-	for range 2 {
-		lgErr = errors.Join(lgErr, <-errs)
-	}
-	if lgErr != nil {
-		return out, lgErr
+	if err := bothLoad(ctx, sides, order, prefix, e.cfg.PeerTasks); err != nil {
+		return out, err
 	}
 	n := float64(e.cfg.PeerTasks)
 	for i, s := range sides {
@@ -209,7 +215,8 @@ WHERE i.idempotency_key LIKE $1 || '%'`, []any{prefix}, &done, &first[i], &last[
 			return out, fmt.Errorf("side %s: %w", s.name, err)
 		}
 		if done != e.cfg.PeerTasks {
-			return out, fmt.Errorf("side %s: %d of %d tasks completed", s.name, done, e.cfg.PeerTasks)
+			return out, fmt.Errorf("side %s: %d of %d tasks completed (%s); its load generator's report: %s; its log: %s",
+				s.name, done, e.cfg.PeerTasks, s.states(ctx, prefix), filepath.Join(s.dir, "loadgen.out"), filepath.Join(s.dir, "dev.log"))
 		}
 	}
 	from, to := maxTime(first[0], first[1]), minTime(last[0], last[1])
@@ -229,6 +236,20 @@ WHERE i.idempotency_key LIKE $1 || '%' AND t.completed_at BETWEEN $2 AND $3`, []
 	out.Ratio = round3(out.TasksPerSec[1] / max(out.TasksPerSec[0], 1e-9))
 	out.CPURatio = round3(out.CPUMsPerTask[1] / max(out.CPUMsPerTask[0], 1e-9))
 	return out, nil
+}
+
+// bothLoad runs both sides' load generators at once (started in order)
+// for n tasks each under keys starting with prefix.
+func bothLoad(ctx context.Context, sides []*abSide, order []int, prefix string, n int) error {
+	errs := make(chan error, len(order))
+	for _, i := range order {
+		go func(s *abSide) { errs <- s.loadgen(ctx, prefix, n) }(sides[i])
+	}
+	var err error
+	for range order {
+		err = errors.Join(err, <-errs)
+	}
+	return err
 }
 
 // startABSide makes side name's database, migrates it with bin, and starts
@@ -322,10 +343,39 @@ func (s *abSide) loadgen(ctx context.Context, prefix string, n int) error {
 		"--wait-timeout", "5m", "--database-url", s.dbURL, "--data-dir", filepath.Join(s.dir, "data"),
 		"--key-prefix", prefix, "--log-level", "warn")
 	out, err := cmd.CombinedOutput()
+	_ = os.WriteFile(filepath.Join(s.dir, "loadgen.out"), out, 0o644)
 	if err != nil {
 		return fmt.Errorf("side %s: converge loadgen: %v\n%s", s.name, err, out)
 	}
 	return nil
+}
+
+// states counts the side's tasks under prefix by status, and its
+// idempotency records under prefix (the creates that committed), for an
+// error message.
+func (s *abSide) states(ctx context.Context, prefix string) string {
+	conn, err := pgx.Connect(ctx, s.dbURL)
+	if err != nil {
+		return err.Error()
+	}
+	defer conn.Close(context.Background())
+	rows, err := conn.Query(ctx, `
+SELECT COALESCE(t.status, 'no task'), count(*) FROM idempotency_record i LEFT JOIN task t ON t.task_id = i.task_id
+WHERE i.idempotency_key LIKE $1 || '%' GROUP BY 1 ORDER BY 1`, prefix)
+	if err != nil {
+		return err.Error()
+	}
+	var parts []string
+	var status string
+	var n int
+	_, err = pgx.ForEachRow(rows, []any{&status, &n}, func() error {
+		parts = append(parts, fmt.Sprintf("%s %d", status, n))
+		return nil
+	})
+	if err != nil {
+		return err.Error()
+	}
+	return "idempotency records by task status: " + strings.Join(parts, ", ")
 }
 
 // query runs a one-row query on the side's database.
