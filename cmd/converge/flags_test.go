@@ -47,14 +47,7 @@ func TestEveryEnvironmentVariableIsDocumented(t *testing.T) {
 func TestCreateGroupSettings(t *testing.T) {
 	t.Setenv("CONVERGE_CREATE_TRANSACTIONS", "3")
 	for _, args := range [][]string{{"dev"}, {"api"}, {"api", "--create-transactions", "5", "--create-batch-max", "8"}} {
-		var cli CLI
-		p, err := kong.New(&cli, kong.Name("converge"))
-		if err != nil {
-			t.Fatal(err)
-		}
-		if _, err := p.Parse(args); err != nil {
-			t.Fatalf("%v: %v", args, err)
-		}
+		cli := parseCLI(t, args...)
 		got := cli.Dev.Pipeline
 		if args[0] == "api" {
 			got = cli.API.Pipeline
@@ -67,4 +60,19 @@ func TestCreateGroupSettings(t *testing.T) {
 			t.Fatalf("%v: create transactions %d, batch %d; want %d and %d", args, got.CreateTx, got.CreateBatchMax, wantTx, wantBatch)
 		}
 	}
+}
+
+// parseCLI parses args as converge's command line (flags and the
+// environment's CONVERGE_* variables), failing the test on an error.
+func parseCLI(t *testing.T, args ...string) *CLI {
+	t.Helper()
+	var cli CLI
+	p, err := kong.New(&cli, kong.Name("converge"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := p.Parse(args); err != nil {
+		t.Fatalf("%v: %v", args, err)
+	}
+	return &cli
 }

@@ -7,8 +7,6 @@ import (
 	"strings"
 	"testing"
 	"time"
-
-	"github.com/alecthomas/kong"
 )
 
 // converge dev takes the reconciler's retention windows from the same
@@ -18,14 +16,7 @@ func TestDevTakesTheRetentionWindows(t *testing.T) {
 	t.Setenv("CONVERGE_OUTBOX_RETENTION", "2h")
 	t.Setenv("CONVERGE_TASK_RETENTION", "48h")
 	for _, args := range [][]string{{"dev"}, {"reconciler"}} {
-		var cli CLI
-		p, err := kong.New(&cli, kong.Name("converge"))
-		if err != nil {
-			t.Fatal(err)
-		}
-		if _, err := p.Parse(args); err != nil {
-			t.Fatalf("%v: %v", args, err)
-		}
+		cli := parseCLI(t, args...)
 		r := cli.Dev.Retention
 		if args[0] == "reconciler" {
 			r = cli.Reconciler.Retention

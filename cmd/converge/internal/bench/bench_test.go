@@ -26,31 +26,11 @@ const relayProcessEnv = "CONVERGE_BENCH_RELAY_PROCESS"
 // TestRunTiny runs every stage once at the tiny size: it proves the driver
 // still works. It asserts nothing about speed.
 func TestRunTiny(t *testing.T) {
-	if testing.Short() {
-		t.Skip("starts its own PostgreSQL cluster; skipped with -short")
-	}
-	if _, err := localpg.BinDir(); err != nil {
-		unavailable(t, err)
-	}
-	if pgbenchPath() == "pgbench" {
-		unavailable(t, errors.New("pgbench not found"))
-	}
+	needCluster(t)
 	cfg := Tiny()
-	cfg.NoFsync = true
 	cfg.RelayCommand = []string{os.Args[0], "-test.run=^TestRelayProcess$"}
-	cfg.Logger = slog.New(slog.NewTextHandler(io.Discard, nil))
-	var progress strings.Builder
-	cfg.Progress = &progress
-	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
-	defer cancel()
 	t.Setenv(relayProcessEnv, "1")
-	res, err := Run(ctx, cfg)
-	if err != nil {
-		t.Fatalf("Run: %v\n%s", err, progress.String())
-	}
-	if len(res.Errors) > 0 {
-		t.Fatalf("stages failed: %v\n%s", res.Errors, progress.String())
-	}
+	res := runTiny(t, cfg)
 	switch {
 	case len(res.Create) != len(cfg.CreateClients):
 		t.Errorf("create points: %d, want %d", len(res.Create), len(cfg.CreateClients))
@@ -68,12 +48,7 @@ func TestRunTiny(t *testing.T) {
 			t.Errorf("create at %d clients: %+v", p.Clients, p)
 		}
 	}
-	var md strings.Builder
-	res.Markdown(&md)
-	if !strings.Contains(md.String(), "| create, 1 client |") {
-		t.Errorf("markdown lacks the create row:\n%s", md.String())
-	}
-	t.Log("\n" + progress.String())
+	wantMarkdown(t, res, "| create, 1 client |")
 }
 
 // TestRelayProcess is not a test: run by TestRunTiny as the relay
@@ -98,6 +73,22 @@ func TestRelayProcess(t *testing.T) {
 	}
 	if err := r.Run(ctx); err != nil {
 		t.Fatal(err)
+	}
+}
+
+// needCluster skips a test that starts its own PostgreSQL cluster under
+// -short, and when the server binaries or pgbench are missing (fails under
+// CI=true).
+func needCluster(t *testing.T) {
+	t.Helper()
+	if testing.Short() {
+		t.Skip("starts its own PostgreSQL cluster; skipped with -short")
+	}
+	if _, err := localpg.BinDir(); err != nil {
+		unavailable(t, err)
+	}
+	if pgbenchPath() == "pgbench" {
+		unavailable(t, errors.New("pgbench not found"))
 	}
 }
 
@@ -131,46 +122,53 @@ func TestMedian(t *testing.T) {
 // start on the shared cluster, run at the same time and are measured). It
 // asserts nothing about speed.
 func TestABTiny(t *testing.T) {
-	if testing.Short() {
-		t.Skip("builds converge and starts its own PostgreSQL cluster; skipped with -short")
-	}
-	if _, err := localpg.BinDir(); err != nil {
-		unavailable(t, err)
-	}
-	if pgbenchPath() == "pgbench" {
-		unavailable(t, errors.New("pgbench not found"))
-	}
+	needCluster(t)
 	bin := filepath.Join(t.TempDir(), "converge")
 	if out, err := exec.Command("go", "build", "-o", bin, "github.com/converge-run/converge/cmd/converge").CombinedOutput(); err != nil {
 		t.Fatalf("go build: %v\n%s", err, out)
 	}
-	cfg := Config{Stages: []string{StageAB}, Runs: 1, PeerTasks: 100, NoFsync: true, Loadgen: bin, ABBinaries: []string{bin, bin},
-		Logger: slog.New(slog.NewTextHandler(io.Discard, nil))}
-	var progress strings.Builder
-	cfg.Progress = &progress
-	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
-	defer cancel()
-	res, err := Run(ctx, cfg)
-	if err != nil {
-		t.Fatalf("Run: %v\n%s", err, progress.String())
-	}
-	if len(res.Errors) > 0 {
-		t.Fatalf("stage failed: %v\n%s", res.Errors, progress.String())
-	}
+	res := runTiny(t, Config{Stages: []string{StageAB}, Runs: 1, PeerTasks: 100, Loadgen: bin, ABBinaries: []string{bin, bin}})
 	ab := res.AB
 	if ab == nil || len(ab.Rounds) != 1 {
-		t.Fatalf("ab result %+v, want one round\n%s", ab, progress.String())
+		t.Fatalf("ab result %+v, want one round", ab)
 	}
 	r := ab.Rounds[0]
 	if r.WindowSeconds <= 0 || r.TasksPerSec[0] <= 0 || r.TasksPerSec[1] <= 0 || r.CPUMsPerTask[0] <= 0 || r.CPUMsPerTask[1] <= 0 {
 		t.Fatalf("round %+v: want a window both ran in, and rates and CPU for both sides", r)
 	}
+	wantMarkdown(t, res, "A/B side by side")
+}
+
+// runTiny runs cfg with fsync off, the components' logs discarded and a
+// 4-minute limit; it fails the test when Run or a stage fails, and logs the
+// progress lines at the end.
+func runTiny(t *testing.T, cfg Config) *Results {
+	t.Helper()
+	cfg.NoFsync = true
+	cfg.Logger = slog.New(slog.NewTextHandler(io.Discard, nil))
+	var progress strings.Builder
+	cfg.Progress = &progress
+	t.Cleanup(func() { t.Log("\n" + progress.String()) })
+	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
+	defer cancel()
+	res, err := Run(ctx, cfg)
+	if err != nil {
+		t.Fatalf("Run: %v", err)
+	}
+	if len(res.Errors) > 0 {
+		t.Fatalf("stages failed: %v", res.Errors)
+	}
+	return res
+}
+
+// wantMarkdown fails the test when res's markdown lacks want.
+func wantMarkdown(t *testing.T, res *Results, want string) {
+	t.Helper()
 	var md strings.Builder
 	res.Markdown(&md)
-	if !strings.Contains(md.String(), "A/B side by side") {
-		t.Errorf("markdown lacks the ab section:\n%s", md.String())
+	if !strings.Contains(md.String(), want) {
+		t.Errorf("markdown lacks %q:\n%s", want, md.String())
 	}
-	t.Log("\n" + progress.String())
 }
 
 // The ab stage is asked for with two executables, and only then.
