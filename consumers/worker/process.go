@@ -176,6 +176,9 @@ func (w *Worker) intake(ctx context.Context, tx pgx.Tx, j *job) (string, error) 
 	}
 	t := started.Task
 	if !started.Applied {
+		if w.afterStartMissed != nil {
+			w.afterStartMissed()
+		}
 		var found bool
 		t, found, err = task.Get(ctx, tx, ev.TaskID)
 		switch {
@@ -190,6 +193,16 @@ func (w *Worker) intake(ctx context.Context, tx pgx.Tx, j *job) (string, error) 
 			// older, so that transaction is not visible yet either.
 			return "", &DeterministicError{Code: CodeTaskVersionConflict,
 				Err: fmt.Errorf("task %s is %s at version %d, event version %d: %w", t.TaskID, t.Status, t.Version, ev.TaskVersion, ErrNotYetVisible)}
+		case t.Status == taskevent.StatusQueued:
+			// At a version the start's compare-and-set accepts (older ones
+			// are the case above): that statement did not see the row
+			// version this later one sees. The event's transaction became
+			// visible between the two (issue 9's window; seen under load on
+			// 2026-12-07, where this was dead-lettered as
+			// TASK_VERSION_CONFLICT and a valid task failed). Retried in
+			// place: the next attempt's start applies.
+			return "", fmt.Errorf("task %s is queued at version %d, which the start (event version %d) did not see yet: %w",
+				t.TaskID, t.Version, ev.TaskVersion, errConcurrentChange)
 		case t.Status == taskevent.StatusRunning:
 			// resumed below with the task's current attempt
 		case taskevent.Terminal(t.Status):

@@ -2,6 +2,7 @@ package worker
 
 import (
 	"context"
+	"sync"
 	"testing"
 	"time"
 
@@ -44,6 +45,49 @@ func TestTaskNotYetVisibleIsRetriedUntilVisible(t *testing.T) {
 	testenv.Eventually(t, waitFor, "offsets committed", func() bool { return b.allCommitted(t) })
 	if rw.count(OutcomeDeadLettered) != 0 || rw.count(OutcomeProcessed) != 1 {
 		t.Fatalf("dead_lettered=%v processed=%v, want 0 1", rw.count(OutcomeDeadLettered), rw.count(OutcomeProcessed))
+	}
+}
+
+// A TaskCreated whose transaction becomes visible between the start's
+// compare-and-set, which did not see it, and the read of the task that
+// follows (here: the transaction commits right then) finds the task queued
+// at the event's version. That is the same window as above, not a version
+// conflict: the record is retried and the task completes. Under load
+// (2026-12-07, two pipelines side by side on 2 cores) it was dead-lettered
+// as TASK_VERSION_CONFLICT and the valid task failed.
+func TestTaskVisibleOnlyAfterTheStartIsRetried(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	b.visibilityTimeout = time.Minute
+	ctx := context.Background()
+	tx, err := b.db.Pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tx.Rollback(ctx) //nolint:errcheck // committed by the hook
+	c, err := createTaskIn(tx, []byte(`{"visible":"late"}`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var once sync.Once
+	committed := make(chan error, 1)
+	b.afterStartMissed = func() { once.Do(func() { committed <- tx.Commit(ctx) }) }
+	b.produce(t, c.record())
+	rw := b.start(t, nil)
+	select {
+	case err := <-committed:
+		if err != nil {
+			t.Fatal(err)
+		}
+	case <-time.After(waitFor):
+		t.Fatal("the start's compare-and-set never missed the task")
+	}
+	testenv.Eventually(t, waitFor, "record processed", func() bool {
+		return rw.count(OutcomeProcessed) > 0 || rw.count(OutcomeDeadLettered) > 0
+	})
+	if s := b.status(c.taskID); s != taskevent.StatusCompleted || rw.count(OutcomeDeadLettered) != 0 || rw.count(OutcomeProcessed) != 1 || rw.count(OutcomeRetried) < 1 {
+		t.Fatalf("task %s; dead_lettered=%v processed=%v retried=%v, want completed, 0, 1 and a retry",
+			s, rw.count(OutcomeDeadLettered), rw.count(OutcomeProcessed), rw.count(OutcomeRetried))
 	}
 }
 

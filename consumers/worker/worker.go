@@ -262,6 +262,10 @@ type Worker struct {
 	faults  *fault.Set
 	m       *metrics
 	lease   inbox.Lease
+	// afterStartMissed, when set (tests only), runs in the per-record
+	// intake after the start's compare-and-set did not apply and before the
+	// task is read.
+	afterStartMissed func()
 }
 
 // New validates cfg and returns a Worker. It registers the worker's metrics

@@ -50,6 +50,8 @@ type testBundle struct {
 	// visibilityTimeout of the workers started; 0: 300ms (a task that is
 	// not found is dead-lettered soon).
 	visibilityTimeout time.Duration
+	// afterStartMissed is the workers' Worker.afterStartMissed hook.
+	afterStartMissed func()
 }
 
 // setup creates the bundle; storeFaults are armed in the artifact store.
@@ -94,6 +96,7 @@ func (b *testBundle) start(t *testing.T, faults *fault.Set, opts ...kgo.Opt) *ru
 	if err != nil {
 		t.Fatal(err)
 	}
+	w.afterStartMissed = b.afterStartMissed
 	ctx, cancel := context.WithCancel(context.Background())
 	rw := &runningWorker{w: w, cancel: cancel, done: make(chan error, 1)}
 	go func() { rw.done <- w.Run(ctx) }()
