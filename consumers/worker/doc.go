@@ -104,8 +104,8 @@
 // TASK_VERSION_CONFLICT); the dead-letter transaction then leaves the task
 // alone even when it sees it by then. A task that the start's
 // compare-and-set did not find but the next statement finds queued at a
-// version the start accepts became visible between the two: that attempt is
-// retried as a concurrent change, and the next one starts the task.
+// version the start accepts became visible between the two: the start is
+// made again in the same transaction, whose next statement sees it.
 //
 // Retryable decides, once, what happens to a failed attempt. Retryable
 // errors (database unavailable, deadlines, store I/O, concurrent changes,

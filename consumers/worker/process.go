@@ -196,13 +196,23 @@ func (w *Worker) intake(ctx context.Context, tx pgx.Tx, j *job) (string, error) 
 		case t.Status == taskevent.StatusQueued:
 			// At a version the start's compare-and-set accepts (older ones
 			// are the case above): that statement did not see the row
-			// version this later one sees. The event's transaction became
-			// visible between the two (issue 9's window; seen under load on
-			// 2026-12-07, where this was dead-lettered as
-			// TASK_VERSION_CONFLICT and a valid task failed). Retried in
-			// place: the next attempt's start applies.
-			return "", fmt.Errorf("task %s is queued at version %d, which the start (event version %d) did not see yet: %w",
-				t.TaskID, t.Version, ev.TaskVersion, errConcurrentChange)
+			// version this later one sees. A transaction became visible
+			// between the two: the event's own (issue 9's window; seen
+			// under load on 2026-12-07, where this was dead-lettered as
+			// TASK_VERSION_CONFLICT and a valid task failed), or a
+			// dead-letter replay re-opening the task. This statement's
+			// snapshot sees it, so the start is made again here; should it
+			// still not apply, the task changed once more and the attempt
+			// is retried.
+			again, err := task.StartIfQueued(ctx, tx, ev.TaskID, ev.TaskVersion)
+			if err != nil {
+				return "", err
+			}
+			if !again.Applied {
+				return "", fmt.Errorf("task %s was queued at version %d and then changed before its start (event version %d): %w",
+					t.TaskID, t.Version, ev.TaskVersion, errConcurrentChange)
+			}
+			t = again.Task // started: its document and live effect are read below
 		case t.Status == taskevent.StatusRunning:
 			// resumed below with the task's current attempt
 		case taskevent.Terminal(t.Status):
@@ -218,8 +228,9 @@ func (w *Worker) intake(ctx context.Context, tx pgx.Tx, j *job) (string, error) 
 			return "", &DeterministicError{Code: CodeTaskVersionConflict,
 				Err: fmt.Errorf("task %s is %s at version %d, event version %d", t.TaskID, t.Status, t.Version, ev.TaskVersion)}
 		}
-		// resumed: the batch's reads were made before the start did not
-		// apply; read them again in this transaction
+		// resumed, or started by the second try: the batch's reads were made
+		// before the start did not apply; read them again in this
+		// transaction
 		if doc, docFound, err = task.Document(ctx, tx, t.TaskID); err != nil {
 			return "", err
 		}

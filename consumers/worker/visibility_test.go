@@ -6,6 +6,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
+
 	"github.com/converge-run/converge/internal/outbox"
 	"github.com/converge-run/converge/internal/task"
 	"github.com/converge-run/converge/internal/taskevent"
@@ -52,10 +54,11 @@ func TestTaskNotYetVisibleIsRetriedUntilVisible(t *testing.T) {
 // compare-and-set, which did not see it, and the read of the task that
 // follows (here: the transaction commits right then) finds the task queued
 // at the event's version. That is the same window as above, not a version
-// conflict: the record is retried and the task completes. Under load
-// (2026-12-07, two pipelines side by side on 2 cores) it was dead-lettered
-// as TASK_VERSION_CONFLICT and the valid task failed.
-func TestTaskVisibleOnlyAfterTheStartIsRetried(t *testing.T) {
+// conflict: the start is made again in the same transaction and the task
+// completes, without a retry. Under load (2026-12-07, two pipelines side
+// by side on 2 cores) it was dead-lettered as TASK_VERSION_CONFLICT and
+// the valid task failed.
+func TestTaskVisibleOnlyAfterTheStartIsStarted(t *testing.T) {
 	t.Parallel()
 	b := setup(t, nil)
 	b.visibilityTimeout = time.Minute
@@ -69,10 +72,52 @@ func TestTaskVisibleOnlyAfterTheStartIsRetried(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	b.produce(t, c.record())
+	rw := b.startCommittingAtMiss(t, tx)
+	wantStartedOnce(t, b, rw, c.taskID)
+}
+
+// The same for a dead-letter replay's re-drive whose re-opening of the
+// failed task becomes visible between the start and the read: the task is
+// started by the re-drive, not failed again as TASK_VERSION_CONFLICT.
+func TestReopeningVisibleOnlyAfterTheStartIsStarted(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	b.visibilityTimeout = time.Minute
+	ctx := context.Background()
+	c := createTask(t, b.db.Pool, []byte(`{"reopened":"late"}`))
+	if _, err := b.db.Pool.Exec(ctx, `UPDATE task SET status = 'failed', version = 2, attempt = 1, terminal_error_code = 'RETRIES_EXHAUSTED' WHERE task_id = $1`, c.taskID); err != nil {
+		t.Fatal(err)
+	}
+	tx, err := b.db.Pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tx.Rollback(ctx) //nolint:errcheck // committed by the hook
+	reopened, err := task.Scan(tx.QueryRow(ctx, `UPDATE task SET status = 'queued', version = 3, terminal_error_code = NULL WHERE task_id = $1 RETURNING `+task.Columns, c.taskID))
+	if err != nil {
+		t.Fatal(err)
+	}
+	ev, err := outbox.Insert(ctx, tx, taskevent.TypeTaskRedriveRequested, reopened)
+	if err != nil {
+		t.Fatal(err)
+	}
+	value, sum, err := taskevent.Encode(&ev)
+	if err != nil {
+		t.Fatal(err)
+	}
+	b.produce(t, record(c.taskID, value, &ev, sum))
+	rw := b.startCommittingAtMiss(t, tx)
+	wantStartedOnce(t, b, rw, c.taskID)
+}
+
+// startCommittingAtMiss starts a worker whose first start that does not
+// apply commits tx before the task is read, and waits until it did.
+func (b *testBundle) startCommittingAtMiss(t *testing.T, tx pgx.Tx) *runningWorker {
+	t.Helper()
 	var once sync.Once
 	committed := make(chan error, 1)
-	b.afterStartMissed = func() { once.Do(func() { committed <- tx.Commit(ctx) }) }
-	b.produce(t, c.record())
+	b.afterStartMissed = func() { once.Do(func() { committed <- tx.Commit(context.Background()) }) }
 	rw := b.start(t, nil)
 	select {
 	case err := <-committed:
@@ -82,11 +127,18 @@ func TestTaskVisibleOnlyAfterTheStartIsRetried(t *testing.T) {
 	case <-time.After(waitFor):
 		t.Fatal("the start's compare-and-set never missed the task")
 	}
+	return rw
+}
+
+// wantStartedOnce waits for the worker's record of task id and wants it
+// processed in its first attempt, the task completed, nothing dead-lettered.
+func wantStartedOnce(t *testing.T, b *testBundle, rw *runningWorker, id string) {
+	t.Helper()
 	testenv.Eventually(t, waitFor, "record processed", func() bool {
 		return rw.count(OutcomeProcessed) > 0 || rw.count(OutcomeDeadLettered) > 0
 	})
-	if s := b.status(c.taskID); s != taskevent.StatusCompleted || rw.count(OutcomeDeadLettered) != 0 || rw.count(OutcomeProcessed) != 1 || rw.count(OutcomeRetried) < 1 {
-		t.Fatalf("task %s; dead_lettered=%v processed=%v retried=%v, want completed, 0, 1 and a retry",
+	if s := b.status(id); s != taskevent.StatusCompleted || rw.count(OutcomeDeadLettered) != 0 || rw.count(OutcomeProcessed) != 1 || rw.count(OutcomeRetried) != 0 {
+		t.Fatalf("task %s; dead_lettered=%v processed=%v retried=%v, want completed, 0, 1, 0",
 			s, rw.count(OutcomeDeadLettered), rw.count(OutcomeProcessed), rw.count(OutcomeRetried))
 	}
 }
