@@ -1,7 +1,9 @@
 package main
 
 import (
+	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"os"
 	"strings"
@@ -65,6 +67,9 @@ func (c *BenchCmd) Run(env *runEnv) error {
 	cfg.Stages, cfg.Dir, cfg.ProfileDir, cfg.Statements, cfg.Progress = c.Stages, c.Dir, c.ProfileDir, c.Statements, os.Stdout
 	res, err := bench.Run(env.ctx, cfg)
 	if res == nil {
+		if errors.Is(err, context.Canceled) {
+			return exitCode(130) // interrupted before any stage ran
+		}
 		return err
 	}
 	var md strings.Builder
@@ -83,6 +88,12 @@ func (c *BenchCmd) Run(env *runEnv) error {
 		if werr := os.WriteFile(c.Markdown, []byte(md.String()), 0o644); werr != nil {
 			return werr
 		}
+	}
+	if errors.Is(err, context.Canceled) {
+		// main takes a cancelled context for a clean stop (exit 0): an
+		// interrupted measurement is not one.
+		fmt.Fprintln(os.Stderr, "converge bench: interrupted; the results above are incomplete")
+		return exitCode(130)
 	}
 	if err != nil {
 		return err

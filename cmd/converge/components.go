@@ -321,6 +321,26 @@ type Retention struct {
 // check refuses windows the reconciler would not keep: an outbox retention
 // under 1h, and a task retention of zero or less (which reconciler.Config
 // would take for its default; it refuses the other short ones itself).
+// Validate refuses API settings that are not counts of at least one,
+// naming the flag and the variable (api.Config would take 0 for its
+// default). kong calls it when it parses a command that embeds Pipeline,
+// before anything starts.
+func (p Pipeline) Validate() error {
+	for _, v := range []struct {
+		n          int
+		flag, name string
+	}{
+		{p.CreateBatchMax, "--create-batch-max", "CONVERGE_CREATE_BATCH_MAX"},
+		{p.CreateTx, "--create-transactions", "CONVERGE_CREATE_TRANSACTIONS"},
+		{p.MaxInFlight, "--max-in-flight-per-tenant", "CONVERGE_MAX_IN_FLIGHT_PER_TENANT"},
+	} {
+		if v.n < 1 {
+			return fmt.Errorf("%s (%s) %d: want at least 1", v.flag, v.name, v.n)
+		}
+	}
+	return nil
+}
+
 func (r Retention) check() error {
 	if r.OutboxRetention < time.Hour {
 		return fmt.Errorf("CONVERGE_OUTBOX_RETENTION %s: want at least 1h", r.OutboxRetention)

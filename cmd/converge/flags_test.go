@@ -76,3 +76,33 @@ func parseCLI(t *testing.T, args ...string) *CLI {
 	}
 	return &cli
 }
+
+// Counts of the API that are not at least 1 are refused when the command
+// line is parsed, before anything starts, naming the flag and the variable
+// (api.Config would take 0 for its default, and -1 was refused only after
+// the embedded PostgreSQL started).
+func TestAPICountsAreChecked(t *testing.T) {
+	for _, args := range [][]string{
+		{"dev", "--create-transactions=0"}, {"dev", "--create-batch-max=-1"}, {"api", "--max-in-flight-per-tenant=0"},
+	} {
+		var cli CLI
+		p, err := kong.New(&cli, kong.Name("converge"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		_, err = p.Parse(args)
+		flag, _, _ := strings.Cut(strings.TrimPrefix(args[1], "--"), "=")
+		if err == nil || !strings.Contains(err.Error(), "--"+flag) || !strings.Contains(err.Error(), "want at least 1") {
+			t.Errorf("%v: %v, want it refused naming --%s", args, err, flag)
+		}
+	}
+	t.Setenv("CONVERGE_CREATE_TRANSACTIONS", "0")
+	var cli CLI
+	p, err := kong.New(&cli, kong.Name("converge"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := p.Parse([]string{"api"}); err == nil || !strings.Contains(err.Error(), "CONVERGE_CREATE_TRANSACTIONS") {
+		t.Errorf("CONVERGE_CREATE_TRANSACTIONS=0: %v, want it refused naming the variable", err)
+	}
+}

@@ -84,9 +84,10 @@
 // broken connection, a deadline) may have committed: it is settled by
 // reading, on a connection of the pool, the idempotency record of a request
 // that inserted a task; the transaction committed exactly when the record
-// names that task. The read takes at most one second past the request's
-// deadline (for a group, its earliest member's), and ends once the client
-// has left (for a group, every member's). A settled group answers each
+// names that task. The read ends at the request's deadline (for a group,
+// its earliest member's) or, when that has passed or is nearer, one second
+// after it starts, and at most five seconds after it starts; it ends at
+// once when the client has left (for a group, every member's). A settled group answers each
 // request as committed; a settled single request answers 202 with its
 // task. A record that is absent
 // or names another request's task, or a read that fails or does not see the

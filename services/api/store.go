@@ -138,10 +138,11 @@ const (
 // settleGrace from now if that is later, and at most settleTimeout from
 // now; and at once when every one of reqs was cancelled (ctx.Err() is
 // context.Canceled, not DeadlineExceeded: the client left, so nobody reads
-// the answer). The handler, its tenant's in-flight slot and its key's
-// flight are so held at most settleGrace past the request's deadline, and
-// not at all for a client that is gone (the eighth session's review: up to
-// 5 s past the deadline, also when the client had left).
+// the answer). When the request's deadline is what lost the answer, the
+// settle starts at that deadline, so the handler, its tenant's in-flight
+// slot and its key's flight are held at most settleGrace past it, and not
+// at all for a client that is gone (the eighth session's review: up to 5 s
+// past the deadline, also when the client had left).
 func settleContext(reqs ...context.Context) (context.Context, context.CancelFunc) {
 	now := time.Now()
 	end := now.Add(settleTimeout)

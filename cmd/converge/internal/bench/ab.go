@@ -92,16 +92,17 @@ func runAB(ctx context.Context, e *env, res *Results) error {
 	if len(bins) != 2 {
 		return fmt.Errorf("the ab stage needs two converge executables (--ab-binaries A,B), got %d", len(bins))
 	}
-	for _, b := range bins {
-		if fi, err := os.Stat(b); err != nil || fi.IsDir() {
-			return fmt.Errorf("ab: %s is not an executable file (%v)", b, err)
-		}
-	}
 	pool, err := pgxpool.New(ctx, e.pg.URL("postgres"))
 	if err != nil {
 		return err
 	}
 	defer pool.Close()
+	// The start order alternates: an even number of rounds starts each
+	// side first equally often.
+	rounds := e.cfg.Runs + e.cfg.Runs%2
+	if rounds != e.cfg.Runs {
+		e.progress("ab      %d rounds, not %d: each side is started first equally often", rounds, e.cfg.Runs)
+	}
 	ab := &ABResult{Binaries: bins, Tasks: e.cfg.PeerTasks, Clients: peerClients}
 	res.AB = ab
 	// The sides' directories go at the end of the stage, not after each
@@ -117,17 +118,14 @@ func runAB(ctx context.Context, e *env, res *Results) error {
 			}
 			return
 		}
-		for round := range e.cfg.Runs {
+		for round := range rounds {
 			for _, name := range []string{"a", "b"} {
 				_ = os.RemoveAll(e.abDir(name, round))
 			}
 		}
 	}()
-	if e.cfg.Runs%2 == 1 {
-		e.progress("ab      %d rounds: the start order alternates, so an odd number favours no side only on average; give an even --runs", e.cfg.Runs)
-	}
 	var ratios, cpuRatios []float64
-	for round := range e.cfg.Runs {
+	for round := range rounds {
 		r, err := e.abRound(ctx, pool, round)
 		e.settle(ctx)
 		if err != nil {
@@ -257,10 +255,9 @@ func bothLoad(ctx context.Context, sides []*abSide, order []int, prefix string, 
 // once the API answers /readyz.
 func (e *env) startABSide(ctx context.Context, name, bin string, round int) (*abSide, error) {
 	s := &abSide{e: e, name: name, bin: bin, db: fmt.Sprintf("bench_ab_%s_%d", name, round), exited: make(chan error, 1)}
-	if _, err := e.admin.Exec(ctx, "CREATE DATABASE "+pgx.Identifier{s.db}.Sanitize()); err != nil {
-		return nil, fmt.Errorf("create database %s: %w", s.db, err)
+	if err := e.createDB(ctx, s.db); err != nil {
+		return nil, err
 	}
-	e.dbs = append(e.dbs, s.db)
 	s.dbURL = e.pg.URL(s.db)
 	s.dir = e.abDir(name, round)
 	if err := os.MkdirAll(s.dir, 0o755); err != nil {
@@ -288,8 +285,10 @@ func (e *env) startABSide(ctx context.Context, name, bin string, round int) (*ab
 		"--slot-name", s.db, "--no-examples", "--log-level", "warn")
 	s.cmd.Stdout, s.cmd.Stderr = logf, logf
 	// dev stops with this process (its own children, PostgreSQL excepted,
-	// stop with it).
-	s.cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGTERM}
+	// stop with it). A process group of its own, which stop signals: an
+	// executable that is a wrapper script starting converge without exec
+	// stops with it.
+	s.cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGTERM, Setpgid: true}
 	if err := s.cmd.Start(); err != nil {
 		logf.Close()
 		return nil, fmt.Errorf("side %s: start %s dev: %w", name, bin, err)
@@ -342,6 +341,7 @@ func (s *abSide) loadgen(ctx context.Context, prefix string, n int) error {
 		"--count", strconv.Itoa(n), "--duration", "0", "--doc-size", strconv.Itoa(s.e.cfg.DocSize),
 		"--wait-timeout", "5m", "--database-url", s.dbURL, "--data-dir", filepath.Join(s.dir, "data"),
 		"--key-prefix", prefix, "--log-level", "warn")
+	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL} // not left polling after this process died
 	out, err := cmd.CombinedOutput()
 	_ = os.WriteFile(filepath.Join(s.dir, "loadgen.out"), out, 0o644)
 	if err != nil {
@@ -394,12 +394,13 @@ func (s *abSide) stop() {
 	if s.cmd == nil || s.cmd.Process == nil {
 		return
 	}
-	_ = s.cmd.Process.Signal(os.Interrupt)
+	group := -s.cmd.Process.Pid
+	_ = syscall.Kill(group, syscall.SIGINT)
 	select {
 	case err := <-s.exited:
 		s.exited <- err
 	case <-time.After(30 * time.Second):
-		_ = s.cmd.Process.Kill()
+		_ = syscall.Kill(group, syscall.SIGKILL)
 		s.e.progress("ab      side %s: dev did not stop within 30 s of SIGINT; killed", s.name)
 	}
 	dropSlots(s.e, s.db)

@@ -193,7 +193,8 @@ func (c *Config) setDefaults() {
 }
 
 // Validate reports an unknown stage, and an ab stage without two
-// executables or executables without the ab stage.
+// executables, executables without the ab stage, or an executable that is
+// not one; it makes ABBinaries absolute paths.
 func (c *Config) Validate() error {
 	for _, s := range c.Stages {
 		if !slices.Contains(knownStages, s) {
@@ -207,6 +208,19 @@ func (c *Config) Validate() error {
 	case !ab && len(c.ABBinaries) > 0:
 		return errors.New("bench: --ab-binaries is for the ab stage (--stages ab)")
 	}
+	// Each executable found now (a name without a slash in PATH), as an
+	// absolute path: not after the cluster started.
+	bins := slices.Clone(c.ABBinaries)
+	for i, b := range bins {
+		p, err := exec.LookPath(b)
+		if err != nil {
+			return fmt.Errorf("bench: --ab-binaries: %w", err)
+		}
+		if bins[i], err = filepath.Abs(p); err != nil {
+			return err
+		}
+	}
+	c.ABBinaries = bins
 	return nil
 }
 
@@ -296,15 +310,23 @@ func Run(ctx context.Context, cfg Config) (*Results, error) {
 // CHECKPOINT. Without it, autovacuum of the relay stages' 1.2 million
 // updated outbox rows and the checkpoint of their WAL ran during the
 // end-to-end stage and took a core from it.
+//
+// It runs also after an interrupt (ctx ended): its statements have a
+// context of their own, so that a kept cluster (--dir) is left without the
+// stage's databases.
 func (e *env) settle(ctx context.Context) {
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), time.Minute)
+	defer cancel()
 	start := time.Now()
+	n := 0
 	for _, db := range e.dbs {
 		dropSlots(e, db)
 		if _, err := e.admin.Exec(ctx, "DROP DATABASE IF EXISTS "+pgx.Identifier{db}.Sanitize()+" WITH (FORCE)"); err != nil {
 			e.progress("settle: drop database %s: %v", db, err)
+			continue
 		}
+		n++
 	}
-	n := len(e.dbs)
 	e.dbs = nil
 	if _, err := e.admin.Exec(ctx, "CHECKPOINT"); err != nil {
 		e.progress("settle: checkpoint: %v", err)
@@ -432,12 +454,26 @@ func (e *env) loadgenExecutable() (string, error) {
 	return os.Executable()
 }
 
-// newDB creates and migrates database name and returns its URL and a pool.
-func (e *env) newDB(ctx context.Context, name string) (string, *pgxpool.Pool, error) {
+// createDB creates database name, empty, for the current stage (settle
+// drops it). A database of that name left by an interrupted run in the same
+// --dir is dropped first, with its replication slots.
+func (e *env) createDB(ctx context.Context, name string) error {
+	dropSlots(e, name)
+	if _, err := e.admin.Exec(ctx, "DROP DATABASE IF EXISTS "+pgx.Identifier{name}.Sanitize()+" WITH (FORCE)"); err != nil {
+		return fmt.Errorf("drop the earlier database %s: %w", name, err)
+	}
 	if _, err := e.admin.Exec(ctx, "CREATE DATABASE "+pgx.Identifier{name}.Sanitize()); err != nil {
-		return "", nil, fmt.Errorf("create database %s: %w", name, err)
+		return fmt.Errorf("create database %s: %w", name, err)
 	}
 	e.dbs = append(e.dbs, name)
+	return nil
+}
+
+// newDB creates and migrates database name and returns its URL and a pool.
+func (e *env) newDB(ctx context.Context, name string) (string, *pgxpool.Pool, error) {
+	if err := e.createDB(ctx, name); err != nil {
+		return "", nil, err
+	}
 	u := e.pg.URL(name)
 	pool, err := pgxpool.New(ctx, u)
 	if err != nil {

@@ -129,12 +129,16 @@ func TestABTiny(t *testing.T) {
 	}
 	res := runTiny(t, Config{Stages: []string{StageAB}, Runs: 1, PeerTasks: 100, Loadgen: bin, ABBinaries: []string{bin, bin}})
 	ab := res.AB
-	if ab == nil || len(ab.Rounds) != 1 {
-		t.Fatalf("ab result %+v, want one round", ab)
+	if ab == nil || len(ab.Rounds) != 2 {
+		t.Fatalf("ab result %+v, want two rounds (one asked for, made even)", ab)
 	}
-	r := ab.Rounds[0]
-	if r.WindowSeconds <= 0 || r.TasksPerSec[0] <= 0 || r.TasksPerSec[1] <= 0 || r.CPUMsPerTask[0] <= 0 || r.CPUMsPerTask[1] <= 0 {
-		t.Fatalf("round %+v: want a window both ran in, and rates and CPU for both sides", r)
+	for i, r := range ab.Rounds {
+		if r.WindowSeconds <= 0 || r.TasksPerSec[0] <= 0 || r.TasksPerSec[1] <= 0 || r.CPUMsPerTask[0] <= 0 || r.CPUMsPerTask[1] <= 0 {
+			t.Fatalf("round %d %+v: want a window both ran in, and rates and CPU for both sides", i+1, r)
+		}
+	}
+	if ab.Rounds[0].First == ab.Rounds[1].First {
+		t.Fatalf("both rounds started side %s first, want the order alternated", ab.Rounds[0].First)
 	}
 	wantMarkdown(t, res, "A/B side by side")
 }
@@ -171,24 +175,41 @@ func wantMarkdown(t *testing.T, res *Results, want string) {
 	}
 }
 
-// The ab stage is asked for with two executables, and only then.
+// The ab stage is asked for with two executables, and only then; each is
+// found before anything starts.
 func TestABConfig(t *testing.T) {
 	t.Parallel()
+	dir := t.TempDir()
+	plain := filepath.Join(dir, "not-executable")
+	if err := os.WriteFile(plain, []byte("#!/bin/sh\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	exe := os.Args[0] // this test binary: an executable file
 	for _, tc := range []struct {
 		stages, bins []string
 		ok           bool
 	}{
-		{[]string{StageAB}, []string{"a", "b"}, true},
-		{[]string{StagePeer, StageAB}, []string{"a", "b"}, true},
-		{[]string{StageAB}, []string{"a"}, false},
+		{[]string{StageAB}, []string{exe, exe}, true},
+		{[]string{StagePeer, StageAB}, []string{exe, exe}, true},
+		{[]string{StageAB}, []string{"sh", exe}, true}, // found in PATH
+		{[]string{StageAB}, []string{exe}, false},
 		{[]string{StageAB}, nil, false},
-		{[]string{StagePeer}, []string{"a", "b"}, false},
-		{nil, []string{"a", "b"}, false}, // the default stages leave ab out
+		{[]string{StagePeer}, []string{exe, exe}, false},
+		{nil, []string{exe, exe}, false}, // the default stages leave ab out
+		{[]string{StageAB}, []string{exe, filepath.Join(dir, "absent")}, false},
+		{[]string{StageAB}, []string{exe, dir}, false},
+		{[]string{StageAB}, []string{exe, plain}, false},
 	} {
 		c := Config{Stages: tc.stages, ABBinaries: tc.bins}
 		c.setDefaults()
-		if err := c.Validate(); (err == nil) != tc.ok {
+		err := c.Validate()
+		if (err == nil) != tc.ok {
 			t.Errorf("stages %v, binaries %v: %v, want ok %v", tc.stages, tc.bins, err, tc.ok)
+		}
+		for _, b := range c.ABBinaries {
+			if err == nil && !filepath.IsAbs(b) {
+				t.Errorf("binaries %v: %s not made absolute", tc.bins, b)
+			}
 		}
 	}
 }

@@ -14,8 +14,10 @@ func (r *Results) Markdown(w io.Writer) {
 	fmt.Fprintf(w, "Machine: %d cores (%s), %d MB memory, Linux %s; load average %s before, %s after. PostgreSQL %s, %s, fsync %v. Median of %d runs; %.0f s in all.\n\n",
 		m.Cores, m.CPUModel, m.MemTotalMB, m.Kernel, m.LoadAvgBefore, m.LoadAvgAfter, r.Settings.PostgresVersion, r.Settings.GoVersion,
 		onOffWord(r.Settings.Fsync), r.Settings.Runs, r.TotalSeconds)
-	fmt.Fprintln(w, "| stage | converge | limit, same run | ratio | target | CPU (cores, last run) converge / postgres / other |")
-	fmt.Fprintln(w, "|---|---|---|---|---|---|")
+	if len(r.Create) > 0 || r.Relay != nil || r.RSS != nil || r.Worker != nil || r.E2E != nil {
+		fmt.Fprintln(w, "| stage | converge | limit, same run | ratio | target | CPU (cores, last run) converge / postgres / other |")
+		fmt.Fprintln(w, "|---|---|---|---|---|---|")
+	}
 	for _, p := range r.Create {
 		fmt.Fprintf(w, "| create, %s | %.0f req/s (p50 %.1f ms, p99 %.1f ms) | pgbench %.0f tps (%.1f ms avg) | %.2f | %s | %s · %s |\n",
 			clients(p.Clients), p.APIMedian, p.APIP50, p.APIP99, p.PgbenchMedian, p.PgbenchLatMS, p.Ratio, target(p.Clients == 16, "≥ 0.90", p.Ratio >= 0.9),

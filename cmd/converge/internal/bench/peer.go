@@ -226,10 +226,9 @@ func (e *env) runRiver(ctx context.Context, bin string, tuned bool, run int) (Pe
 		system = peerRiverTuned
 	}
 	db := e.peerDB(system, run)
-	if _, err := e.admin.Exec(ctx, "CREATE DATABASE "+db); err != nil {
+	if err := e.createDB(ctx, db); err != nil {
 		return PeerRun{}, err
 	}
-	e.dbs = append(e.dbs, db)
 	dir := filepath.Join(e.dir, "artifacts-"+db)
 	e.peerDirs = append(e.peerDirs, dir)
 	args := []string{"--database-url", e.pg.URL(db), "--tasks", strconv.Itoa(e.cfg.PeerTasks), "--clients", strconv.Itoa(peerClients),
