@@ -25,16 +25,8 @@ func TestTaskNotYetVisibleIsRetriedUntilVisible(t *testing.T) {
 	b := setup(t, nil)
 	b.visibilityTimeout = time.Minute
 	ctx := context.Background()
-	tx, err := b.db.Pool.Begin(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
+	tx, c := b.createUncommitted(t, []byte(`{"b":2,"a":1}`))
 	defer tx.Rollback(ctx)
-	c, err := createTaskIn(tx, []byte(`{"b":2,"a":1}`))
-	if err != nil {
-		t.Fatal(err)
-	}
-	b.produce(t, c.record())
 	rw := b.start(t, nil)
 	testenv.Eventually(t, waitFor, "invisible task retried", func() bool { return rw.count(OutcomeRetried) >= 3 })
 	if n := rw.count(OutcomeDeadLettered); n != 0 {
@@ -62,17 +54,8 @@ func TestTaskVisibleOnlyAfterTheStartIsStarted(t *testing.T) {
 	t.Parallel()
 	b := setup(t, nil)
 	b.visibilityTimeout = time.Minute
-	ctx := context.Background()
-	tx, err := b.db.Pool.Begin(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer tx.Rollback(ctx) //nolint:errcheck // committed by the hook
-	c, err := createTaskIn(tx, []byte(`{"visible":"late"}`))
-	if err != nil {
-		t.Fatal(err)
-	}
-	b.produce(t, c.record())
+	tx, c := b.createUncommitted(t, []byte(`{"visible":"late"}`))
+	defer tx.Rollback(context.Background()) //nolint:errcheck // committed by the hook
 	rw := b.startCommittingAtMiss(t, tx)
 	wantStartedOnce(t, b, rw, c.taskID)
 }
@@ -86,29 +69,59 @@ func TestReopeningVisibleOnlyAfterTheStartIsStarted(t *testing.T) {
 	b.visibilityTimeout = time.Minute
 	ctx := context.Background()
 	c := createTask(t, b.db.Pool, []byte(`{"reopened":"late"}`))
-	if _, err := b.db.Pool.Exec(ctx, `UPDATE task SET status = 'failed', version = 2, attempt = 1, terminal_error_code = 'RETRIES_EXHAUSTED' WHERE task_id = $1`, c.taskID); err != nil {
+	tx := b.reopenUncommitted(t, c.taskID)
+	defer tx.Rollback(ctx) //nolint:errcheck // committed by the hook
+	rw := b.startCommittingAtMiss(t, tx)
+	wantStartedOnce(t, b, rw, c.taskID)
+}
+
+// createUncommitted creates a task of doc in a transaction it returns
+// uncommitted, and produces the task's TaskCreated event.
+func (b *testBundle) createUncommitted(t *testing.T, doc []byte) (pgx.Tx, created) {
+	t.Helper()
+	tx, err := b.db.Pool.Begin(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	c, err := createTaskIn(tx, doc)
+	if err != nil {
+		tx.Rollback(context.Background()) //nolint:errcheck // the test fails
+		t.Fatal(err)
+	}
+	b.produce(t, c.record())
+	return tx, c
+}
+
+// reopenUncommitted fails task id at version 2 (committed), then re-opens
+// it at version 3 in a transaction it returns uncommitted, as a dead-letter
+// replay does, and produces that transaction's TaskRedriveRequested event.
+func (b *testBundle) reopenUncommitted(t *testing.T, id string) pgx.Tx {
+	t.Helper()
+	ctx := context.Background()
+	if _, err := b.db.Pool.Exec(ctx, `UPDATE task SET status = 'failed', version = 2, attempt = 1, terminal_error_code = 'RETRIES_EXHAUSTED' WHERE task_id = $1`, id); err != nil {
 		t.Fatal(err)
 	}
 	tx, err := b.db.Pool.Begin(ctx)
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer tx.Rollback(ctx) //nolint:errcheck // committed by the hook
-	reopened, err := task.Scan(tx.QueryRow(ctx, `UPDATE task SET status = 'queued', version = 3, terminal_error_code = NULL WHERE task_id = $1 RETURNING `+task.Columns, c.taskID))
+	reopened, err := task.Scan(tx.QueryRow(ctx, `UPDATE task SET status = 'queued', version = 3, terminal_error_code = NULL WHERE task_id = $1 RETURNING `+task.Columns, id))
 	if err != nil {
+		tx.Rollback(ctx) //nolint:errcheck // the test fails
 		t.Fatal(err)
 	}
 	ev, err := outbox.Insert(ctx, tx, taskevent.TypeTaskRedriveRequested, reopened)
 	if err != nil {
+		tx.Rollback(ctx) //nolint:errcheck // the test fails
 		t.Fatal(err)
 	}
 	value, sum, err := taskevent.Encode(&ev)
 	if err != nil {
+		tx.Rollback(ctx) //nolint:errcheck // the test fails
 		t.Fatal(err)
 	}
-	b.produce(t, record(c.taskID, value, &ev, sum))
-	rw := b.startCommittingAtMiss(t, tx)
-	wantStartedOnce(t, b, rw, c.taskID)
+	b.produce(t, record(id, value, &ev, sum))
+	return tx
 }
 
 // startCommittingAtMiss starts a worker whose first start that does not
@@ -218,27 +231,8 @@ func TestRedriveOfAReopeningNotYetVisibleWaits(t *testing.T) {
 	b.visibilityTimeout = time.Minute
 	ctx := context.Background()
 	c := createTask(t, b.db.Pool, []byte(`{"reopened":true}`))
-	if _, err := b.db.Pool.Exec(ctx, `UPDATE task SET status = 'failed', version = 2, attempt = 1, terminal_error_code = 'RETRIES_EXHAUSTED' WHERE task_id = $1`, c.taskID); err != nil {
-		t.Fatal(err)
-	}
-	tx, err := b.db.Pool.Begin(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
+	tx := b.reopenUncommitted(t, c.taskID)
 	defer tx.Rollback(ctx)
-	reopened, err := task.Scan(tx.QueryRow(ctx, `UPDATE task SET status = 'queued', version = 3, terminal_error_code = NULL WHERE task_id = $1 RETURNING `+task.Columns, c.taskID))
-	if err != nil {
-		t.Fatal(err)
-	}
-	ev, err := outbox.Insert(ctx, tx, taskevent.TypeTaskRedriveRequested, reopened)
-	if err != nil {
-		t.Fatal(err)
-	}
-	value, sum, err := taskevent.Encode(&ev)
-	if err != nil {
-		t.Fatal(err)
-	}
-	b.produce(t, record(c.taskID, value, &ev, sum))
 	rw := b.start(t, nil)
 	testenv.Eventually(t, waitFor, "re-drive retried while the re-opening is not visible", func() bool { return rw.count(OutcomeRetried) >= 3 })
 	if n := rw.count(OutcomeDuplicate) + rw.count(OutcomeDeadLettered); n != 0 {
