@@ -94,10 +94,13 @@ func withoutValue(dlq *kgo.Record, code string) *kgo.Record {
 // (compare-and-set on its version) with a TaskFailed outbox event — except
 // when notVisible (the error wrapped ErrNotYetVisible: TASK_NOT_FOUND, or
 // the task seen at a version older than the event's): a task visible now
-// was only not visible then, and is never failed for it. A record
-// that does not pass the contract checks names a task it cannot be trusted
-// about, so its task is left alone (the reconciler re-drives a task that
-// makes no progress).
+// was only not visible then, and is never failed for it. A verified event
+// whose task is not found (not visible yet: the record failed before it
+// read the database) is an error, so that the caller retries, until
+// Config.VisibilityTimeout after the record was produced (its timestamp; a
+// record without one is not waited for); then the task is left alone. A record that does not pass the contract checks names a task
+// it cannot be trusted about, so its task is left alone (the reconciler
+// re-drives a task that makes no progress).
 func (w *Worker) recordDeadLetter(ctx context.Context, r *kgo.Record, code string, notVisible bool) error {
 	hdr := headers(r)
 	ev, verr := verifyRecord(r, hdr)
@@ -122,6 +125,16 @@ func (w *Worker) recordDeadLetter(ctx context.Context, r *kgo.Record, code strin
 			return nil
 		}
 		t, found, err := task.Lock(ctx, tx, ev.TaskID)
+		if err == nil && !found && !notVisible && !r.Timestamp.IsZero() && time.Now().Before(r.Timestamp.Add(w.cfg.VisibilityTimeout)) {
+			// A verified event's task exists: its transaction committed.
+			// Not found means not visible yet (issue 9): a record failed
+			// before any read of the database (a fault, a contract error
+			// of the payload) is dead-lettered within milliseconds, inside
+			// that window. Retried (deadLetter's loop) until the visibility
+			// timeout, so that the task is failed now rather than left
+			// queued for the reconciler's re-drive; past it, left alone.
+			return fmt.Errorf("task %s of the dead letter: %w", ev.TaskID, ErrNotYetVisible)
+		}
 		if err != nil || !found || taskevent.Terminal(t.Status) {
 			return err
 		}

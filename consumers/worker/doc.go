@@ -129,6 +129,10 @@
 //     (compare-and-set on version) with terminal_error_code = the code, and
 //     a TaskFailed outbox event (not for an error wrapping
 //     ErrNotYetVisible: the task is left for the reconciler's re-drive);
+//     a task not found is waited for (the transaction retried) until
+//     VisibilityTimeout after the record was produced, since a record
+//     failed before it read the database may be dead-lettered before its
+//     task is visible, and left alone after that;
 //  3. only then is the offset committed ("dead_lettered").
 //
 // A crash between 1 and 3 dead-letters the record again on redelivery; the

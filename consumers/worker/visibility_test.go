@@ -8,6 +8,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 
+	"github.com/converge-run/converge/internal/fault"
 	"github.com/converge-run/converge/internal/outbox"
 	"github.com/converge-run/converge/internal/task"
 	"github.com/converge-run/converge/internal/taskevent"
@@ -242,4 +243,52 @@ func TestRedriveOfAReopeningNotYetVisibleWaits(t *testing.T) {
 		t.Fatal(err)
 	}
 	testenv.Eventually(t, waitFor, "re-opened task completed", func() bool { return b.status(c.taskID) == taskevent.StatusCompleted })
+}
+
+// A poison record dead-lettered before the worker read the database (here
+// an injected processing error) while its task's transaction is not visible
+// yet fails the task once it becomes visible, within the visibility
+// timeout, instead of leaving it queued for the reconciler's re-drive
+// (found by the review of the eleventh session's fix).
+func TestDeadLetterWaitsForTheTaskToBeVisible(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	b.visibilityTimeout = time.Minute
+	tx, c := b.createUncommitted(t, []byte(`{"poison":"late"}`))
+	defer tx.Rollback(context.Background()) //nolint:errcheck // committed below
+	faults := &fault.Set{}
+	if err := faults.ArmKey(fault.WorkerProcessError, fault.ActionError, 0, c.ev.Task.InputSHA256); err != nil {
+		t.Fatal(err)
+	}
+	rw := b.start(t, faults)
+	time.Sleep(300 * time.Millisecond) // the record is dead-lettered meanwhile; its task not visible
+	if n := rw.count(OutcomeDeadLettered); n != 0 {
+		t.Fatalf("dead_lettered = %v before the task is visible, want 0 (the record step waits)", n)
+	}
+	if err := tx.Commit(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	testenv.Eventually(t, waitFor, "dead-lettered task failed", func() bool { return rw.count(OutcomeDeadLettered) == 1 })
+	tk := b.task(t, c.taskID)
+	if tk.Status != taskevent.StatusFailed || tk.TerminalErrorCode == nil || *tk.TerminalErrorCode != CodeInjectedProcessingError {
+		t.Fatalf("task %s (code %v), want failed %s", tk.Status, tk.TerminalErrorCode, CodeInjectedProcessingError)
+	}
+}
+
+// Past the visibility timeout the dead letter is recorded without the task,
+// which is left alone: a record whose task never appears does not hold its
+// partition for good.
+func TestDeadLetterOfANeverVisibleTaskEnds(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	b.visibilityTimeout = 500 * time.Millisecond
+	tx, c := b.createUncommitted(t, []byte(`{"poison":"never"}`))
+	defer tx.Rollback(context.Background()) //nolint:errcheck // never committed
+	faults := &fault.Set{}
+	if err := faults.ArmKey(fault.WorkerProcessError, fault.ActionError, 0, c.ev.Task.InputSHA256); err != nil {
+		t.Fatal(err)
+	}
+	rw := b.start(t, faults)
+	testenv.Eventually(t, waitFor, "dead-lettered", func() bool { return rw.count(OutcomeDeadLettered) == 1 })
+	testenv.Eventually(t, waitFor, "offsets committed", func() bool { return b.allCommitted(t) })
 }
