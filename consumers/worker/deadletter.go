@@ -98,9 +98,10 @@ func withoutValue(dlq *kgo.Record, code string) *kgo.Record {
 // whose task is not found (not visible yet: the record failed before it
 // read the database) is an error, so that the caller retries, until
 // Config.VisibilityTimeout after the record was produced (its timestamp; a
-// record without one is not waited for); then the task is left alone. A record that does not pass the contract checks names a task
-// it cannot be trusted about, so its task is left alone (the reconciler
-// re-drives a task that makes no progress).
+// record without one is not waited for); then the task is left alone. A
+// record that does not pass the contract checks names a task it cannot be
+// trusted about, so its task is left alone (the reconciler re-drives a
+// task that makes no progress).
 func (w *Worker) recordDeadLetter(ctx context.Context, r *kgo.Record, code string, notVisible bool) error {
 	hdr := headers(r)
 	ev, verr := verifyRecord(r, hdr)
