@@ -63,7 +63,7 @@ func (w *Worker) deadLetter(ctx context.Context, cl *kgo.Client, r *kgo.Record, 
 	}
 	for n := 0; ; n++ {
 		actx, cancel := context.WithTimeout(context.WithoutCancel(ctx), w.cfg.AttemptTimeout)
-		err := w.recordDeadLetter(actx, r, f.code, errors.Is(f.err, ErrNotYetVisible))
+		err := w.recordDeadLetter(actx, r, f.code, errors.Is(f.err, ErrNotYetVisible), w.visibleBy(r, f.first))
 		cancel()
 		if err == nil {
 			break
@@ -97,12 +97,14 @@ func withoutValue(dlq *kgo.Record, code string) *kgo.Record {
 // was only not visible then, and is never failed for it. A verified event
 // whose task is not found (not visible yet: the record failed before it
 // read the database) is an error, so that the caller retries, until
-// Config.VisibilityTimeout after the record was produced (its timestamp; a
-// record without one is not waited for); then the task is left alone. A
+// waitUntil (visibleBy: VisibilityTimeout after the earlier of the record's
+// timestamp and its first failure, so that a record stamped in the future
+// does not hold its partition; the zero time waits for nothing); then the
+// task is left alone. A
 // record that does not pass the contract checks names a task it cannot be
 // trusted about, so its task is left alone (the reconciler re-drives a
 // task that makes no progress).
-func (w *Worker) recordDeadLetter(ctx context.Context, r *kgo.Record, code string, notVisible bool) error {
+func (w *Worker) recordDeadLetter(ctx context.Context, r *kgo.Record, code string, notVisible bool, waitUntil time.Time) error {
 	hdr := headers(r)
 	ev, verr := verifyRecord(r, hdr)
 	msgID := hdr[taskevent.HeaderEventID]
@@ -126,7 +128,7 @@ func (w *Worker) recordDeadLetter(ctx context.Context, r *kgo.Record, code strin
 			return nil
 		}
 		t, found, err := task.Lock(ctx, tx, ev.TaskID)
-		if err == nil && !found && !notVisible && !r.Timestamp.IsZero() && time.Now().Before(r.Timestamp.Add(w.cfg.VisibilityTimeout)) {
+		if err == nil && !found && !notVisible && time.Now().Before(waitUntil) {
 			// A verified event's task exists: its transaction committed.
 			// Not found means not visible yet (issue 9): a record failed
 			// before any read of the database (a fault, a contract error

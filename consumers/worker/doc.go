@@ -130,7 +130,8 @@
 //     a TaskFailed outbox event (not for an error wrapping
 //     ErrNotYetVisible: the task is left for the reconciler's re-drive);
 //     a task not found is waited for (the transaction retried) until
-//     VisibilityTimeout after the record was produced, since a record
+//     VisibilityTimeout after the earlier of the record's timestamp and
+//     its first failure, since a record
 //     failed before it read the database may be dead-lettered before its
 //     task is visible, and left alone after that;
 //  3. only then is the offset committed ("dead_lettered").

@@ -207,14 +207,14 @@ func TestDeadLetterNeverFailsAVisibleTaskForTaskNotFound(t *testing.T) {
 	w := b.start(t, nil).w
 	ctx := context.Background()
 	late := createTask(t, b.db.Pool, []byte(`{"late":true}`))
-	if err := w.recordDeadLetter(ctx, late.record(), CodeTaskNotFound, true); err != nil {
+	if err := w.recordDeadLetter(ctx, late.record(), CodeTaskNotFound, true, time.Time{}); err != nil {
 		t.Fatal(err)
 	}
 	if s := b.status(late.taskID); s != taskevent.StatusQueued {
 		t.Fatalf("task dead-lettered as not found while visible is %s, want queued", s)
 	}
 	poison := createTask(t, b.db.Pool, []byte(`{"poison":true}`))
-	if err := w.recordDeadLetter(ctx, poison.record(), CodeInjectedProcessingError, false); err != nil {
+	if err := w.recordDeadLetter(ctx, poison.record(), CodeInjectedProcessingError, false, time.Time{}); err != nil {
 		t.Fatal(err)
 	}
 	if s := b.status(poison.taskID); s != taskevent.StatusFailed {
@@ -277,18 +277,39 @@ func TestDeadLetterWaitsForTheTaskToBeVisible(t *testing.T) {
 
 // Past the visibility timeout the dead letter is recorded without the task,
 // which is left alone: a record whose task never appears does not hold its
-// partition for good.
+// partition for good, also when the record is stamped an hour ahead (the
+// wait counts from the earlier of its timestamp and its first failure; the
+// second fresh-clone review of 2026-12-07 found it held until the
+// timestamp).
 func TestDeadLetterOfANeverVisibleTaskEnds(t *testing.T) {
 	t.Parallel()
-	b := setup(t, nil)
-	b.visibilityTimeout = 500 * time.Millisecond
-	tx, c := b.createUncommitted(t, []byte(`{"poison":"never"}`))
-	defer tx.Rollback(context.Background()) //nolint:errcheck // never committed
-	faults := &fault.Set{}
-	if err := faults.ArmKey(fault.WorkerProcessError, fault.ActionError, 0, c.ev.Task.InputSHA256); err != nil {
-		t.Fatal(err)
+	for _, ahead := range []time.Duration{0, time.Hour} {
+		t.Run(ahead.String(), func(t *testing.T) {
+			t.Parallel()
+			b := setup(t, nil)
+			b.visibilityTimeout = 500 * time.Millisecond
+			ctx := context.Background()
+			tx, err := b.db.Pool.Begin(ctx)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer tx.Rollback(ctx) //nolint:errcheck // never committed
+			c, err := createTaskIn(tx, []byte(`{"poison":"never"}`))
+			if err != nil {
+				t.Fatal(err)
+			}
+			r := c.record()
+			if ahead > 0 {
+				r.Timestamp = time.Now().Add(ahead)
+			}
+			b.produce(t, r)
+			faults := &fault.Set{}
+			if err := faults.ArmKey(fault.WorkerProcessError, fault.ActionError, 0, c.ev.Task.InputSHA256); err != nil {
+				t.Fatal(err)
+			}
+			rw := b.start(t, faults)
+			testenv.Eventually(t, waitFor, "dead-lettered", func() bool { return rw.count(OutcomeDeadLettered) == 1 })
+			testenv.Eventually(t, waitFor, "offsets committed", func() bool { return b.allCommitted(t) })
+		})
 	}
-	rw := b.start(t, faults)
-	testenv.Eventually(t, waitFor, "dead-lettered", func() bool { return rw.count(OutcomeDeadLettered) == 1 })
-	testenv.Eventually(t, waitFor, "offsets committed", func() bool { return b.allCommitted(t) })
 }
