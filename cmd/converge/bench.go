@@ -29,8 +29,8 @@ type BenchCmd struct {
 	RiverDir          string        `type:"path" help:"Source directory of the peer stage's River program (default cmd/converge/internal/bench/riverpeer)."`
 	Partitions        int           `help:"Partitions of the task-events topic in the worker and end-to-end stages (default 4)."`
 	WorkerConcurrency int           `help:"Records the worker processes at once in the worker and end-to-end stages; also the worker pgbench's clients (default 4)."`
-	ABBinaries        []string      `name:"ab-binaries" sep:"," help:"Two converge executables A,B that the ab stage runs side by side on the same job, --runs rounds of --peer-tasks tasks each (e.g. builds of two commits)."`
-	Dir               string        `type:"path" help:"Working directory (cluster, broker, logs); default a temporary directory, removed at the end."`
+	ABBinaries        []string      `name:"ab-binaries" sep:"," help:"Two converge executables A,B that the ab stage runs side by side on the same job, --runs rounds (rounded up to even) of --peer-tasks tasks each (e.g. builds of two commits)."`
+	Dir               string        `type:"path" help:"Working directory (cluster, broker, logs), made if missing and kept; default a temporary directory, removed at the end."`
 	ProfileDir        string        `type:"path" help:"Write CPU profiles of the converge process per stage to this directory."`
 	Statements        bool          `help:"Load pg_stat_statements and print each peer run's costliest statements per task (off by default: it costs every statement)."`
 	Out               string        `type:"path" default:"bench-results.json" help:"JSON results file."`

@@ -317,6 +317,7 @@ func Run(ctx context.Context, cfg Config) (*Results, error) {
 func (e *env) settle(ctx context.Context) {
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), time.Minute)
 	defer cancel()
+	e.reconnectAdmin(ctx)
 	start := time.Now()
 	n := 0
 	for _, db := range e.dbs {
@@ -366,9 +367,20 @@ func startEnv(ctx context.Context, cfg *Config) (_ *env, err error) {
 		e.ownDir = true
 	}
 	// PostgreSQL runs as the postgres user when we are root: it must be
-	// able to enter the directory.
-	if err := os.Chmod(e.dir, 0o755); err != nil {
+	// able to enter the directory. A --dir that does not exist is made;
+	// one that exists keeps its mode (a sticky /tmp stays sticky), with
+	// search permission added when it lacks it.
+	if err := os.MkdirAll(e.dir, 0o755); err != nil {
 		return nil, err
+	}
+	fi, err := os.Stat(e.dir)
+	if err != nil {
+		return nil, err
+	}
+	if fi.Mode().Perm()&0o011 != 0o011 {
+		if err := os.Chmod(e.dir, fi.Mode()|0o011); err != nil {
+			return nil, err
+		}
 	}
 	e.log = cfg.Logger
 	if e.log == nil {
@@ -452,6 +464,21 @@ func (e *env) loadgenExecutable() (string, error) {
 		return e.cfg.Loadgen, nil
 	}
 	return os.Executable()
+}
+
+// reconnectAdmin replaces the admin connection when it is closed: pgx
+// closes a connection whose context ends during a statement, as an
+// interrupt does, and settle must still drop the stage's databases.
+func (e *env) reconnectAdmin(ctx context.Context) {
+	if !e.admin.IsClosed() {
+		return
+	}
+	conn, err := pgx.Connect(ctx, e.pg.URL("postgres"))
+	if err != nil {
+		e.progress("settle: reconnect: %v", err)
+		return
+	}
+	e.admin = conn
 }
 
 // createDB creates database name, empty, for the current stage (settle
