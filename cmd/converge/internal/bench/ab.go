@@ -33,11 +33,13 @@ import (
 // with 16 closed-loop clients and PeerTasks tasks. A round starts both
 // sides (the start order alternating), warms both up at once, then starts
 // both load generators at once. Each side's rate is counted in the window
-// in which both ran: from the later of the two first creates to the
-// earlier of the two last completions (created_at and completed_at, one
-// clock), tasks completed in the window over its length. Each side's CPU per task is its
-// process tree (dev, its redis-server) and its database's backends over the
-// whole round. B over A is reported per round and as the median.
+// in which both were completing tasks: from the later of the two first
+// completions to the earlier of the two last ones (completed_at, one
+// clock), tasks completed in the window over its length. A round in which
+// a side completed nothing in that window fails (the sides barely
+// overlapped: too few tasks). Each side's CPU per task is its process tree
+// (dev, its redis-server) and its database's backends over the whole
+// round. B over A is reported per round and as the median.
 //
 // What it measures is which build does more of the job on a shared
 // machine: a proxy for CPU per task, not either build's rate alone (each
@@ -62,7 +64,8 @@ type ABResult struct {
 type ABRound struct {
 	// First is the side started first ("a" or "b").
 	First string `json:"first"`
-	// WindowSeconds is the length of the window both ran in.
+	// WindowSeconds is the length of the window in which both sides were
+	// completing tasks.
 	WindowSeconds float64 `json:"window_seconds"`
 	// TasksPerSec are A's and B's tasks completed per second in the window.
 	TasksPerSec [2]float64 `json:"tasks_per_sec"`
@@ -202,12 +205,13 @@ func (e *env) abRound(ctx context.Context, pool *pgxpool.Pool, round int) (ABRou
 		out.CPUMsPerTask[i] = round2(float64(cpu.Microseconds()) / 1000 / n)
 	}
 
-	// The window both ran in, from each side's own rows.
+	// The window in which both were completing tasks, from each side's own
+	// rows.
 	var first, last [2]time.Time
 	for i, s := range sides {
 		var done int
 		if err := s.query(ctx, `
-SELECT count(*) FILTER (WHERE t.status = 'completed'), min(t.created_at), max(t.completed_at)
+SELECT count(*) FILTER (WHERE t.status = 'completed'), min(t.completed_at), max(t.completed_at)
 FROM idempotency_record i JOIN task t ON t.task_id = i.task_id
 WHERE i.idempotency_key LIKE $1 || '%'`, []any{prefix}, &done, &first[i], &last[i]); err != nil {
 			return out, fmt.Errorf("side %s: %w", s.name, err)
@@ -219,7 +223,7 @@ WHERE i.idempotency_key LIKE $1 || '%'`, []any{prefix}, &done, &first[i], &last[
 	}
 	from, to := maxTime(first[0], first[1]), minTime(last[0], last[1])
 	if !to.After(from) {
-		return out, fmt.Errorf("the two sides did not run at the same time (first creates %v, %v; last completions %v, %v)", first[0], first[1], last[0], last[1])
+		return out, fmt.Errorf("the two sides did not complete tasks at the same time (first completions %v, %v; last %v, %v): give more --peer-tasks", first[0], first[1], last[0], last[1])
 	}
 	out.WindowSeconds = round2(to.Sub(from).Seconds())
 	for i, s := range sides {
@@ -228,6 +232,9 @@ WHERE i.idempotency_key LIKE $1 || '%'`, []any{prefix}, &done, &first[i], &last[
 SELECT count(*) FROM idempotency_record i JOIN task t ON t.task_id = i.task_id
 WHERE i.idempotency_key LIKE $1 || '%' AND t.completed_at BETWEEN $2 AND $3`, []any{prefix, from, to}, &in); err != nil {
 			return out, fmt.Errorf("side %s: %w", s.name, err)
+		}
+		if in == 0 {
+			return out, fmt.Errorf("side %s completed no task in the %.2f s both were completing tasks: give more --peer-tasks", s.name, to.Sub(from).Seconds())
 		}
 		out.TasksPerSec[i] = round2(float64(in) / to.Sub(from).Seconds())
 	}

@@ -127,7 +127,7 @@ func TestABTiny(t *testing.T) {
 	if out, err := exec.Command("go", "build", "-o", bin, "github.com/converge-run/converge/cmd/converge").CombinedOutput(); err != nil {
 		t.Fatalf("go build: %v\n%s", err, out)
 	}
-	res := runTiny(t, Config{Stages: []string{StageAB}, Runs: 1, PeerTasks: 100, Loadgen: bin, ABBinaries: []string{bin, bin}})
+	res := runTiny(t, Config{Stages: []string{StageAB}, Runs: 1, PeerTasks: 400, Loadgen: bin, ABBinaries: []string{bin, bin}})
 	ab := res.AB
 	if ab == nil || len(ab.Rounds) != 2 {
 		t.Fatalf("ab result %+v, want two rounds (one asked for, made even)", ab)

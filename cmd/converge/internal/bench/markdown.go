@@ -106,7 +106,7 @@ func (r *Results) Markdown(w io.Writer) {
 	}
 	if ab := r.AB; ab != nil && len(ab.Rounds) > 0 {
 		fmt.Fprintln(w)
-		fmt.Fprintf(w, "A/B side by side: A `%s` and B `%s` on the same job at the same time, %d tasks each from %d closed-loop clients per round, rates in the window both ran (median of %d rounds):\n\n",
+		fmt.Fprintf(w, "A/B side by side: A `%s` and B `%s` on the same job at the same time, %d tasks each from %d closed-loop clients per round, rates in the window in which both were completing tasks (median of %d rounds):\n\n",
 			ab.Binaries[0], ab.Binaries[1], ab.Tasks, ab.Clients, len(ab.Rounds))
 		fmt.Fprintln(w, "| round (started first) | A tasks/s | B tasks/s | B / A | A CPU ms per task | B CPU ms per task | B / A |")
 		fmt.Fprintln(w, "|---|---|---|---|---|---|---|")
