@@ -135,7 +135,7 @@ func runAB(ctx context.Context, e *env, res *Results) error {
 			failed = true
 			return fmt.Errorf("round %d: %w", round+1, err)
 		}
-		e.progress("ab      round %d (%s first): A %.0f tasks/s, B %.0f tasks/s in the %.1f s both ran: B/A %.3f; CPU ms per task A %.2f, B %.2f: B/A %.3f",
+		e.progress("ab      round %d (%s first): A %.0f tasks/s, B %.0f tasks/s in the %.1f s both were completing tasks: B/A %.3f; CPU ms per task A %.2f, B %.2f: B/A %.3f",
 			round+1, r.First, r.TasksPerSec[0], r.TasksPerSec[1], r.WindowSeconds, r.Ratio, r.CPUMsPerTask[0], r.CPUMsPerTask[1], r.CPURatio)
 		ab.Rounds = append(ab.Rounds, r)
 		ratios, cpuRatios = append(ratios, r.Ratio), append(cpuRatios, r.CPURatio)

@@ -134,7 +134,7 @@ func TestABTiny(t *testing.T) {
 	}
 	for i, r := range ab.Rounds {
 		if r.WindowSeconds <= 0 || r.TasksPerSec[0] <= 0 || r.TasksPerSec[1] <= 0 || r.CPUMsPerTask[0] <= 0 || r.CPUMsPerTask[1] <= 0 {
-			t.Fatalf("round %d %+v: want a window both ran in, and rates and CPU for both sides", i+1, r)
+			t.Fatalf("round %d %+v: want a window in which both were completing tasks, and rates and CPU for both sides", i+1, r)
 		}
 	}
 	if ab.Rounds[0].First == ab.Rounds[1].First {
