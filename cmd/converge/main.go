@@ -101,7 +101,7 @@ func main() {
 	kctx := kong.Parse(&cli,
 		kong.Name("converge"),
 		kong.Description("Reliable document-conversion tasks through PostgreSQL, Kafka and Redis (at-least-once delivery plus deduplication)."),
-		kong.UsageOnError(),
+		kong.ShortUsageOnError(), // the error, then one usage line and where the help is: not 90 lines of flags before the error
 	)
 	log := newLogger(cli.Globals)
 	redis.SetLogger(redisLogger{log}) // go-redis's own messages (reconnects) into the structured log
