@@ -179,7 +179,7 @@ func (e *env) abRound(ctx context.Context, pool *pgxpool.Pool, round int) (ABRou
 	}
 	read := func(s *abSide) (meter, error) {
 		b, err := backendCPU(ctx, pool, s.db)
-		return meter{tree: treeCPU(s.cmd.Process.Pid), backends: b}, err
+		return meter{tree: treeCPU(strconv.Itoa(s.cmd.Process.Pid)), backends: b}, err
 	}
 	var before [2]meter
 	for i, s := range sides {
@@ -336,23 +336,14 @@ func (e *env) abDir(name string, round int) string {
 	return filepath.Join(e.dir, fmt.Sprintf("ab-%s-%d", name, round))
 }
 
-// loadgen runs `converge loadgen` (Config.Loadgen) against the side with
-// 16 closed-loop clients for n tasks under keys starting with prefix, and
-// waits for them (one query per poll).
+// loadgen runs the load generator against the side for n tasks under
+// keys starting with prefix (runLoadgen, with the token of the side's dev);
+// its report is kept in the side's directory.
 func (s *abSide) loadgen(ctx context.Context, prefix string, n int) error {
-	self, err := s.e.loadgenExecutable()
-	if err != nil {
-		return err
-	}
-	cmd := exec.CommandContext(ctx, self, "loadgen", "--api-url", s.apiURL, "--clients", strconv.Itoa(peerClients),
-		"--count", strconv.Itoa(n), "--duration", "0", "--doc-size", strconv.Itoa(s.e.cfg.DocSize),
-		"--wait-timeout", "5m", "--database-url", s.dbURL, "--data-dir", filepath.Join(s.dir, "data"),
-		"--key-prefix", prefix, "--log-level", "warn")
-	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL} // not left polling after this process died
-	out, err := cmd.CombinedOutput()
+	out, _, err := s.e.runLoadgen(ctx, s.apiURL, s.dbURL, prefix, n, "--data-dir", filepath.Join(s.dir, "data"))
 	_ = os.WriteFile(filepath.Join(s.dir, "loadgen.out"), out, 0o644)
 	if err != nil {
-		return fmt.Errorf("side %s: converge loadgen: %v\n%s", s.name, err, out)
+		return fmt.Errorf("side %s: %w", s.name, err)
 	}
 	return nil
 }
@@ -411,53 +402,6 @@ func (s *abSide) stop() {
 		s.e.progress("ab      side %s: dev did not stop within 30 s of SIGINT; killed", s.name)
 	}
 	dropSlots(s.e, s.db)
-}
-
-// treeCPU is the user+system CPU time of pid and of its living
-// descendants, from /proc, plus the children pid has waited for.
-func treeCPU(pid int) time.Duration {
-	entries, err := os.ReadDir("/proc")
-	if err != nil {
-		return 0
-	}
-	parent := map[string]string{}
-	for _, d := range entries {
-		if _, err := strconv.Atoi(d.Name()); err != nil {
-			continue
-		}
-		if _, ppid, ok := procCPU(d.Name()); ok {
-			parent[d.Name()] = ppid
-		}
-	}
-	root := strconv.Itoa(pid)
-	in := func(p string) bool {
-		for range 64 {
-			if p == root {
-				return true
-			}
-			next, ok := parent[p]
-			if !ok || next == p {
-				return false
-			}
-			p = next
-		}
-		return false
-	}
-	var sum time.Duration
-	for p := range parent {
-		if !in(p) {
-			continue
-		}
-		cpu, children, _, ok := procTimes(p)
-		if !ok {
-			continue
-		}
-		sum += cpu
-		if p == root {
-			sum += children
-		}
-	}
-	return sum
 }
 
 func maxTime(a, b time.Time) time.Time {

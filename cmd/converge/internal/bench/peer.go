@@ -347,23 +347,34 @@ func (p *peerPipeline) stop() {
 	dropSlots(p.e, p.db) // the run's slot, so that settle can drop its database
 }
 
-// loadgen runs `converge loadgen` (Config.Loadgen, by default this
-// executable) with 16 closed-loop clients for n tasks and waits for them
-// (one query per poll); it returns the process's CPU time.
+// loadgen runs `converge loadgen` with 16 closed-loop clients for n tasks
+// and waits for them (runLoadgen); it returns the process's CPU time.
 func (p *peerPipeline) loadgen(ctx context.Context, prefix string, n int) (time.Duration, error) {
-	self, err := p.e.loadgenExecutable()
+	_, cpu, err := p.e.runLoadgen(ctx, p.baseURL, p.dbURL, prefix, n, "--token", p.token)
+	return cpu, err
+}
+
+// runLoadgen runs `converge loadgen` (Config.Loadgen, by default this
+// executable) against the API at apiURL with 16 closed-loop clients for n
+// tasks under keys starting with prefix, and waits for them (one query per
+// poll on dbURL); auth are the flags naming the API token (--token T, or
+// --data-dir D of a converge dev). It returns the load generator's output
+// and CPU time; the process is killed if this one dies.
+func (e *env) runLoadgen(ctx context.Context, apiURL, dbURL, prefix string, n int, auth ...string) ([]byte, time.Duration, error) {
+	self, err := e.loadgenExecutable()
 	if err != nil {
-		return 0, err
+		return nil, 0, err
 	}
-	cmd := exec.CommandContext(ctx, self, "loadgen", "--api-url", p.baseURL, "--clients", strconv.Itoa(peerClients),
-		"--count", strconv.Itoa(n), "--duration", "0", "--doc-size", strconv.Itoa(p.e.cfg.DocSize),
-		"--wait-timeout", "5m", "--database-url", p.dbURL, "--token", p.token, "--key-prefix", prefix, "--log-level", "warn")
-	var out bytes.Buffer
-	cmd.Stdout, cmd.Stderr = &out, &out
-	if err := cmd.Run(); err != nil {
-		return 0, fmt.Errorf("converge loadgen: %v\n%s", err, out.String())
+	args := append([]string{"loadgen", "--api-url", apiURL, "--clients", strconv.Itoa(peerClients),
+		"--count", strconv.Itoa(n), "--duration", "0", "--doc-size", strconv.Itoa(e.cfg.DocSize),
+		"--wait-timeout", "5m", "--database-url", dbURL, "--key-prefix", prefix, "--log-level", "warn"}, auth...)
+	cmd := exec.CommandContext(ctx, self, args...)
+	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL} // not left polling after this process died
+	out, err := cmd.CombinedOutput()
+	if err != nil {
+		return out, 0, fmt.Errorf("converge loadgen: %v\n%s", err, out)
 	}
-	return childCPU(cmd), nil
+	return out, childCPU(cmd), nil
 }
 
 // run is one converge run: PeerTasks tasks through the API from the load

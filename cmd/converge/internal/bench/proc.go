@@ -112,30 +112,56 @@ func postmasterPID(dataDir string) string {
 }
 
 // postgresCPU sums the CPU time of the postmaster and its children (the
-// backends, WAL writer, checkpointer, WAL senders, ...): the live ones from
-// their /proc entries, the exited ones from the postmaster's cutime and
-// cstime (it waits for every backend).
-func postgresCPU(pm string) time.Duration {
-	if pm == "" {
+// backends, WAL writer, checkpointer, WAL senders, ...): treeCPU of the
+// postmaster, which waits for every backend, so the exited ones are in its
+// cutime and cstime.
+func postgresCPU(pm string) time.Duration { return treeCPU(pm) }
+
+// treeCPU is the user+system CPU time of process root and of its living
+// descendants, from one pass over /proc, plus that of the children root
+// has waited for (cutime, cstime); 0 when root is "".
+func treeCPU(root string) time.Duration {
+	if root == "" {
 		return 0
 	}
 	ents, err := os.ReadDir("/proc")
 	if err != nil {
 		return 0
 	}
-	var total time.Duration
+	type proc struct {
+		cpu, children time.Duration
+		ppid          string
+	}
+	procs := map[string]proc{}
 	for _, e := range ents {
 		n := e.Name()
 		if n[0] < '0' || n[0] > '9' {
 			continue
 		}
-		cpu, children, ppid, ok := procTimes(n)
+		if cpu, children, ppid, ok := procTimes(n); ok {
+			procs[n] = proc{cpu: cpu, children: children, ppid: ppid}
+		}
+	}
+	under := func(p string) bool {
+		for range 64 { // deeper than any process tree here; a cycle ends too
+			if p == root {
+				return true
+			}
+			q, ok := procs[p]
+			if !ok {
+				return false
+			}
+			p = q.ppid
+		}
+		return false
+	}
+	var total time.Duration
+	for n, p := range procs {
 		switch {
-		case !ok:
-		case n == pm:
-			total += cpu + children
-		case ppid == pm:
-			total += cpu
+		case n == root:
+			total += p.cpu + p.children
+		case under(p.ppid):
+			total += p.cpu
 		}
 	}
 	return total
