@@ -104,6 +104,35 @@ func (c *BenchCmd) Run(env *runEnv) error {
 	return nil
 }
 
+// Validate refuses a negative count or duration when the command line is
+// parsed (0 is the stage's default; before, -1 was silently the default).
+func (c *BenchCmd) Validate() error {
+	for _, v := range []struct {
+		n    int64
+		flag string
+	}{
+		{int64(c.Runs), "--runs"}, {int64(c.RelayRows), "--relay-rows"}, {int64(c.RSSRows), "--rss-rows"},
+		{int64(c.WorkerTasks), "--worker-tasks"}, {int64(c.DocSize), "--doc-size"}, {int64(c.PeerTasks), "--peer-tasks"},
+		{int64(c.Partitions), "--partitions"}, {int64(c.WorkerConcurrency), "--worker-concurrency"},
+		{int64(c.CreateDuration), "--create-duration"}, {int64(c.E2EStep), "--e2e-step"},
+	} {
+		if v.n < 0 {
+			return fmt.Errorf("%s: want a positive value, or leave it out for the default", v.flag)
+		}
+	}
+	for _, n := range c.CreateClients {
+		if n < 1 {
+			return fmt.Errorf("--create-clients %d: want at least 1", n)
+		}
+	}
+	for _, r := range c.E2ERates {
+		if !(r > 0) {
+			return fmt.Errorf("--e2e-rates %v: want a positive rate", r)
+		}
+	}
+	return nil
+}
+
 func setIf[T comparable](dst *T, v T) {
 	var zero T
 	if v != zero {

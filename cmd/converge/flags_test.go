@@ -106,3 +106,25 @@ func TestAPICountsAreChecked(t *testing.T) {
 		t.Errorf("CONVERGE_CREATE_TRANSACTIONS=0: %v, want it refused naming the variable", err)
 	}
 }
+
+// The bench's negative counts and durations are refused when the command
+// line is parsed, naming the flag (-1 was silently the default); 0 and
+// leaving a flag out keep the default.
+func TestBenchCountsAreChecked(t *testing.T) {
+	for _, args := range [][]string{
+		{"bench", "--runs=-1"}, {"bench", "--peer-tasks=-5"}, {"bench", "--create-duration=-1s"},
+		{"bench", "--create-clients=4,0"}, {"bench", "--e2e-rates=100,-2"},
+	} {
+		var cli CLI
+		p, err := kong.New(&cli, kong.Name("converge"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		_, err = p.Parse(args)
+		flag, _, _ := strings.Cut(strings.TrimPrefix(args[1], "--"), "=")
+		if err == nil || !strings.Contains(err.Error(), "--"+flag) {
+			t.Errorf("%v: %v, want it refused naming --%s", args, err, flag)
+		}
+	}
+	parseCLI(t, "bench", "--runs=0", "--peer-tasks", "100")
+}
