@@ -29,7 +29,10 @@ import (
 // whole run, instead of two per record; each record's inbox row, task start
 // and effect row are still written, in the intake transaction, before its
 // effect, and each offset is still committed only after the transaction
-// recording its outcome. Anything off the happy path — a redelivery, a task
+// recording its outcome. A run goes through a group of runs (groups.go):
+// the runs of other partitions submitted at the same time share its
+// transactions. A run may be a single record: it shares a group's
+// transactions when others wait with it. Anything off the happy path — a redelivery, a task
 // not queued or not visible yet, an effect to resume, a failed effect, a
 // concurrent change — sends the records concerned through the per-record
 // path (processRecord), which resumes each from its durable state; so every
@@ -42,8 +45,9 @@ var errNotFresh = errors.New("record off the batch path")
 
 // processBatch processes the records of one partition's batch in order and
 // returns how many of them, from the first, have durable outcomes. Runs of
-// fresh records go through processRun; the others through processRecord,
-// at most Concurrency records (or runs) of all partitions at once. It stops
+// fresh records go through groups of runs (groups.go, processGroup); the
+// others, and what a group leaves undone, through processRecord; at most
+// Concurrency records (or runs) of all partitions at once. It stops
 // early when ctx is cancelled (revoke, loss, shutdown).
 func (w *Worker) processBatch(ctx context.Context, b consumergroup.Batch, sem chan struct{}) int {
 	recs := b.Records
@@ -53,8 +57,11 @@ func (w *Worker) processBatch(ctx context.Context, b consumergroup.Batch, sem ch
 		case <-ctx.Done():
 			return i
 		}
-		if run, span := w.runOf(recs[i:]); len(run) > 1 {
-			n := w.processRun(ctx, b.Client, run)
+		if run, span := w.runOf(recs[i:]); len(run) > 0 {
+			// The run goes through transactions shared with the runs of
+			// other partitions (groups.go); what it leaves undone goes
+			// through the per-record path, in order.
+			n := w.perRecord(ctx, b.Client, run, w.groups.do(run))
 			<-sem
 			// Records the run skipped (events the worker ignores) are done
 			// once every job before them is.
@@ -117,28 +124,29 @@ func (w *Worker) runOf(recs []*kgo.Record) (run []*job, span int) {
 	return run, span
 }
 
-// processRun processes a run of fresh records (see the top of the file) and
-// returns how many of them, from the first, have durable outcomes: all of
-// them unless ctx ended during the per-record fallback.
-func (w *Worker) processRun(ctx context.Context, cl *kgo.Client, run []*job) int {
+// processGroup processes a group of fresh records (the runs of one or more
+// partitions, of distinct tasks: groups.go) through one intake transaction,
+// the effects, and one completion transaction, and returns each job's
+// outcome when it is durable ("" when it is not: the per-record path takes
+// that job). When the intake fails, nothing of the group was written (or,
+// when the COMMIT's answer was lost, all of its intake, which the
+// per-record path resumes) and every outcome is "".
+func (w *Worker) processGroup(ctx context.Context, run []*job) []string {
 	start := time.Now()
-	actx, cancel := context.WithTimeout(context.WithoutCancel(ctx), w.cfg.AttemptTimeout)
+	done := make([]string, len(run))
+	actx, cancel := context.WithTimeout(ctx, w.cfg.AttemptTimeout)
 	err := dbpool.InPipelinedTx(actx, w.pool, func(tx *dbpool.PipelinedTx) error { return w.intakeRun(actx, tx, run) })
 	cancel()
 	if err != nil {
-		// Nothing of the run was written (or, when the COMMIT's answer
-		// was lost, all of its intake): each record goes its own way, and
-		// the per-record path resumes an intake that committed.
 		if !errors.Is(err, errNotFresh) {
 			w.log.WarnContext(ctx, "intake of a run failed; its records are processed one by one", slog.Int("records", len(run)), slog.Any("err", err))
 		}
-		return w.perRecord(ctx, cl, run, nil)
+		return done
 	}
 	w.m.batched.Add(float64(len(run)))
 	w.m.effects.WithLabelValues(string(ledger.KindArtifactPut), string(ledger.Started)).Add(float64(len(run)))
 	// The effects, of distinct tasks, at most Concurrency at once.
 	verified := make([]*verifiedEffect, len(run))
-	ended := make([]string, len(run)) // an outcome of the effect path (failed)
 	var wg sync.WaitGroup
 	sem := make(chan struct{}, w.cfg.Concurrency)
 	// The run's objects, written together: their fsyncs share the
@@ -153,14 +161,14 @@ func (w *Worker) processRun(ctx context.Context, cl *kgo.Client, run []*job) int
 		sem <- struct{}{}
 		wg.Go(func() {
 			defer func() { <-sem }()
-			actx, cancel := context.WithTimeout(context.WithoutCancel(ctx), w.cfg.AttemptTimeout)
+			actx, cancel := context.WithTimeout(ctx, w.cfg.AttemptTimeout)
 			defer cancel()
 			v, outcome, err := w.perform(actx, j)
 			switch {
 			case err != nil:
 				// left for the per-record path, which resumes the effect
 			case outcome != "":
-				ended[i] = outcome
+				done[i] = outcome // an outcome of the effect path (failed)
 			default:
 				verified[i] = &v
 			}
@@ -181,10 +189,8 @@ func (w *Worker) processRun(ctx context.Context, cl *kgo.Client, run []*job) int
 			ready, readyV = append(ready, run[i]), append(readyV, *v)
 		}
 	}
-	done := make([]string, len(run))
-	copy(done, ended)
 	if len(ready) > 0 {
-		actx, cancel := context.WithTimeout(context.WithoutCancel(ctx), w.cfg.AttemptTimeout)
+		actx, cancel := context.WithTimeout(ctx, w.cfg.AttemptTimeout)
 		var completed []taskevent.Task
 		err := dbpool.InPipelinedTx(actx, w.pool, func(tx *dbpool.PipelinedTx) error {
 			var err error
@@ -211,21 +217,21 @@ func (w *Worker) processRun(ctx context.Context, cl *kgo.Client, run []*job) int
 			w.m.processing.Observe(time.Since(start).Seconds())
 		}
 	}
-	return w.perRecord(ctx, cl, run, done)
+	return done
 }
 
 // perRecord runs processRecord for the jobs of run whose outcome is not
-// durable yet (done[i] empty; all when done is nil), in order, and returns
+// durable yet (done[i] empty), in order, and returns
 // how many jobs from the first have durable outcomes.
 func (w *Worker) perRecord(ctx context.Context, cl *kgo.Client, run []*job, done []string) int {
 	for i, j := range run {
-		if done != nil && done[i] != "" {
+		if done[i] != "" {
 			continue
 		}
 		if ctx.Err() != nil || !w.processRecord(ctx, cl, j.rec) {
 			// Given up: the run's intake may have leased the rest.
 			for k := i + 1; k < len(run); k++ {
-				if done == nil || done[k] == "" {
+				if done[k] == "" {
 					w.releaseLease(run[k].rec, w.log)
 				}
 			}

@@ -73,9 +73,10 @@
 // at most Concurrency records of all partitions at once.
 //
 // Runs of fresh records of a batch share one intake and one completion
-// transaction (batch.go, MaxBatchRecords); every record off the happy path
-// goes through the per-record protocol below, which resumes it from its
-// durable state.
+// transaction (batch.go, MaxBatchRecords), and so do the runs of different
+// partitions submitted while RunGroups groups are busy (groups.go); every
+// record off the happy path goes through the per-record protocol below, in
+// its partition's goroutine, which resumes it from its durable state.
 //
 // The aggregates' rules live with their owners: the inbox in
 // internal/inbox, the task transitions in internal/task, the effect ledger

@@ -116,8 +116,15 @@ type Config struct {
 	// MaxBatchRecords bounds a run of a batch's fresh records that share
 	// one intake and one completion transaction (batch.go): larger runs
 	// commit less per task, and a run's records wait for its slowest
-	// effect. 1 processes every record on its own. Defaults to 64.
+	// effect. It also bounds a group of runs of different partitions
+	// (RunGroups). 1 processes every record on its own. Defaults to 64.
 	MaxBatchRecords int
+	// RunGroups is how many groups of runs are processed at once
+	// (groups.go): the runs that partitions submit while that many are
+	// busy wait and are then processed together, in one intake and one
+	// completion transaction. Defaults to 2 (BENCHMARKS.md, session of
+	// 2026-12-07, twelfth).
+	RunGroups int
 	// RetryBackoffMin is the first delay before a record that failed with a
 	// retryable error is retried in place; each further attempt doubles it,
 	// up to RetryBackoffMax, with jitter (a uniform draw in [d/2, d]).
@@ -198,6 +205,9 @@ func (c *Config) setDefaults() {
 	if c.MaxBatchRecords <= 0 {
 		c.MaxBatchRecords = 64
 	}
+	if c.RunGroups <= 0 {
+		c.RunGroups = 2
+	}
 	if c.RetryBackoffMin <= 0 {
 		c.RetryBackoffMin = 100 * time.Millisecond
 	}
@@ -262,6 +272,7 @@ type Worker struct {
 	faults  *fault.Set
 	m       *metrics
 	lease   inbox.Lease
+	groups  *runGroups
 	// afterStartMissed, when set (tests only), runs in the per-record
 	// intake after the start's compare-and-set did not apply and before the
 	// task is read.
@@ -282,6 +293,12 @@ func New(cfg Config) (*Worker, error) {
 	}
 	w := &Worker{cfg: cfg, log: cfg.Logger, pool: cfg.Pool, store: cfg.ArtifactStore, faults: cfg.Faults, m: m,
 		lease: inbox.Lease{Owner: cfg.LeaseOwner, For: cfg.InboxLease}}
+	w.groups = &runGroups{max: cfg.RunGroups, maxJobs: cfg.MaxBatchRecords, process: func(jobs []*job) []string {
+		// A group's work is bounded by AttemptTimeout per step, not by any
+		// one partition's context: a partition revoked meanwhile waits for
+		// its run's outcomes, as it did before groups.
+		return w.processGroup(context.Background(), jobs)
+	}}
 	if w.pool, w.ownPool, err = dbpool.Use(w.pool, cfg.DatabaseURL, "worker"); err != nil {
 		return nil, err
 	}
