@@ -49,7 +49,7 @@ func TestRunsSubmittedWhileBusyShareAGroup(t *testing.T) {
 		"first": testRun("first", 1),
 		"a":     testRun("a", 2),
 		"b":     testRun("b", 3),
-		"c":     testRun("c", 2),       // does not fit with a and b (6 records): the next group
+		"c":     testRun("c", 2),      // does not fit with a and b (6 records): the next group
 		"d":     {testRun("a", 1)[0]}, // shares task a-0 with a: the next group
 	}
 	outcomes := map[string][]string{}
@@ -67,7 +67,11 @@ func TestRunsSubmittedWhileBusyShareAGroup(t *testing.T) {
 	for _, name := range []string{"a", "b", "c", "d"} {
 		submit(name)
 		// in this order: each is waiting before the next
-		testenv.Eventually(t, waitFor, "run "+name+" waiting", func() bool { g.mu.Lock(); defer g.mu.Unlock(); return len(g.waiting) > 0 && g.waiting[len(g.waiting)-1].run[0] == runs[name][0] })
+		testenv.Eventually(t, waitFor, "run "+name+" waiting", func() bool {
+			g.mu.Lock()
+			defer g.mu.Unlock()
+			return len(g.waiting) > 0 && g.waiting[len(g.waiting)-1].run[0] == runs[name][0]
+		})
 	}
 	close(release)
 	wg.Wait()
