@@ -141,6 +141,7 @@ func TestABTiny(t *testing.T) {
 		t.Fatalf("both rounds started side %s first, want the order alternated", ab.Rounds[0].First)
 	}
 	wantMarkdown(t, res, "A/B side by side")
+	wantMarkdown(t, res, "(the ab stage: of 2 rounds)")
 }
 
 // runTiny runs cfg with fsync off, the components' logs discarded and a

@@ -11,9 +11,14 @@ import (
 func (r *Results) Markdown(w io.Writer) {
 	m := r.Machine
 	fmt.Fprintf(w, "Run of %s: `%s`\n\n", r.Date, r.Command)
-	fmt.Fprintf(w, "Machine: %d cores (%s), %d MB memory, Linux %s; load average %s before, %s after. PostgreSQL %s, %s, fsync %v. Median of %d runs; %.0f s in all.\n\n",
+	medians := fmt.Sprintf("Median of %d runs", r.Settings.Runs)
+	if r.AB != nil {
+		// The ab stage rounds --runs up to even.
+		medians += fmt.Sprintf(" (the ab stage: of %d rounds)", len(r.AB.Rounds))
+	}
+	fmt.Fprintf(w, "Machine: %d cores (%s), %d MB memory, Linux %s; load average %s before, %s after. PostgreSQL %s, %s, fsync %v. %s; %.0f s in all.\n\n",
 		m.Cores, m.CPUModel, m.MemTotalMB, m.Kernel, m.LoadAvgBefore, m.LoadAvgAfter, r.Settings.PostgresVersion, r.Settings.GoVersion,
-		onOffWord(r.Settings.Fsync), r.Settings.Runs, r.TotalSeconds)
+		onOffWord(r.Settings.Fsync), medians, r.TotalSeconds)
 	if len(r.Create) > 0 || r.Relay != nil || r.RSS != nil || r.Worker != nil || r.E2E != nil {
 		fmt.Fprintln(w, "| stage | converge | limit, same run | ratio | target | CPU (cores, last run) converge / postgres / other |")
 		fmt.Fprintln(w, "|---|---|---|---|---|---|")
