@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/converge-run/converge/cmd/converge/internal/bench"
+	"github.com/converge-run/converge/cmd/converge/internal/loadgen"
 )
 
 // BenchCmd runs every stage against its physical limit (make bench).
@@ -126,8 +127,8 @@ func (c *BenchCmd) Validate() error {
 		}
 	}
 	for _, r := range c.E2ERates {
-		if !(r > 0) {
-			return fmt.Errorf("--e2e-rates %v: want a positive rate", r)
+		if !(r >= loadgen.MinRate && r <= loadgen.MaxRate) { // NaN and ±Inf included
+			return fmt.Errorf("--e2e-rates %g: want %g to %g requests/s (the load generator's bounds)", r, loadgen.MinRate, loadgen.MaxRate)
 		}
 	}
 	return nil

@@ -113,7 +113,8 @@ func TestAPICountsAreChecked(t *testing.T) {
 func TestBenchCountsAreChecked(t *testing.T) {
 	for _, args := range [][]string{
 		{"bench", "--runs=-1"}, {"bench", "--peer-tasks=-5"}, {"bench", "--create-duration=-1s"},
-		{"bench", "--create-clients=4,0"}, {"bench", "--e2e-rates=100,-2"},
+		{"bench", "--create-clients=4,0"}, {"bench", "--e2e-rates=100,-2"}, {"bench", "--e2e-rates=2e6"},
+		{"bench", "--e2e-rates=+Inf"}, {"bench", "--e2e-rates=NaN"}, {"bench", "--e2e-rates=0.0001"},
 	} {
 		var cli CLI
 		p, err := kong.New(&cli, kong.Name("converge"))

@@ -39,9 +39,13 @@ import (
 // rule of the package doc holds for batches too. Batching is off while fault
 // points are armed (their passes are counted per record).
 
-// errNotFresh makes a run's intake transaction roll back: some record of the
-// run needs the per-record path.
-var errNotFresh = errors.New("record off the batch path")
+// notFresh makes a run's intake transaction roll back: the record at idx
+// (of the jobs given to intakeRun) needs the per-record path.
+type notFresh struct{ idx int }
+
+func (e notFresh) Error() string {
+	return fmt.Sprintf("record %d of the run is off the batch path", e.idx)
+}
 
 // processBatch processes the records of one partition's batch in order and
 // returns how many of them, from the first, have durable outcomes. Runs of
@@ -61,7 +65,7 @@ func (w *Worker) processBatch(ctx context.Context, b consumergroup.Batch, sem ch
 			// The run goes through transactions shared with the runs of
 			// other partitions (groups.go); what it leaves undone goes
 			// through the per-record path, in order.
-			n := w.perRecord(ctx, b.Client, run, w.groups.do(run))
+			n := w.perRecord(ctx, b.Client, run, w.groups.do(ctx, run))
 			<-sem
 			// Records the run skipped (events the worker ignores) are done
 			// once every job before them is.
@@ -130,18 +134,22 @@ func (w *Worker) runOf(recs []*kgo.Record) (run []*job, span int) {
 // outcome when it is durable ("" when it is not: the per-record path takes
 // that job). When the intake fails, nothing of the group was written (or,
 // when the COMMIT's answer was lost, all of its intake, which the
-// per-record path resumes) and every outcome is "".
-func (w *Worker) processGroup(ctx context.Context, run []*job) []string {
+// per-record path resumes) and every outcome is ""; stale is then the
+// index of the job that is not fresh when that was why, and -1 otherwise
+// (and when the intake committed).
+func (w *Worker) processGroup(ctx context.Context, run []*job) (done []string, stale int) {
 	start := time.Now()
-	done := make([]string, len(run))
+	done = make([]string, len(run))
 	actx, cancel := context.WithTimeout(ctx, w.cfg.AttemptTimeout)
 	err := dbpool.InPipelinedTx(actx, w.pool, func(tx *dbpool.PipelinedTx) error { return w.intakeRun(actx, tx, run) })
 	cancel()
 	if err != nil {
-		if !errors.Is(err, errNotFresh) {
-			w.log.WarnContext(ctx, "intake of a run failed; its records are processed one by one", slog.Int("records", len(run)), slog.Any("err", err))
+		var nf notFresh
+		if errors.As(err, &nf) {
+			return done, nf.idx
 		}
-		return done
+		w.log.WarnContext(ctx, "intake of a run failed; its records are processed one by one", slog.Int("records", len(run)), slog.Any("err", err))
+		return done, -1
 	}
 	w.m.batched.Add(float64(len(run)))
 	w.m.effects.WithLabelValues(string(ledger.KindArtifactPut), string(ledger.Started)).Add(float64(len(run)))
@@ -217,7 +225,7 @@ func (w *Worker) processGroup(ctx context.Context, run []*job) []string {
 			w.m.processing.Observe(time.Since(start).Seconds())
 		}
 	}
-	return done
+	return done, -1
 }
 
 // perRecord runs processRecord for the jobs of run whose outcome is not
@@ -249,7 +257,7 @@ func (w *Worker) perRecord(ctx context.Context, cl *kgo.Client, run []*job, done
 // for all, BEGIN included, two statements a record); the documents
 // canonicalized; the effect rows planned (one more round trip, a statement
 // a record: ledger.QueuePlanNew); COMMIT is the third, sent by
-// dbpool.InPipelinedTx when intakeRun returns nil. It fails with errNotFresh, and the transaction is
+// dbpool.InPipelinedTx when intakeRun returns nil. It fails with notFresh, and the transaction is
 // rolled back, when a record is a redelivery, its task does not start (not
 // queued, or not visible yet) or starts an attempt other than its first,
 // has no document or an effect recorded already, or its document does not
@@ -282,11 +290,11 @@ func (w *Worker) intakeRun(ctx context.Context, tx *dbpool.PipelinedTx, run []*j
 	want := make([]ledger.Effect, n)
 	for i, j := range run {
 		if !inserted[i] || !started[i].Applied || started[i].Task.Attempt != 1 || !docFound[i] {
-			return errNotFresh
+			return notFresh{i}
 		}
 		out, err := canon.Transform(docs[i])
 		if err != nil {
-			return errNotFresh
+			return notFresh{i}
 		}
 		j.task, j.artifact = started[i].Task, out
 		want[i] = ledger.NewPut(j.task.TaskID, j.task.Attempt, canon.SHA256Hex(out), int64(len(out)))
@@ -302,7 +310,7 @@ func (w *Worker) intakeRun(ctx context.Context, tx *dbpool.PipelinedTx, run []*j
 	}
 	for i, j := range run {
 		if !planned[i] {
-			return errNotFresh
+			return notFresh{i}
 		}
 		j.effect, j.planned = effs[i], true
 	}

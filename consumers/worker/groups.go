@@ -1,6 +1,10 @@
 package worker
 
-import "sync"
+import (
+	"context"
+	"slices"
+	"sync"
+)
 
 // Groups of runs (issue 11). A run is one partition's fresh records
 // (batch.go); its records' size follows the partition's share of the poll,
@@ -10,9 +14,10 @@ import "sync"
 // 13 % more CPU per task than 2, and 0.55 commits per task against 0.38).
 // The runs that partitions submit while RunGroups groups are being
 // processed wait and are then processed together, as one group (up to
-// MaxBatchRecords records, whole runs, of distinct tasks): one intake
-// transaction, the effects, one completion transaction — group commit, as
-// the API's creates (services/api, coalescer).
+// MaxBatchRecords records, whole runs, of distinct tasks, none of them a
+// task of a group being processed): one intake transaction, the effects,
+// one completion transaction — group commit, as the API's creates
+// (services/api, coalescer).
 //
 // Nothing of a run's rules changes: each record's inbox row, task start and
 // effect row are written in the group's intake transaction before its
@@ -21,21 +26,26 @@ import "sync"
 // intake rolled back because one of its records is not fresh, a failed
 // effect, a completion that did not apply) goes through the per-record
 // path, each run's records in their partition's order, in the partition's
-// own goroutine. A record off the batch path in one partition's run sends
-// the other runs of its group through the per-record path too: a cost, not
-// a change of outcome.
+// own goroutine. A record off the batch path (a redelivery, a task not
+// visible yet) rolls back its group's intake; its run then goes through the
+// per-record path and the group's other runs are processed again without
+// it. A run whose partition's context ends while it waits (revoke, loss,
+// shutdown) leaves the queue unprocessed; once its group has taken it, its
+// partition waits for its outcomes, as for a run before groups.
 
 // runGroups joins the runs submitted while its groups are busy.
 type runGroups struct {
 	max     int // groups processed at once (RunGroups)
 	maxJobs int // records of a group (MaxBatchRecords), unless its first run alone has more
-	// process processes a group's jobs and returns their outcomes
+	// process processes a group's jobs and returns their outcomes, and the
+	// index of the job that made its intake roll back, or -1
 	// (Worker.processGroup).
-	process func(jobs []*job) []string
+	process func(jobs []*job) (done []string, stale int)
 
 	mu      sync.Mutex
 	waiting []*submittedRun
 	active  int
+	busy    map[string]bool // the tasks of the groups taken and not yet ended
 }
 
 // submittedRun is one partition's run waiting for its outcomes.
@@ -47,8 +57,10 @@ type submittedRun struct {
 }
 
 // do processes run, in a group with the runs that wait with it, and returns
-// its jobs' outcomes ("" for a job whose outcome is not durable).
-func (g *runGroups) do(run []*job) []string {
+// its jobs' outcomes ("" for a job whose outcome is not durable). When ctx
+// ends before a group has taken run, run leaves the queue and every outcome
+// is "".
+func (g *runGroups) do(ctx context.Context, run []*job) []string {
 	s := &submittedRun{run: run, ready: make(chan struct{})}
 	g.mu.Lock()
 	g.waiting = append(g.waiting, s)
@@ -57,14 +69,32 @@ func (g *runGroups) do(run []*job) []string {
 		go g.run()
 	}
 	g.mu.Unlock()
-	<-s.ready
+	select {
+	case <-s.ready:
+		return s.done
+	case <-ctx.Done():
+	}
+	g.mu.Lock()
+	if i := slices.Index(g.waiting, s); i >= 0 {
+		g.waiting = slices.Delete(g.waiting, i, i+1)
+		g.mu.Unlock()
+		return make([]string, len(run))
+	}
+	g.mu.Unlock()
+	<-s.ready // taken: its intake may be under way
 	return s.done
 }
 
-// run processes groups of the waiting runs until none waits.
+// run processes groups of the waiting runs until none can be taken.
 func (g *runGroups) run() {
+	var ended []*submittedRun
 	for {
 		g.mu.Lock()
+		for _, s := range ended {
+			for _, j := range s.run {
+				delete(g.busy, j.ev.TaskID)
+			}
+		}
 		group := g.take()
 		if len(group) == 0 {
 			g.active--
@@ -72,36 +102,58 @@ func (g *runGroups) run() {
 			return
 		}
 		g.mu.Unlock()
-		var jobs []*job
-		for _, s := range group {
-			jobs = append(jobs, s.run...)
-		}
-		done := g.process(jobs)
-		for _, s := range group {
-			s.done, done = done[:len(s.run):len(s.run)], done[len(s.run):]
-			close(s.ready)
+		ended = group
+		for len(group) > 0 {
+			var jobs []*job
+			for _, s := range group {
+				jobs = append(jobs, s.run...)
+			}
+			done, stale := g.process(jobs)
+			if stale < 0 || len(group) == 1 {
+				for _, s := range group {
+					s.done, done = done[:len(s.run):len(s.run)], done[len(s.run):]
+					close(s.ready)
+				}
+				break
+			}
+			// The run of the record that is not fresh goes through the
+			// per-record path; the others are processed again without it.
+			var rest []*submittedRun
+			for _, s := range group {
+				if stale >= 0 && stale < len(s.run) {
+					s.done = done[:len(s.run):len(s.run)]
+					close(s.ready)
+				} else {
+					rest = append(rest, s)
+				}
+				stale -= len(s.run)
+			}
+			group = rest
 		}
 	}
 }
 
-// take removes from g.waiting, in order, the runs of the next group: the
-// first run, then each further one while the group stays within
-// MaxBatchRecords records and its tasks stay distinct (a task's records
-// share its partition, except across a change of the topic's partition
-// count). g.mu is held.
+// take removes from g.waiting, in order, the runs of the next group: each
+// run while the group stays within maxJobs records (its first run
+// excepted), and none of its tasks is in the group or in a group being
+// processed (g.busy; a task's records share its partition, except across a
+// change of the topic's partition count). The group's tasks become busy.
+// g.mu is held.
 func (g *runGroups) take() []*submittedRun {
 	var group, rest []*submittedRun
 	n := 0
-	tasks := map[string]bool{}
 	for _, s := range g.waiting {
-		if len(group) > 0 && (n+len(s.run) > g.maxJobs || sharesTask(s.run, tasks)) {
+		if (len(group) > 0 && n+len(s.run) > g.maxJobs) || sharesTask(s.run, g.busy) {
 			rest = append(rest, s)
 			continue
 		}
 		group = append(group, s)
 		n += len(s.run)
+		if g.busy == nil {
+			g.busy = map[string]bool{}
+		}
 		for _, j := range s.run {
-			tasks[j.ev.TaskID] = true
+			g.busy[j.ev.TaskID] = true
 		}
 	}
 	g.waiting = rest

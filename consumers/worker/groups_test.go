@@ -1,8 +1,10 @@
 package worker
 
 import (
+	"context"
 	"fmt"
 	"slices"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -20,31 +22,101 @@ func testRun(prefix string, n int) []*job {
 	return run
 }
 
+// groupRecorder is a runGroups' process function for tests: it records each
+// group's task ids, answers "ok:<task id>" for every job, or stale for the
+// first job whose task id starts with "stale", and holds the groups whose
+// first task is in hold until release is closed.
+type groupRecorder struct {
+	mu      sync.Mutex
+	groups  [][]string
+	hold    map[string]bool
+	release chan struct{}
+}
+
+func (r *groupRecorder) process(jobs []*job) ([]string, int) {
+	var ids []string
+	done := make([]string, len(jobs))
+	stale := -1
+	for i, j := range jobs {
+		ids = append(ids, j.ev.TaskID)
+		if stale < 0 && strings.HasPrefix(j.ev.TaskID, "stale") {
+			stale = i
+		}
+	}
+	r.mu.Lock()
+	r.groups = append(r.groups, ids)
+	r.mu.Unlock()
+	if r.hold[ids[0]] {
+		<-r.release
+	}
+	if stale >= 0 {
+		return make([]string, len(jobs)), stale
+	}
+	for i, id := range ids {
+		done[i] = "ok:" + id
+	}
+	return done, -1
+}
+
+func (r *groupRecorder) count() int {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return len(r.groups)
+}
+
+// submitAll submits each named run of runs, in order, each once the one
+// before it waits in g's queue (a busy group holds the others back), and
+// returns a function that waits for their outcomes.
+func submitAll(t *testing.T, g *runGroups, runs map[string][]*job, names ...string) func() map[string][]string {
+	t.Helper()
+	var mu sync.Mutex
+	outcomes := map[string][]string{}
+	var wg sync.WaitGroup
+	for _, name := range names {
+		wg.Go(func() {
+			done := g.do(context.Background(), runs[name])
+			mu.Lock()
+			outcomes[name] = done
+			mu.Unlock()
+		})
+		testenv.Eventually(t, waitFor, "run "+name+" waiting", func() bool {
+			g.mu.Lock()
+			defer g.mu.Unlock()
+			return slices.ContainsFunc(g.waiting, func(s *submittedRun) bool { return s.run[0] == runs[name][0] })
+		})
+	}
+	return func() map[string][]string { wg.Wait(); return outcomes }
+}
+
+// submitFirst submits run and waits until a group processes it (r records
+// its first group), and returns a function that waits for its outcomes.
+func submitFirst(t *testing.T, g *runGroups, r *groupRecorder, run []*job) func() {
+	t.Helper()
+	var wg sync.WaitGroup
+	wg.Go(func() { g.do(context.Background(), run) })
+	testenv.Eventually(t, waitFor, "the first group busy", func() bool { return r.count() == 1 })
+	return wg.Wait
+}
+
+// wantIdle checks that g ends with no group active, no run waiting and no
+// task busy.
+func wantIdle(t *testing.T, g *runGroups) {
+	t.Helper()
+	testenv.Eventually(t, waitFor, "no group active, no run waiting, no task busy", func() bool {
+		g.mu.Lock()
+		defer g.mu.Unlock()
+		return g.active == 0 && len(g.waiting) == 0 && len(g.busy) == 0
+	})
+}
+
 // The runs submitted while the groups are busy wait, and are processed
 // together: one group for all of them, in submission order, within
 // MaxBatchRecords records, of distinct tasks (a run sharing a task with
 // the group waits for the next one); each run gets its own jobs' outcomes.
 func TestRunsSubmittedWhileBusyShareAGroup(t *testing.T) {
 	t.Parallel()
-	release := make(chan struct{})
-	var mu sync.Mutex
-	var groups [][]string // each group's task ids
-	g := &runGroups{max: 1, maxJobs: 6, process: func(jobs []*job) []string {
-		var ids []string
-		done := make([]string, len(jobs))
-		for i, j := range jobs {
-			ids = append(ids, j.ev.TaskID)
-			done[i] = "ok:" + j.ev.TaskID
-		}
-		mu.Lock()
-		groups = append(groups, ids)
-		first := len(groups) == 1
-		mu.Unlock()
-		if first {
-			<-release // busy, while the other runs are submitted
-		}
-		return done
-	}}
+	r := &groupRecorder{hold: map[string]bool{"first-0": true}, release: make(chan struct{})}
+	g := &runGroups{max: 1, maxJobs: 6, process: r.process}
 	runs := map[string][]*job{
 		"first": testRun("first", 1),
 		"a":     testRun("a", 2),
@@ -52,68 +124,131 @@ func TestRunsSubmittedWhileBusyShareAGroup(t *testing.T) {
 		"c":     testRun("c", 2),      // does not fit with a and b (6 records): the next group
 		"d":     {testRun("a", 1)[0]}, // shares task a-0 with a: the next group
 	}
-	outcomes := map[string][]string{}
-	var wg sync.WaitGroup
-	submit := func(name string) {
-		wg.Go(func() {
-			done := g.do(runs[name])
-			mu.Lock()
-			outcomes[name] = done
-			mu.Unlock()
-		})
-	}
-	submit("first")
-	testenv.Eventually(t, waitFor, "the first group busy", func() bool { mu.Lock(); defer mu.Unlock(); return len(groups) == 1 })
-	for _, name := range []string{"a", "b", "c", "d"} {
-		submit(name)
-		// in this order: each is waiting before the next
-		testenv.Eventually(t, waitFor, "run "+name+" waiting", func() bool {
-			g.mu.Lock()
-			defer g.mu.Unlock()
-			return len(g.waiting) > 0 && g.waiting[len(g.waiting)-1].run[0] == runs[name][0]
-		})
-	}
-	close(release)
-	wg.Wait()
+	wait := submitFirst(t, g, r, runs["first"])
+	waitRest := submitAll(t, g, runs, "a", "b", "c", "d")
+	close(r.release)
+	wait()
+	outcomes := waitRest()
 
 	want := [][]string{{"first-0"}, {"a-0", "a-1", "b-0", "b-1", "b-2"}, {"c-0", "c-1", "a-0"}}
-	if !slices.EqualFunc(groups, want, slices.Equal) {
-		t.Errorf("groups %v, want %v", groups, want)
+	if !slices.EqualFunc(r.groups, want, slices.Equal) {
+		t.Errorf("groups %v, want %v", r.groups, want)
 	}
-	for name, run := range runs {
+	for _, name := range []string{"a", "b", "c", "d"} {
+		run := runs[name]
 		for i, j := range run {
 			if got := outcomes[name]; len(got) != len(run) || got[i] != "ok:"+j.ev.TaskID {
 				t.Errorf("run %s: outcomes %v, want one per job in order", name, got)
 			}
 		}
 	}
-	testenv.Eventually(t, waitFor, "no group active, no run waiting", func() bool {
-		g.mu.Lock()
-		defer g.mu.Unlock()
-		return g.active == 0 && len(g.waiting) == 0
-	})
+	wantIdle(t, g)
 }
 
 // A run submitted while fewer than RunGroups groups are busy is processed
 // at once: groups never wait for each other.
 func TestRunGroupsRunAtOnce(t *testing.T) {
 	t.Parallel()
-	started := make(chan struct{}, 2)
-	release := make(chan struct{})
-	g := &runGroups{max: 2, maxJobs: 64, process: func(jobs []*job) []string {
-		started <- struct{}{}
-		<-release
-		return make([]string, len(jobs))
-	}}
-	var wg sync.WaitGroup
-	for _, name := range []string{"x", "y"} {
-		wg.Go(func() { g.do(testRun(name, 2)) })
-		select {
-		case <-started:
-		case <-time.After(waitFor):
-			t.Fatalf("run %s, submitted while fewer than two groups are busy: not processed at once", name)
+	r := &groupRecorder{hold: map[string]bool{"x-0": true, "y-0": true}, release: make(chan struct{})}
+	g := &runGroups{max: 2, maxJobs: 64, process: r.process}
+	runs := map[string][]*job{"x": testRun("x", 2), "y": testRun("y", 2)}
+	var waits []func() map[string][]string
+	for i, name := range []string{"x", "y"} {
+		var wg sync.WaitGroup
+		wg.Go(func() { g.do(context.Background(), runs[name]) })
+		waits = append(waits, func() map[string][]string { wg.Wait(); return nil })
+		testenv.Eventually(t, waitFor, "run "+name+" processed while the other group is busy", func() bool { return r.count() == i+1 })
+	}
+	close(r.release)
+	for _, w := range waits {
+		w()
+	}
+	wantIdle(t, g)
+}
+
+// A task is never in two groups at once: a run of a task that a group
+// being processed holds waits until that group has ended, even while the
+// other group could take it (two runs of one task come from two
+// partitions only across a change of the topic's partition count).
+func TestATaskIsInOneGroupAtATime(t *testing.T) {
+	t.Parallel()
+	r := &groupRecorder{hold: map[string]bool{"same-0": true}, release: make(chan struct{})}
+	g := &runGroups{max: 2, maxJobs: 64, process: r.process}
+	runs := map[string][]*job{"first": testRun("same", 1), "second": testRun("same", 1)}
+	waitFirst := submitFirst(t, g, r, runs["first"])
+	wait := submitAll(t, g, runs, "second")
+	time.Sleep(50 * time.Millisecond) // the second group goroutine, free, must not take it
+	if n := r.count(); n != 1 {
+		t.Fatalf("%d groups processed while the first holds task same-0, want 1", n)
+	}
+	close(r.release)
+	waitFirst()
+	if got := wait()["second"]; len(got) != 1 || got[0] != "ok:same-0" {
+		t.Errorf("second run's outcomes %v, want it processed after the first group", got)
+	}
+	wantIdle(t, g)
+}
+
+// A record that is not fresh rolls its group's intake back: its run gets
+// no outcome (the per-record path takes it), and the group's other runs
+// are processed again without it.
+func TestAStaleRunLeavesItsGroup(t *testing.T) {
+	t.Parallel()
+	r := &groupRecorder{hold: map[string]bool{"first-0": true}, release: make(chan struct{})}
+	g := &runGroups{max: 1, maxJobs: 64, process: r.process}
+	runs := map[string][]*job{
+		"first": testRun("first", 1),
+		"a":     testRun("a", 2),
+		"s":     append(testRun("s", 1), testRun("stale", 1)...),
+		"b":     testRun("b", 1),
+	}
+	wait := submitFirst(t, g, r, runs["first"])
+	waitRest := submitAll(t, g, runs, "a", "s", "b")
+	close(r.release)
+	wait()
+	outcomes := waitRest()
+	want := [][]string{{"first-0"}, {"a-0", "a-1", "s-0", "stale-0", "b-0"}, {"a-0", "a-1", "b-0"}}
+	if !slices.EqualFunc(r.groups, want, slices.Equal) {
+		t.Errorf("groups %v, want %v", r.groups, want)
+	}
+	if got := outcomes["s"]; !slices.Equal(got, []string{"", ""}) {
+		t.Errorf("stale run's outcomes %q, want none (the per-record path)", got)
+	}
+	for _, name := range []string{"a", "b"} {
+		for i, j := range runs[name] {
+			if got := outcomes[name]; got[i] != "ok:"+j.ev.TaskID {
+				t.Errorf("run %s: outcomes %v, want each processed", name, got)
+			}
 		}
 	}
-	close(release)
-	wg.Wait()
+	wantIdle(t, g)
+}
+
+// A run whose partition's context ends while it waits leaves the queue
+// unprocessed, with no outcome; the groups go on.
+func TestARunLeavesTheQueueWhenItsPartitionEnds(t *testing.T) {
+	t.Parallel()
+	r := &groupRecorder{hold: map[string]bool{"first-0": true}, release: make(chan struct{})}
+	g := &runGroups{max: 1, maxJobs: 64, process: r.process}
+	runs := map[string][]*job{"first": testRun("first", 1), "revoked": testRun("revoked", 2)}
+	wait := submitFirst(t, g, r, runs["first"])
+	ctx, cancel := context.WithCancel(context.Background())
+	got := make(chan []string, 1)
+	go func() { got <- g.do(ctx, runs["revoked"]) }()
+	testenv.Eventually(t, waitFor, "the run waiting", func() bool { g.mu.Lock(); defer g.mu.Unlock(); return len(g.waiting) == 1 })
+	cancel()
+	select {
+	case done := <-got:
+		if !slices.Equal(done, []string{"", ""}) {
+			t.Errorf("outcomes %q, want none", done)
+		}
+	case <-time.After(waitFor):
+		t.Fatal("a run whose context ended still waits for a busy group")
+	}
+	close(r.release)
+	wait()
+	wantIdle(t, g)
+	if n := r.count(); n != 1 {
+		t.Errorf("%d groups processed, want 1 (the revoked run never)", n)
+	}
 }

@@ -101,9 +101,10 @@ type Config struct {
 	// metrics. Defaults to none.
 	KafkaOpts []kgo.Opt
 	// Concurrency is how many records — or runs of records sharing their
-	// transactions (MaxBatchRecords) — of different partitions are
-	// processed at once, and how many effects of one run are performed at
-	// once (they are of distinct tasks). A partition's records are
+	// transactions (MaxBatchRecords), waiting for a group or in one
+	// (RunGroups) — of different partitions are processed at once, and how
+	// many effects of one group are performed at once (they are of
+	// distinct tasks). A partition's records are
 	// processed in order: one record or run at a time, and a record's
 	// outcome is durable before the next record's offset can be committed.
 	// Defaults to 4.
@@ -293,7 +294,7 @@ func New(cfg Config) (*Worker, error) {
 	}
 	w := &Worker{cfg: cfg, log: cfg.Logger, pool: cfg.Pool, store: cfg.ArtifactStore, faults: cfg.Faults, m: m,
 		lease: inbox.Lease{Owner: cfg.LeaseOwner, For: cfg.InboxLease}}
-	w.groups = &runGroups{max: cfg.RunGroups, maxJobs: cfg.MaxBatchRecords, process: func(jobs []*job) []string {
+	w.groups = &runGroups{max: cfg.RunGroups, maxJobs: cfg.MaxBatchRecords, process: func(jobs []*job) ([]string, int) {
 		// A group's work is bounded by AttemptTimeout per step, not by any
 		// one partition's context: a partition revoked meanwhile waits for
 		// its run's outcomes, as it did before groups.
