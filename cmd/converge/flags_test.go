@@ -85,24 +85,14 @@ func TestAPICountsAreChecked(t *testing.T) {
 	for _, args := range [][]string{
 		{"dev", "--create-transactions=0"}, {"dev", "--create-batch-max=-1"}, {"api", "--max-in-flight-per-tenant=0"},
 	} {
-		var cli CLI
-		p, err := kong.New(&cli, kong.Name("converge"))
-		if err != nil {
-			t.Fatal(err)
-		}
-		_, err = p.Parse(args)
+		err := parseError(t, args...)
 		flag, _, _ := strings.Cut(strings.TrimPrefix(args[1], "--"), "=")
 		if err == nil || !strings.Contains(err.Error(), "--"+flag) || !strings.Contains(err.Error(), "want at least 1") {
 			t.Errorf("%v: %v, want it refused naming --%s", args, err, flag)
 		}
 	}
 	t.Setenv("CONVERGE_CREATE_TRANSACTIONS", "0")
-	var cli CLI
-	p, err := kong.New(&cli, kong.Name("converge"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	if _, err := p.Parse([]string{"api"}); err == nil || !strings.Contains(err.Error(), "CONVERGE_CREATE_TRANSACTIONS") {
+	if err := parseError(t, "api"); err == nil || !strings.Contains(err.Error(), "CONVERGE_CREATE_TRANSACTIONS") {
 		t.Errorf("CONVERGE_CREATE_TRANSACTIONS=0: %v, want it refused naming the variable", err)
 	}
 }
@@ -116,16 +106,24 @@ func TestBenchCountsAreChecked(t *testing.T) {
 		{"bench", "--create-clients=4,0"}, {"bench", "--e2e-rates=100,-2"}, {"bench", "--e2e-rates=2e6"},
 		{"bench", "--e2e-rates=+Inf"}, {"bench", "--e2e-rates=NaN"}, {"bench", "--e2e-rates=0.0001"},
 	} {
-		var cli CLI
-		p, err := kong.New(&cli, kong.Name("converge"))
-		if err != nil {
-			t.Fatal(err)
-		}
-		_, err = p.Parse(args)
+		err := parseError(t, args...)
 		flag, _, _ := strings.Cut(strings.TrimPrefix(args[1], "--"), "=")
 		if err == nil || !strings.Contains(err.Error(), "--"+flag) {
 			t.Errorf("%v: %v, want it refused naming --%s", args, err, flag)
 		}
 	}
 	parseCLI(t, "bench", "--runs=0", "--peer-tasks", "100")
+}
+
+// parseError parses args as converge's command line and returns the
+// parser's error (nil when args parse).
+func parseError(t *testing.T, args ...string) error {
+	t.Helper()
+	var cli CLI
+	p, err := kong.New(&cli, kong.Name("converge"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, err = p.Parse(args)
+	return err
 }
