@@ -22,6 +22,12 @@ const OutputFormatJCS = "jcs"
 // idempotencyKeyRE is the accepted key, after unquoting.
 var idempotencyKeyRE = regexp.MustCompile(`^[A-Za-z0-9_.:-]{6,255}$`)
 
+// ValidIdempotencyKey reports whether the API accepts key as an
+// Idempotency-Key (after unquoting): 6 to 255 characters of A–Z, a–z, 0–9,
+// '_', '.', ':' and '-'; any other key is answered 400
+// IDEMPOTENCY_KEY_INVALID. For clients that make keys (converge loadgen).
+func ValidIdempotencyKey(key string) bool { return idempotencyKeyRE.MatchString(key) }
+
 // checkContentType accepts application/json with optional parameters; a
 // charset parameter, when present, must be utf-8 (RFC 8259 section 8.1).
 //

@@ -47,6 +47,7 @@ import (
 
 	"github.com/converge-run/converge/internal/docgen"
 	"github.com/converge-run/converge/internal/task"
+	"github.com/converge-run/converge/services/api"
 )
 
 // Defaults of Config.
@@ -188,6 +189,11 @@ func (c *Config) Validate() error {
 		return fmt.Errorf("loadgen: --doc-size %d is negative", c.DocSize)
 	case c.WaitTimeout < 0:
 		return fmt.Errorf("loadgen: --wait-timeout %s is negative", c.WaitTimeout)
+	case c.KeyPrefix != "" && !(api.ValidIdempotencyKey(c.KeyPrefix+"0") && api.ValidIdempotencyKey(c.KeyPrefix+"1234567890")):
+		// The keys are KeyPrefix + the request's number: the first and a
+		// ten-digit one must both be keys the API accepts.
+		return fmt.Errorf("loadgen: --key-prefix %q: its keys (%q, %q, …) are not valid Idempotency-Keys (6 to 255 characters of A-Z a-z 0-9 _ . : -)",
+			c.KeyPrefix, c.KeyPrefix+"0", c.KeyPrefix+"1")
 	}
 	return nil
 }

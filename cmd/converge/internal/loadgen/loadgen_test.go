@@ -153,6 +153,9 @@ func TestValidateRejects(t *testing.T) {
 		"clients negative":   {func(c *Config) { c.Clients = -3 }, "--clients -3 is negative"},
 		"doc size negative":  {func(c *Config) { c.DocSize = -1 }, "--doc-size -1 is negative"},
 		"wait negative":      {func(c *Config) { c.WaitTimeout = -time.Second }, "--wait-timeout -1s is negative"},
+		"key prefix short":   {func(c *Config) { c.KeyPrefix = "lgA-" }, "--key-prefix \"lgA-\""},
+		"key prefix chars":   {func(c *Config) { c.KeyPrefix = "lg run/" }, "--key-prefix"},
+		"key prefix long":    {func(c *Config) { c.KeyPrefix = strings.Repeat("k", 250) }, "--key-prefix"},
 	} {
 		c := ok
 		tc.mutate(&c)
