@@ -22,7 +22,7 @@ type LoadgenCmd struct {
 	DocSize     int           `default:"1024" help:"Size in bytes of a generated document."`
 	Wait        bool          `default:"true" negatable:"" help:"After sending, read every created task until it is terminal, for the end-to-end latency."`
 	WaitTimeout time.Duration `default:"60s" help:"Longest wait for the created tasks."`
-	KeyPrefix   string        `help:"Start of every Idempotency-Key (default lg-<12 random hex digits>-, unique per run)."`
+	KeyPrefix   string        `help:"Start of every Idempotency-Key (default lg-<12 random hex digits>-, unique per run); each key is the prefix and the request's number, and must be one the API accepts (6 to 255 of A-Z a-z 0-9 _ . : -)."`
 	DatabaseURL string        `env:"CONVERGE_DATABASE_URL" help:"PostgreSQL of the API: when set, the wait reads the created tasks with one query per poll instead of a GET per pending task (the GETs load the API while it is measured)."`
 	Out         string        `type:"path" help:"Also write the result as JSON to this file."`
 	Token       string        `env:"CONVERGE_TOKEN" help:"API token of the tenant the load is sent as (default: the dev tenant's token of converge dev's --data-dir)."`
