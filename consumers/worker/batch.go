@@ -65,7 +65,12 @@ func (w *Worker) processBatch(ctx context.Context, b consumergroup.Batch, sem ch
 			// The run goes through transactions shared with the runs of
 			// other partitions (groups.go); what it leaves undone goes
 			// through the per-record path, in order.
-			n := w.perRecord(ctx, b.Client, run, w.groups.do(ctx, run))
+			done := w.groups.do(ctx, run)
+			if done == nil {
+				<-sem
+				return i // ctx ended before a group took the run: nothing of it written
+			}
+			n := w.perRecord(ctx, b.Client, run, done)
 			<-sem
 			// Records the run skipped (events the worker ignores) are done
 			// once every job before them is.

@@ -30,7 +30,8 @@ import (
 // visible yet) rolls back its group's intake; its run then goes through the
 // per-record path and the group's other runs are processed again without
 // it. A run whose partition's context ends while it waits (revoke, loss,
-// shutdown) leaves the queue unprocessed; once its group has taken it, its
+// shutdown) leaves the queue unprocessed (and is not processed again after
+// its group's intake rolled back); once its group has taken it, its
 // partition waits for its outcomes, as for a run before groups.
 
 // runGroups joins the runs submitted while its groups are busy.
@@ -50,6 +51,7 @@ type runGroups struct {
 
 // submittedRun is one partition's run waiting for its outcomes.
 type submittedRun struct {
+	ctx  context.Context // its partition's
 	run  []*job
 	done []string // set before ready is closed
 	// ready is closed when done is set.
@@ -58,10 +60,10 @@ type submittedRun struct {
 
 // do processes run, in a group with the runs that wait with it, and returns
 // its jobs' outcomes ("" for a job whose outcome is not durable). When ctx
-// ends before a group has taken run, run leaves the queue and every outcome
-// is "".
+// ends before a group has taken run, run leaves the queue and do returns
+// nil: nothing of it was written.
 func (g *runGroups) do(ctx context.Context, run []*job) []string {
-	s := &submittedRun{run: run, ready: make(chan struct{})}
+	s := &submittedRun{ctx: ctx, run: run, ready: make(chan struct{})}
 	g.mu.Lock()
 	g.waiting = append(g.waiting, s)
 	if g.active < g.max {
@@ -78,7 +80,7 @@ func (g *runGroups) do(ctx context.Context, run []*job) []string {
 	if i := slices.Index(g.waiting, s); i >= 0 {
 		g.waiting = slices.Delete(g.waiting, i, i+1)
 		g.mu.Unlock()
-		return make([]string, len(run))
+		return nil
 	}
 	g.mu.Unlock()
 	<-s.ready // taken: its intake may be under way
@@ -116,12 +118,14 @@ func (g *runGroups) run() {
 				}
 				break
 			}
-			// The run of the record that is not fresh goes through the
-			// per-record path; the others are processed again without it.
+			// Nothing of the group was written. The run of the record that
+			// is not fresh goes through the per-record path, and so does a
+			// run whose partition's context ended meanwhile (it gives up at
+			// once); the others are processed again without them.
 			var rest []*submittedRun
 			for _, s := range group {
-				if stale >= 0 && stale < len(s.run) {
-					s.done = done[:len(s.run):len(s.run)]
+				if (stale >= 0 && stale < len(s.run)) || s.ctx.Err() != nil {
+					s.done = make([]string, len(s.run))
 					close(s.ready)
 				} else {
 					rest = append(rest, s)

@@ -25,12 +25,11 @@ func testRun(prefix string, n int) []*job {
 // groupRecorder is a runGroups' process function for tests: it records each
 // group's task ids, answers "ok:<task id>" for every job, or stale for the
 // first job whose task id starts with "stale", and holds the groups whose
-// first task is in hold until release is closed.
+// first task is in hold until that task's channel is closed.
 type groupRecorder struct {
-	mu      sync.Mutex
-	groups  [][]string
-	hold    map[string]bool
-	release chan struct{}
+	mu     sync.Mutex
+	groups [][]string
+	hold   map[string]chan struct{}
 }
 
 func (r *groupRecorder) process(jobs []*job) ([]string, int) {
@@ -46,14 +45,16 @@ func (r *groupRecorder) process(jobs []*job) ([]string, int) {
 	r.mu.Lock()
 	r.groups = append(r.groups, ids)
 	r.mu.Unlock()
-	if r.hold[ids[0]] {
-		<-r.release
-	}
-	if stale >= 0 {
-		return make([]string, len(jobs)), stale
+	if ch := r.hold[ids[0]]; ch != nil {
+		<-ch
 	}
 	for i, id := range ids {
 		done[i] = "ok:" + id
+	}
+	if stale >= 0 {
+		// processGroup answers no outcome then; the combiner must not
+		// hand out any of these.
+		return done, stale
 	}
 	return done, -1
 }
@@ -115,7 +116,8 @@ func wantIdle(t *testing.T, g *runGroups) {
 // the group waits for the next one); each run gets its own jobs' outcomes.
 func TestRunsSubmittedWhileBusyShareAGroup(t *testing.T) {
 	t.Parallel()
-	r := &groupRecorder{hold: map[string]bool{"first-0": true}, release: make(chan struct{})}
+	release := make(chan struct{})
+	r := &groupRecorder{hold: map[string]chan struct{}{"first-0": release}}
 	g := &runGroups{max: 1, maxJobs: 6, process: r.process}
 	runs := map[string][]*job{
 		"first": testRun("first", 1),
@@ -126,7 +128,7 @@ func TestRunsSubmittedWhileBusyShareAGroup(t *testing.T) {
 	}
 	wait := submitFirst(t, g, r, runs["first"])
 	waitRest := submitAll(t, g, runs, "a", "b", "c", "d")
-	close(r.release)
+	close(release)
 	wait()
 	outcomes := waitRest()
 
@@ -149,7 +151,8 @@ func TestRunsSubmittedWhileBusyShareAGroup(t *testing.T) {
 // at once: groups never wait for each other.
 func TestRunGroupsRunAtOnce(t *testing.T) {
 	t.Parallel()
-	r := &groupRecorder{hold: map[string]bool{"x-0": true, "y-0": true}, release: make(chan struct{})}
+	release := make(chan struct{})
+	r := &groupRecorder{hold: map[string]chan struct{}{"x-0": release, "y-0": release}}
 	g := &runGroups{max: 2, maxJobs: 64, process: r.process}
 	runs := map[string][]*job{"x": testRun("x", 2), "y": testRun("y", 2)}
 	var waits []func() map[string][]string
@@ -159,7 +162,7 @@ func TestRunGroupsRunAtOnce(t *testing.T) {
 		waits = append(waits, func() map[string][]string { wg.Wait(); return nil })
 		testenv.Eventually(t, waitFor, "run "+name+" processed while the other group is busy", func() bool { return r.count() == i+1 })
 	}
-	close(r.release)
+	close(release)
 	for _, w := range waits {
 		w()
 	}
@@ -172,7 +175,8 @@ func TestRunGroupsRunAtOnce(t *testing.T) {
 // partitions only across a change of the topic's partition count).
 func TestATaskIsInOneGroupAtATime(t *testing.T) {
 	t.Parallel()
-	r := &groupRecorder{hold: map[string]bool{"same-0": true}, release: make(chan struct{})}
+	release := make(chan struct{})
+	r := &groupRecorder{hold: map[string]chan struct{}{"same-0": release}}
 	g := &runGroups{max: 2, maxJobs: 64, process: r.process}
 	runs := map[string][]*job{"first": testRun("same", 1), "second": testRun("same", 1)}
 	waitFirst := submitFirst(t, g, r, runs["first"])
@@ -181,7 +185,7 @@ func TestATaskIsInOneGroupAtATime(t *testing.T) {
 	if n := r.count(); n != 1 {
 		t.Fatalf("%d groups processed while the first holds task same-0, want 1", n)
 	}
-	close(r.release)
+	close(release)
 	waitFirst()
 	if got := wait()["second"]; len(got) != 1 || got[0] != "ok:same-0" {
 		t.Errorf("second run's outcomes %v, want it processed after the first group", got)
@@ -194,7 +198,8 @@ func TestATaskIsInOneGroupAtATime(t *testing.T) {
 // are processed again without it.
 func TestAStaleRunLeavesItsGroup(t *testing.T) {
 	t.Parallel()
-	r := &groupRecorder{hold: map[string]bool{"first-0": true}, release: make(chan struct{})}
+	release := make(chan struct{})
+	r := &groupRecorder{hold: map[string]chan struct{}{"first-0": release}}
 	g := &runGroups{max: 1, maxJobs: 64, process: r.process}
 	runs := map[string][]*job{
 		"first": testRun("first", 1),
@@ -204,7 +209,7 @@ func TestAStaleRunLeavesItsGroup(t *testing.T) {
 	}
 	wait := submitFirst(t, g, r, runs["first"])
 	waitRest := submitAll(t, g, runs, "a", "s", "b")
-	close(r.release)
+	close(release)
 	wait()
 	outcomes := waitRest()
 	want := [][]string{{"first-0"}, {"a-0", "a-1", "s-0", "stale-0", "b-0"}, {"a-0", "a-1", "b-0"}}
@@ -225,10 +230,12 @@ func TestAStaleRunLeavesItsGroup(t *testing.T) {
 }
 
 // A run whose partition's context ends while it waits leaves the queue
-// unprocessed, with no outcome; the groups go on.
+// unprocessed, and do says so (nil): nothing of it was written; the groups
+// go on.
 func TestARunLeavesTheQueueWhenItsPartitionEnds(t *testing.T) {
 	t.Parallel()
-	r := &groupRecorder{hold: map[string]bool{"first-0": true}, release: make(chan struct{})}
+	release := make(chan struct{})
+	r := &groupRecorder{hold: map[string]chan struct{}{"first-0": release}}
 	g := &runGroups{max: 1, maxJobs: 64, process: r.process}
 	runs := map[string][]*job{"first": testRun("first", 1), "revoked": testRun("revoked", 2)}
 	wait := submitFirst(t, g, r, runs["first"])
@@ -239,16 +246,51 @@ func TestARunLeavesTheQueueWhenItsPartitionEnds(t *testing.T) {
 	cancel()
 	select {
 	case done := <-got:
-		if !slices.Equal(done, []string{"", ""}) {
-			t.Errorf("outcomes %q, want none", done)
+		if done != nil {
+			t.Errorf("outcomes %q, want nil (the run was never taken)", done)
 		}
 	case <-time.After(waitFor):
 		t.Fatal("a run whose context ended still waits for a busy group")
 	}
-	close(r.release)
+	close(release)
 	wait()
 	wantIdle(t, g)
 	if n := r.count(); n != 1 {
 		t.Errorf("%d groups processed, want 1 (the revoked run never)", n)
 	}
+}
+
+// A run whose partition's context ends while its group is processed is not
+// processed again when the group's intake rolls back: it leaves with no
+// outcome (its partition gives up at once) instead of waiting for the
+// retry.
+func TestARevokedRunIsNotProcessedAgain(t *testing.T) {
+	t.Parallel()
+	releaseFirst, releaseSecond := make(chan struct{}), make(chan struct{})
+	r := &groupRecorder{hold: map[string]chan struct{}{"first-0": releaseFirst, "a-0": releaseSecond}}
+	g := &runGroups{max: 1, maxJobs: 64, process: r.process}
+	runs := map[string][]*job{"first": testRun("first", 1), "a": testRun("a", 1), "s": testRun("stale", 1), "b": testRun("b", 1)}
+	wait := submitFirst(t, g, r, runs["first"])
+	ctx, cancel := context.WithCancel(context.Background())
+	got := make(chan []string, 1)
+	go func() { got <- g.do(ctx, runs["a"]) }()
+	testenv.Eventually(t, waitFor, "run a waiting", func() bool { g.mu.Lock(); defer g.mu.Unlock(); return len(g.waiting) == 1 })
+	waitRest := submitAll(t, g, runs, "s", "b")
+	close(releaseFirst)
+	testenv.Eventually(t, waitFor, "the group of a, s and b busy", func() bool { return r.count() == 2 })
+	cancel() // a is taken: it waits for its group
+	close(releaseSecond)
+	wait()
+	outcomes := waitRest()
+	if done := <-got; !slices.Equal(done, []string{""}) {
+		t.Errorf("revoked run's outcomes %q, want one empty", done)
+	}
+	want := [][]string{{"first-0"}, {"a-0", "stale-0", "b-0"}, {"b-0"}}
+	if !slices.EqualFunc(r.groups, want, slices.Equal) {
+		t.Errorf("groups %v, want %v", r.groups, want)
+	}
+	if !slices.Equal(outcomes["s"], []string{""}) || !slices.Equal(outcomes["b"], []string{"ok:b-0"}) {
+		t.Errorf("outcomes %q, want none for the stale run and b processed", outcomes)
+	}
+	wantIdle(t, g)
 }
