@@ -7,7 +7,7 @@ import (
 )
 
 // Groups of runs (issue 11). A run is one partition's fresh records
-// (batch.go); its records' size follows the partition's share of the poll,
+// (batch.go); its size follows the partition's share of the poll,
 // so with more partitions each run is smaller and every task pays a larger
 // share of a run's two transactions, its round trips and its directory
 // fsync (BENCHMARKS.md, session of 2026-12-07, twelfth: 4 partitions cost
