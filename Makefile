@@ -4,7 +4,7 @@ BIN     := bin/converge
 # Debian's packages that provide the PostgreSQL server binaries and redis-server.
 PG_PKG  ?= postgresql-15
 
-.PHONY: run test deps build vet bench clean rules-test promtool
+.PHONY: run test deps build vet bench soak clean rules-test promtool
 
 ## run: the whole pipeline on embedded defaults (PostgreSQL, kfake, Redis), until Ctrl-C.
 run: deps build
@@ -34,6 +34,15 @@ bench: deps build
 	@mkdir -p bench-results
 	./$(BIN) bench --out bench-results/results.json --markdown bench-results/results.md \
 	  --profile-dir bench-results/profiles $(BENCH_ARGS)
+
+## soak: the ab stage with this build on both sides, 20 rounds of 10,000
+## tasks each (about 10 minutes): fails when any task does not complete.
+## A correctness run under load, not a measurement (BENCHMARKS.md).
+SOAK_ARGS ?=
+soak: deps build
+	@mkdir -p bench-results
+	./$(BIN) bench --stages ab --ab-binaries $(BIN),$(BIN) --runs 20 --peer-tasks 10000 \
+	  --out bench-results/soak.json $(SOAK_ARGS)
 
 ## build: the converge binary in bin/.
 build:
