@@ -68,7 +68,7 @@ func (w *Worker) processBatch(ctx context.Context, b consumergroup.Batch, sem ch
 			done := w.groups.do(ctx, run)
 			if done == nil {
 				<-sem
-				return i // ctx ended before a group took the run: nothing of it written
+				return i // ctx ended and nothing of the run was written (groups.go)
 			}
 			n := w.perRecord(ctx, b.Client, run, done)
 			<-sem

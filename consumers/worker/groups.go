@@ -31,8 +31,9 @@ import (
 // per-record path and the group's other runs are processed again without
 // it. A run whose partition's context ends while it waits (revoke, loss,
 // shutdown) leaves the queue unprocessed (and is not processed again after
-// its group's intake rolled back); once its group has taken it, its
-// partition waits for its outcomes, as for a run before groups.
+// its group's intake rolled back), and its partition gives up at once;
+// once its group has taken it, its partition waits for its outcomes, as
+// for a run before groups.
 
 // runGroups joins the runs submitted while its groups are busy.
 type runGroups struct {
@@ -59,9 +60,10 @@ type submittedRun struct {
 }
 
 // do processes run, in a group with the runs that wait with it, and returns
-// its jobs' outcomes ("" for a job whose outcome is not durable). When ctx
-// ends before a group has taken run, run leaves the queue and do returns
-// nil: nothing of it was written.
+// its jobs' outcomes ("" for a job whose outcome is not durable). It
+// returns nil when nothing of run was written and ctx has ended: ctx ended
+// before a group took run (run leaves the queue), or before its group's
+// intake rolled back (run is not processed again).
 func (g *runGroups) do(ctx context.Context, run []*job) []string {
 	s := &submittedRun{ctx: ctx, run: run, ready: make(chan struct{})}
 	g.mu.Lock()
@@ -111,23 +113,27 @@ func (g *runGroups) run() {
 				jobs = append(jobs, s.run...)
 			}
 			done, stale := g.process(jobs)
-			if stale < 0 || len(group) == 1 {
+			if stale < 0 {
 				for _, s := range group {
 					s.done, done = done[:len(s.run):len(s.run)], done[len(s.run):]
 					close(s.ready)
 				}
 				break
 			}
-			// Nothing of the group was written. The run of the record that
-			// is not fresh goes through the per-record path, and so does a
-			// run whose partition's context ended meanwhile (it gives up at
-			// once); the others are processed again without them.
+			// Nothing of the group was written. A run whose partition's
+			// context ended meanwhile leaves with nil (nothing written: its
+			// partition gives up at once); the run of the record that is
+			// not fresh goes through the per-record path (no outcome); the
+			// others are processed again without them.
 			var rest []*submittedRun
 			for _, s := range group {
-				if (stale >= 0 && stale < len(s.run)) || s.ctx.Err() != nil {
+				switch {
+				case s.ctx.Err() != nil:
+					close(s.ready)
+				case stale >= 0 && stale < len(s.run):
 					s.done = make([]string, len(s.run))
 					close(s.ready)
-				} else {
+				default:
 					rest = append(rest, s)
 				}
 				stale -= len(s.run)

@@ -261,9 +261,9 @@ func TestARunLeavesTheQueueWhenItsPartitionEnds(t *testing.T) {
 }
 
 // A run whose partition's context ends while its group is processed is not
-// processed again when the group's intake rolls back: it leaves with no
-// outcome (its partition gives up at once) instead of waiting for the
-// retry.
+// processed again when the group's intake rolls back: it leaves with nil
+// (nothing of it written: its partition gives up at once) instead of
+// waiting for the retry.
 func TestARevokedRunIsNotProcessedAgain(t *testing.T) {
 	t.Parallel()
 	releaseFirst, releaseSecond := make(chan struct{}), make(chan struct{})
@@ -282,8 +282,8 @@ func TestARevokedRunIsNotProcessedAgain(t *testing.T) {
 	close(releaseSecond)
 	wait()
 	outcomes := waitRest()
-	if done := <-got; !slices.Equal(done, []string{""}) {
-		t.Errorf("revoked run's outcomes %q, want one empty", done)
+	if done := <-got; done != nil {
+		t.Errorf("revoked run's outcomes %q, want nil (nothing of it written)", done)
 	}
 	want := [][]string{{"first-0"}, {"a-0", "stale-0", "b-0"}, {"b-0"}}
 	if !slices.EqualFunc(r.groups, want, slices.Equal) {
@@ -291,6 +291,18 @@ func TestARevokedRunIsNotProcessedAgain(t *testing.T) {
 	}
 	if !slices.Equal(outcomes["s"], []string{""}) || !slices.Equal(outcomes["b"], []string{"ok:b-0"}) {
 		t.Errorf("outcomes %q, want none for the stale run and b processed", outcomes)
+	}
+	wantIdle(t, g)
+}
+
+// A group of one run whose intake rolled back answers no outcome either,
+// whatever the process function returned.
+func TestAStaleRunAloneGetsNoOutcome(t *testing.T) {
+	t.Parallel()
+	r := &groupRecorder{}
+	g := &runGroups{max: 1, maxJobs: 64, process: r.process}
+	if done := g.do(context.Background(), testRun("stale", 2)); !slices.Equal(done, []string{"", ""}) {
+		t.Errorf("outcomes %q, want none (the per-record path)", done)
 	}
 	wantIdle(t, g)
 }

@@ -189,11 +189,21 @@ func (c *Config) Validate() error {
 		return fmt.Errorf("loadgen: --doc-size %d is negative", c.DocSize)
 	case c.WaitTimeout < 0:
 		return fmt.Errorf("loadgen: --wait-timeout %s is negative", c.WaitTimeout)
-	case c.KeyPrefix != "" && !(api.ValidIdempotencyKey(c.KeyPrefix+"0") && api.ValidIdempotencyKey(c.KeyPrefix+"1234567890")):
-		// The keys are KeyPrefix + the request's number: the first and a
-		// ten-digit one must both be keys the API accepts.
-		return fmt.Errorf("loadgen: --key-prefix %q: its keys (%q, %q, …) are not valid Idempotency-Keys (6 to 255 characters of A-Z a-z 0-9 _ . : -)",
-			c.KeyPrefix, c.KeyPrefix+"0", c.KeyPrefix+"1")
+	}
+	if c.KeyPrefix != "" {
+		// The keys are KeyPrefix + the request's number, from 0: the first
+		// and the last must both be keys the API accepts. The last is
+		// --count's when given, else one of ten digits.
+		last := "9999999999"
+		if c.Count > 0 {
+			last = strconv.Itoa(c.Count - 1)
+		}
+		for _, key := range []string{c.KeyPrefix + "0", c.KeyPrefix + last} {
+			if !api.ValidIdempotencyKey(key) {
+				return fmt.Errorf("loadgen: --key-prefix %q: makes the key %q, which the API refuses (an Idempotency-Key is 6 to 255 characters of A-Z a-z 0-9 _ . : -)",
+					c.KeyPrefix, key)
+			}
+		}
 	}
 	return nil
 }

@@ -155,7 +155,7 @@ func TestValidateRejects(t *testing.T) {
 		"wait negative":      {func(c *Config) { c.WaitTimeout = -time.Second }, "--wait-timeout -1s is negative"},
 		"key prefix short":   {func(c *Config) { c.KeyPrefix = "lgA-" }, "--key-prefix \"lgA-\""},
 		"key prefix chars":   {func(c *Config) { c.KeyPrefix = "lg run/" }, "--key-prefix"},
-		"key prefix long":    {func(c *Config) { c.KeyPrefix = strings.Repeat("k", 250) }, "--key-prefix"},
+		"key prefix long":    {func(c *Config) { c.KeyPrefix = strings.Repeat("k", 254); c.Count = 11 }, "--key-prefix"},
 	} {
 		c := ok
 		tc.mutate(&c)
@@ -166,6 +166,11 @@ func TestValidateRejects(t *testing.T) {
 	}
 	if err := ok.Validate(); err != nil {
 		t.Errorf("valid config: %v", err)
+	}
+	long := ok
+	long.KeyPrefix, long.Count = strings.Repeat("k", 246), 3 // keys of 247 characters
+	if err := long.Validate(); err != nil {
+		t.Errorf("a long prefix whose keys the API accepts: %v", err)
 	}
 }
 
