@@ -113,6 +113,12 @@ func (g *runGroups) run() {
 				jobs = append(jobs, s.run...)
 			}
 			done, stale := g.process(jobs)
+			if stale >= len(jobs) {
+				// Not an index of the group (processGroup never answers
+				// one): no outcome is trusted, every job goes through the
+				// per-record path, and the group is not processed again.
+				stale, done = -1, make([]string, len(jobs))
+			}
 			if stale < 0 {
 				for _, s := range group {
 					s.done, done = done[:len(s.run):len(s.run)], done[len(s.run):]

@@ -306,3 +306,22 @@ func TestAStaleRunAloneGetsNoOutcome(t *testing.T) {
 	}
 	wantIdle(t, g)
 }
+
+// A process function answering a stale index outside its group does not
+// make the group loop: every run gets no outcome (the per-record path).
+func TestAStaleIndexOutsideTheGroupEndsIt(t *testing.T) {
+	t.Parallel()
+	calls := 0
+	g := &runGroups{max: 1, maxJobs: 64, process: func(jobs []*job) ([]string, int) {
+		calls++
+		done := make([]string, len(jobs))
+		for i := range done {
+			done[i] = "ok"
+		}
+		return done, len(jobs)
+	}}
+	if done := g.do(context.Background(), testRun("x", 2)); !slices.Equal(done, []string{"", ""}) || calls != 1 {
+		t.Errorf("outcomes %q after %d calls, want none after one", done, calls)
+	}
+	wantIdle(t, g)
+}
