@@ -32,11 +32,11 @@ import (
 // recording its outcome. A run goes through a group of runs (groups.go):
 // the runs of other partitions submitted at the same time share its
 // transactions. A run may be a single record: it shares a group's
-// transactions when others wait with it. Anything off the happy path — a redelivery, a task
-// not queued or not visible yet, an effect to resume, a failed effect, a
-// concurrent change — sends the records concerned through the per-record
-// path (processRecord), which resumes each from its durable state; so every
-// rule of the package doc holds for batches too. Batching is off while fault
+// transactions when others wait with it. Anything off the happy path — a
+// redelivery, a task not queued or not visible yet, an effect to resume, a
+// failed effect, a concurrent change — sends the records concerned through
+// the per-record path (processRecord), which resumes each from its durable
+// state; so every rule of the package doc holds for batches too. Batching is off while fault
 // points are armed (their passes are counted per record).
 
 // notFresh makes a run's intake transaction roll back: the record at idx
