@@ -36,7 +36,7 @@ bench: deps build
 	  --profile-dir bench-results/profiles $(BENCH_ARGS)
 
 ## soak: the ab stage with this build on both sides, 20 rounds of 10,000
-## tasks each (about 10 minutes): fails when any task does not complete.
+## tasks each (6-9 minutes on 2 cores): fails when any task does not complete.
 ## A correctness run under load, not a measurement (BENCHMARKS.md).
 SOAK_ARGS ?=
 soak: deps build
