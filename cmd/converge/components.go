@@ -318,9 +318,6 @@ type Retention struct {
 	TaskRetention   time.Duration `name:"task-retention" env:"CONVERGE_TASK_RETENTION" default:"720h" help:"How long a terminal task is kept after its last update before the retention scan removes it with its artifact and every row of it (at least 24h and at least the outbox retention)."`
 }
 
-// check refuses windows the reconciler would not keep: an outbox retention
-// under 1h, and a task retention of zero or less (which reconciler.Config
-// would take for its default; it refuses the other short ones itself).
 // Validate refuses API settings that are not counts of at least one,
 // naming the flag and the variable (api.Config would take 0 for its
 // default). kong calls it when it parses a command that embeds Pipeline,
@@ -341,6 +338,9 @@ func (p Pipeline) Validate() error {
 	return nil
 }
 
+// check refuses windows the reconciler would not keep: an outbox retention
+// under 1h, and a task retention of zero or less (which reconciler.Config
+// would take for its default; it refuses the other short ones itself).
 func (r Retention) check() error {
 	if r.OutboxRetention < time.Hour {
 		return fmt.Errorf("CONVERGE_OUTBOX_RETENTION %s: want at least 1h", r.OutboxRetention)
