@@ -65,6 +65,30 @@ func (r *groupRecorder) count() int {
 	return len(r.groups)
 }
 
+// recordedGroups returns groups of at most max at once and maxJobs records
+// whose process function is a groupRecorder holding the groups whose first
+// task is in hold until its channel is closed.
+func recordedGroups(max, maxJobs int, hold map[string]chan struct{}) (*runGroups, *groupRecorder) {
+	r := &groupRecorder{hold: hold}
+	return &runGroups{max: max, maxJobs: maxJobs, process: r.process}, r
+}
+
+// submitCancellable submits run with a context of its own, waits until it
+// waits in g's queue, and returns the context's cancel and where do's
+// answer arrives.
+func submitCancellable(t *testing.T, g *runGroups, run []*job) (context.CancelFunc, <-chan []string) {
+	t.Helper()
+	ctx, cancel := context.WithCancel(context.Background())
+	got := make(chan []string, 1)
+	go func() { got <- g.do(ctx, run) }()
+	testenv.Eventually(t, waitFor, "the run waiting", func() bool {
+		g.mu.Lock()
+		defer g.mu.Unlock()
+		return slices.ContainsFunc(g.waiting, func(s *submittedRun) bool { return s.run[0] == run[0] })
+	})
+	return cancel, got
+}
+
 // submitAll submits each named run of runs, in order, each once the one
 // before it waits in g's queue (a busy group holds the others back), and
 // returns a function that waits for their outcomes.
@@ -117,8 +141,7 @@ func wantIdle(t *testing.T, g *runGroups) {
 func TestRunsSubmittedWhileBusyShareAGroup(t *testing.T) {
 	t.Parallel()
 	release := make(chan struct{})
-	r := &groupRecorder{hold: map[string]chan struct{}{"first-0": release}}
-	g := &runGroups{max: 1, maxJobs: 6, process: r.process}
+	g, r := recordedGroups(1, 6, map[string]chan struct{}{"first-0": release})
 	runs := map[string][]*job{
 		"first": testRun("first", 1),
 		"a":     testRun("a", 2),
@@ -152,20 +175,15 @@ func TestRunsSubmittedWhileBusyShareAGroup(t *testing.T) {
 func TestRunGroupsRunAtOnce(t *testing.T) {
 	t.Parallel()
 	release := make(chan struct{})
-	r := &groupRecorder{hold: map[string]chan struct{}{"x-0": release, "y-0": release}}
-	g := &runGroups{max: 2, maxJobs: 64, process: r.process}
+	g, r := recordedGroups(2, 64, map[string]chan struct{}{"x-0": release, "y-0": release})
 	runs := map[string][]*job{"x": testRun("x", 2), "y": testRun("y", 2)}
-	var waits []func() map[string][]string
+	var wg sync.WaitGroup
 	for i, name := range []string{"x", "y"} {
-		var wg sync.WaitGroup
 		wg.Go(func() { g.do(context.Background(), runs[name]) })
-		waits = append(waits, func() map[string][]string { wg.Wait(); return nil })
 		testenv.Eventually(t, waitFor, "run "+name+" processed while the other group is busy", func() bool { return r.count() == i+1 })
 	}
 	close(release)
-	for _, w := range waits {
-		w()
-	}
+	wg.Wait()
 	wantIdle(t, g)
 }
 
@@ -176,8 +194,7 @@ func TestRunGroupsRunAtOnce(t *testing.T) {
 func TestATaskIsInOneGroupAtATime(t *testing.T) {
 	t.Parallel()
 	release := make(chan struct{})
-	r := &groupRecorder{hold: map[string]chan struct{}{"same-0": release}}
-	g := &runGroups{max: 2, maxJobs: 64, process: r.process}
+	g, r := recordedGroups(2, 64, map[string]chan struct{}{"same-0": release})
 	runs := map[string][]*job{"first": testRun("same", 1), "second": testRun("same", 1)}
 	waitFirst := submitFirst(t, g, r, runs["first"])
 	wait := submitAll(t, g, runs, "second")
@@ -199,8 +216,7 @@ func TestATaskIsInOneGroupAtATime(t *testing.T) {
 func TestAStaleRunLeavesItsGroup(t *testing.T) {
 	t.Parallel()
 	release := make(chan struct{})
-	r := &groupRecorder{hold: map[string]chan struct{}{"first-0": release}}
-	g := &runGroups{max: 1, maxJobs: 64, process: r.process}
+	g, r := recordedGroups(1, 64, map[string]chan struct{}{"first-0": release})
 	runs := map[string][]*job{
 		"first": testRun("first", 1),
 		"a":     testRun("a", 2),
@@ -235,14 +251,10 @@ func TestAStaleRunLeavesItsGroup(t *testing.T) {
 func TestARunLeavesTheQueueWhenItsPartitionEnds(t *testing.T) {
 	t.Parallel()
 	release := make(chan struct{})
-	r := &groupRecorder{hold: map[string]chan struct{}{"first-0": release}}
-	g := &runGroups{max: 1, maxJobs: 64, process: r.process}
+	g, r := recordedGroups(1, 64, map[string]chan struct{}{"first-0": release})
 	runs := map[string][]*job{"first": testRun("first", 1), "revoked": testRun("revoked", 2)}
 	wait := submitFirst(t, g, r, runs["first"])
-	ctx, cancel := context.WithCancel(context.Background())
-	got := make(chan []string, 1)
-	go func() { got <- g.do(ctx, runs["revoked"]) }()
-	testenv.Eventually(t, waitFor, "the run waiting", func() bool { g.mu.Lock(); defer g.mu.Unlock(); return len(g.waiting) == 1 })
+	cancel, got := submitCancellable(t, g, runs["revoked"])
 	cancel()
 	select {
 	case done := <-got:
@@ -267,14 +279,10 @@ func TestARunLeavesTheQueueWhenItsPartitionEnds(t *testing.T) {
 func TestARevokedRunIsNotProcessedAgain(t *testing.T) {
 	t.Parallel()
 	releaseFirst, releaseSecond := make(chan struct{}), make(chan struct{})
-	r := &groupRecorder{hold: map[string]chan struct{}{"first-0": releaseFirst, "a-0": releaseSecond}}
-	g := &runGroups{max: 1, maxJobs: 64, process: r.process}
+	g, r := recordedGroups(1, 64, map[string]chan struct{}{"first-0": releaseFirst, "a-0": releaseSecond})
 	runs := map[string][]*job{"first": testRun("first", 1), "a": testRun("a", 1), "s": testRun("stale", 1), "b": testRun("b", 1)}
 	wait := submitFirst(t, g, r, runs["first"])
-	ctx, cancel := context.WithCancel(context.Background())
-	got := make(chan []string, 1)
-	go func() { got <- g.do(ctx, runs["a"]) }()
-	testenv.Eventually(t, waitFor, "run a waiting", func() bool { g.mu.Lock(); defer g.mu.Unlock(); return len(g.waiting) == 1 })
+	cancel, got := submitCancellable(t, g, runs["a"])
 	waitRest := submitAll(t, g, runs, "s", "b")
 	close(releaseFirst)
 	testenv.Eventually(t, waitFor, "the group of a, s and b busy", func() bool { return r.count() == 2 })
@@ -299,8 +307,7 @@ func TestARevokedRunIsNotProcessedAgain(t *testing.T) {
 // whatever the process function returned.
 func TestAStaleRunAloneGetsNoOutcome(t *testing.T) {
 	t.Parallel()
-	r := &groupRecorder{}
-	g := &runGroups{max: 1, maxJobs: 64, process: r.process}
+	g, _ := recordedGroups(1, 64, nil)
 	if done := g.do(context.Background(), testRun("stale", 2)); !slices.Equal(done, []string{"", ""}) {
 		t.Errorf("outcomes %q, want none (the per-record path)", done)
 	}

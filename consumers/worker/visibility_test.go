@@ -80,6 +80,15 @@ func TestReopeningVisibleOnlyAfterTheStartIsStarted(t *testing.T) {
 // uncommitted, and produces the task's TaskCreated event.
 func (b *testBundle) createUncommitted(t *testing.T, doc []byte) (pgx.Tx, created) {
 	t.Helper()
+	tx, c := b.uncommittedTask(t, doc)
+	b.produce(t, c.record())
+	return tx, c
+}
+
+// uncommittedTask creates a task of doc in a transaction it returns
+// uncommitted; nothing is produced.
+func (b *testBundle) uncommittedTask(t *testing.T, doc []byte) (pgx.Tx, created) {
+	t.Helper()
 	tx, err := b.db.Pool.Begin(context.Background())
 	if err != nil {
 		t.Fatal(err)
@@ -89,7 +98,6 @@ func (b *testBundle) createUncommitted(t *testing.T, doc []byte) (pgx.Tx, create
 		tx.Rollback(context.Background()) //nolint:errcheck // the test fails
 		t.Fatal(err)
 	}
-	b.produce(t, c.record())
 	return tx, c
 }
 
@@ -163,17 +171,8 @@ func TestTaskNeverVisibleIsDeadLetteredAfterTheTimeout(t *testing.T) {
 	t.Parallel()
 	b := setup(t, nil)
 	b.visibilityTimeout = 700 * time.Millisecond
-	ctx := context.Background()
-	tx, err := b.db.Pool.Begin(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer tx.Rollback(ctx) // never committed
-	c, err := createTaskIn(tx, []byte(`{"never":"visible"}`))
-	if err != nil {
-		t.Fatal(err)
-	}
-	b.produce(t, c.record())
+	tx, _ := b.createUncommitted(t, []byte(`{"never":"visible"}`))
+	defer tx.Rollback(context.Background()) //nolint:errcheck // never committed
 	rw := b.start(t, nil)
 	testenv.Eventually(t, waitFor, "dead-lettered", func() bool { return rw.count(OutcomeDeadLettered) == 1 })
 	dl := b.deadLetters(t, 1)
@@ -288,16 +287,8 @@ func TestDeadLetterOfANeverVisibleTaskEnds(t *testing.T) {
 			t.Parallel()
 			b := setup(t, nil)
 			b.visibilityTimeout = 500 * time.Millisecond
-			ctx := context.Background()
-			tx, err := b.db.Pool.Begin(ctx)
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer tx.Rollback(ctx) //nolint:errcheck // never committed
-			c, err := createTaskIn(tx, []byte(`{"poison":"never"}`))
-			if err != nil {
-				t.Fatal(err)
-			}
+			tx, c := b.uncommittedTask(t, []byte(`{"poison":"never"}`))
+			defer tx.Rollback(context.Background()) //nolint:errcheck // never committed
 			r := c.record()
 			if ahead > 0 {
 				r.Timestamp = time.Now().Add(ahead)
