@@ -113,19 +113,8 @@ func Start(ctx context.Context, cfg Config) (*Cluster, error) {
 		return nil, err
 	}
 	if _, err := os.Stat(filepath.Join(dataDir, "PG_VERSION")); errors.Is(err, os.ErrNotExist) {
-		if err := os.MkdirAll(dataDir, 0o700); err != nil {
+		if err := initdb(ctx, bin, dataDir, cfg.Fsync, cred, cfg.Logger); err != nil {
 			return nil, err
-		}
-		if err := chown(dataDir, cred); err != nil {
-			return nil, err
-		}
-		cfg.Logger.Info("initdb", "data_dir", dataDir)
-		cmd := exec.CommandContext(ctx, filepath.Join(bin, "initdb"), "-D", dataDir, "-U", "postgres",
-			"--auth=trust", "-E", "UTF8", "--locale=C", "--no-sync")
-		cmd.SysProcAttr = &syscall.SysProcAttr{Credential: cred}
-		cmd.Dir = os.TempDir()
-		if out, err := cmd.CombinedOutput(); err != nil {
-			return nil, fmt.Errorf("initdb %s: %w\n%s", dataDir, err, out)
 		}
 	} else if err != nil {
 		return nil, err
@@ -325,6 +314,57 @@ func onOff(b bool) string {
 
 // credential returns the identity to run PostgreSQL as: the postgres system
 // user when we are root, nil (ourselves) otherwise.
+// initdb creates the cluster of dataDir so that dataDir holds either a
+// complete cluster or none, whenever the process is killed: initdb runs in
+// the sibling directory dataDir+".initdb" (removed first: what an earlier,
+// interrupted initdb left), its files are synced when sync is set (initdb
+// --sync-only; the run itself is --no-sync, which is faster than syncing
+// file by file; a cluster run without fsync skips it), and
+// the directory is renamed to dataDir and the rename synced. Before, an
+// initdb killed part way (an interrupted first `converge dev`) left
+// PG_VERSION in dataDir and every later start failed. dataDir may exist
+// only when empty (rename(2) replaces an empty directory); otherwise the
+// error says so.
+func initdb(ctx context.Context, bin, dataDir string, sync bool, cred *syscall.Credential, log *slog.Logger) error {
+	tmp := dataDir + ".initdb"
+	if err := os.RemoveAll(tmp); err != nil {
+		return err
+	}
+	if err := os.MkdirAll(tmp, 0o700); err != nil {
+		return err
+	}
+	if err := chown(tmp, cred); err != nil {
+		return err
+	}
+	log.Info("initdb", "data_dir", dataDir)
+	run := func(args ...string) error {
+		cmd := exec.CommandContext(ctx, filepath.Join(bin, "initdb"), args...)
+		cmd.SysProcAttr = &syscall.SysProcAttr{Credential: cred}
+		cmd.Dir = os.TempDir()
+		if out, err := cmd.CombinedOutput(); err != nil {
+			return fmt.Errorf("initdb %s: %w\n%s", dataDir, err, out)
+		}
+		return nil
+	}
+	if err := run("-D", tmp, "-U", "postgres", "--auth=trust", "-E", "UTF8", "--locale=C", "--no-sync"); err != nil {
+		return err
+	}
+	if sync {
+		if err := run("-D", tmp, "--sync-only"); err != nil {
+			return err
+		}
+	}
+	if err := os.Rename(tmp, dataDir); err != nil {
+		return fmt.Errorf("initdb: move the new cluster into place: %w (%s must be empty or absent)", err, dataDir)
+	}
+	d, err := os.Open(filepath.Dir(dataDir))
+	if err != nil {
+		return err
+	}
+	defer d.Close()
+	return d.Sync()
+}
+
 func credential() (*syscall.Credential, error) {
 	if os.Geteuid() != 0 {
 		return nil, nil

@@ -102,3 +102,44 @@ func TestStartWhileTheDataDirectoryIsServed(t *testing.T) {
 		t.Fatalf("second Start: %v; want it to say %q", err, want)
 	}
 }
+
+// An initdb that is killed part way (here by its context, as when `converge
+// dev` is interrupted on its first start) leaves no half-initialized data
+// directory behind: the next Start initializes and starts the cluster.
+func TestStartAfterAnInterruptedInitdb(t *testing.T) {
+	if _, err := localpg.BinDir(); err != nil {
+		if testenv.InCI() {
+			t.Fatal(err)
+		}
+		t.Skip(err)
+	}
+	dir, err := os.MkdirTemp("", "converge-localpg-test-")
+	if err != nil {
+		t.Fatal(err)
+	}
+	os.Chmod(dir, 0o755)
+	t.Cleanup(func() { os.RemoveAll(dir) })
+	cfg := localpg.Config{DataDir: filepath.Join(dir, "data"), Port: testenv.FreePort(t)}
+	for _, after := range []time.Duration{50 * time.Millisecond, 300 * time.Millisecond, 800 * time.Millisecond} {
+		ctx, cancel := context.WithTimeout(context.Background(), after)
+		c, err := localpg.Start(ctx, cfg)
+		cancel()
+		if err == nil { // initdb finished in time: start over
+			c.Stop()
+			os.RemoveAll(cfg.DataDir)
+			continue
+		}
+		c, err = localpg.Start(context.Background(), cfg)
+		if err != nil {
+			t.Fatalf("Start after initdb was interrupted at %s: %v", after, err)
+		}
+		conn, err := pgx.Connect(context.Background(), c.URL("postgres"))
+		if err != nil {
+			c.Stop()
+			t.Fatal(err)
+		}
+		conn.Close(context.Background())
+		c.Stop()
+		os.RemoveAll(cfg.DataDir)
+	}
+}
