@@ -153,7 +153,7 @@ func (w *Worker) processGroup(ctx context.Context, run []*job) (done []string, s
 		if errors.As(err, &nf) {
 			return done, nf.idx
 		}
-		w.log.WarnContext(ctx, "intake of a run failed; its records are processed one by one", slog.Int("records", len(run)), slog.Any("err", err))
+		w.log.WarnContext(ctx, "intake of a group of runs failed; its records are processed one by one", recordsAttr(run), slog.Any("err", err))
 		return done, -1
 	}
 	w.m.batched.Add(float64(len(run)))
@@ -192,7 +192,7 @@ func (w *Worker) processGroup(ctx context.Context, run []*job) (done []string, s
 	// before any of them is recorded verified; if it fails, none is, and the
 	// per-record path (which syncs again) takes them.
 	if err := w.store.SyncObjects(); err != nil {
-		w.log.WarnContext(ctx, "artifact store sync of a run failed; its records are processed one by one", slog.Int("records", len(run)), slog.Any("err", err))
+		w.log.WarnContext(ctx, "artifact store sync of a group of runs failed; its records are processed one by one", recordsAttr(run), slog.Any("err", err))
 		clear(verified)
 	}
 	var ready []*job
@@ -212,7 +212,7 @@ func (w *Worker) processGroup(ctx context.Context, run []*job) (done []string, s
 		})
 		cancel()
 		if err != nil {
-			w.log.WarnContext(ctx, "completion of a run failed; its records are completed one by one", slog.Int("records", len(ready)), slog.Any("err", err))
+			w.log.WarnContext(ctx, "completion of a group of runs failed; its records are completed one by one", recordsAttr(ready), slog.Any("err", err))
 		} else {
 			k := 0
 			for i, v := range verified {

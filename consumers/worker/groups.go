@@ -2,7 +2,10 @@ package worker
 
 import (
 	"context"
+	"fmt"
+	"log/slog"
 	"slices"
+	"strings"
 	"sync"
 )
 
@@ -184,4 +187,42 @@ func sharesTask(run []*job, tasks map[string]bool) bool {
 		}
 	}
 	return false
+}
+
+// recordsAttr is the log attribute naming the records of jobs (a group's
+// runs, which its warnings would otherwise not name: a group's context is
+// not a partition's): "records" with their count and, per partition in
+// the order met, "topic/partition:first-last offset" (one offset when the
+// partition has one record), e.g. records.count=5
+// records.offsets="converge.task-events.v1/0:120-122 converge.task-events.v1/3:77".
+func recordsAttr(jobs []*job) slog.Attr {
+	type span struct{ first, last int64 }
+	type tp struct {
+		topic     string
+		partition int32
+	}
+	var order []tp
+	spans := map[tp]*span{}
+	for _, j := range jobs {
+		k := tp{j.rec.Topic, j.rec.Partition}
+		sp := spans[k]
+		if sp == nil {
+			sp = &span{j.rec.Offset, j.rec.Offset}
+			spans[k] = sp
+			order = append(order, k)
+		}
+		sp.first, sp.last = min(sp.first, j.rec.Offset), max(sp.last, j.rec.Offset)
+	}
+	var b strings.Builder
+	for i, k := range order {
+		if i > 0 {
+			b.WriteByte(' ')
+		}
+		sp := spans[k]
+		fmt.Fprintf(&b, "%s/%d:%d", k.topic, k.partition, sp.first)
+		if sp.last != sp.first {
+			fmt.Fprintf(&b, "-%d", sp.last)
+		}
+	}
+	return slog.Group("records", slog.Int("count", len(jobs)), slog.String("offsets", b.String()))
 }

@@ -9,6 +9,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/twmb/franz-go/pkg/kgo"
+
 	"github.com/converge-run/converge/internal/taskevent"
 	"github.com/converge-run/converge/internal/testenv"
 )
@@ -331,4 +333,15 @@ func TestAStaleIndexOutsideTheGroupEndsIt(t *testing.T) {
 		t.Errorf("outcomes %q after %d calls, want none after one", done, calls)
 	}
 	wantIdle(t, g)
+}
+
+// A group's warnings name its records by partition and offsets, since the
+// group's context is not a partition's.
+func TestRecordsAttrNamesPartitionsAndOffsets(t *testing.T) {
+	rec := func(p int32, off int64) *job { return &job{rec: &kgo.Record{Topic: "t", Partition: p, Offset: off}} }
+	jobs := []*job{rec(2, 10), rec(2, 11), rec(2, 14), rec(0, 7), rec(1, 3), rec(1, 5)}
+	got := recordsAttr(jobs).String()
+	if want := "records=[count=6 offsets=t/2:10-14 t/0:7 t/1:3-5]"; got != want {
+		t.Fatalf("recordsAttr = %q, want %q", got, want)
+	}
 }
