@@ -4,9 +4,10 @@ import (
 	"context"
 	"fmt"
 	"log/slog"
-	"slices"
 	"strings"
 	"sync"
+
+	"github.com/converge-run/converge/internal/groupcommit"
 )
 
 // Groups of runs (issue 11). A run is one partition's fresh records
@@ -20,7 +21,7 @@ import (
 // MaxBatchRecords records, whole runs, of distinct tasks, none of them a
 // task of a group being processed): one intake transaction, the effects,
 // one completion transaction — group commit, as the API's creates
-// (services/api, coalescer).
+// (services/api, coalescer), on the same queue (internal/groupcommit).
 //
 // Nothing of a run's rules changes: each record's inbox row, task start and
 // effect row are written in the group's intake transaction before its
@@ -38,19 +39,27 @@ import (
 // once its group has taken it, its partition waits for its outcomes, as
 // for a run before groups.
 
-// runGroups joins the runs submitted while its groups are busy.
+// runGroups joins the runs submitted while its groups are busy (a
+// groupcommit.Queue whose groups are whole runs of distinct tasks).
 type runGroups struct {
-	max     int // groups processed at once (RunGroups)
 	maxJobs int // records of a group (MaxBatchRecords), unless its first run alone has more
 	// process processes a group's jobs and returns their outcomes, and the
 	// index of the job that made its intake roll back, or -1
 	// (Worker.processGroup).
 	process func(jobs []*job) (done []string, stale int)
+	q       *groupcommit.Queue[*submittedRun]
 
-	mu      sync.Mutex
-	waiting []*submittedRun
-	active  int
-	busy    map[string]bool // the tasks of the groups taken and not yet ended
+	mu   sync.Mutex      // guards busy; taken inside the queue's lock (take, release)
+	busy map[string]bool // the tasks of the groups taken and not yet ended
+}
+
+// newRunGroups returns the groups of runs: at most max processed at once,
+// each of at most maxJobs records (unless its first run alone has more),
+// processed by process.
+func newRunGroups(max, maxJobs int, process func(jobs []*job) (done []string, stale int)) *runGroups {
+	g := &runGroups{maxJobs: maxJobs, process: process}
+	g.q = &groupcommit.Queue[*submittedRun]{Max: max, Take: g.take, Process: g.processRuns, Done: g.release}
+	return g
 }
 
 // submittedRun is one partition's run waiting for its outcomes.
@@ -69,99 +78,74 @@ type submittedRun struct {
 // intake rolled back (run is not processed again).
 func (g *runGroups) do(ctx context.Context, run []*job) []string {
 	s := &submittedRun{ctx: ctx, run: run, ready: make(chan struct{})}
-	g.mu.Lock()
-	g.waiting = append(g.waiting, s)
-	if g.active < g.max {
-		g.active++
-		go g.run()
-	}
-	g.mu.Unlock()
+	g.q.Submit(s)
 	select {
 	case <-s.ready:
 		return s.done
 	case <-ctx.Done():
 	}
-	g.mu.Lock()
-	if i := slices.Index(g.waiting, s); i >= 0 {
-		g.waiting = slices.Delete(g.waiting, i, i+1)
-		g.mu.Unlock()
+	if g.q.Withdraw(s) {
 		return nil
 	}
-	g.mu.Unlock()
 	<-s.ready // taken: its intake may be under way
 	return s.done
 }
 
-// run processes groups of the waiting runs until none can be taken.
-func (g *runGroups) run() {
-	var ended []*submittedRun
-	for {
-		g.mu.Lock()
-		for _, s := range ended {
-			for _, j := range s.run {
-				delete(g.busy, j.ev.TaskID)
-			}
+// processRuns processes the group of runs a group of the queue took and
+// answers each run.
+func (g *runGroups) processRuns(group []*submittedRun) {
+	for len(group) > 0 {
+		var jobs []*job
+		for _, s := range group {
+			jobs = append(jobs, s.run...)
 		}
-		group := g.take()
-		if len(group) == 0 {
-			g.active--
-			g.mu.Unlock()
+		done, stale := g.process(jobs)
+		if stale >= len(jobs) {
+			// Not an index of the group (processGroup never answers
+			// one): no outcome is trusted, every job goes through the
+			// per-record path, and the group is not processed again.
+			stale, done = -1, make([]string, len(jobs))
+		}
+		if stale < 0 {
+			for _, s := range group {
+				s.done, done = done[:len(s.run):len(s.run)], done[len(s.run):]
+				close(s.ready)
+			}
 			return
 		}
-		g.mu.Unlock()
-		ended = group
-		for len(group) > 0 {
-			var jobs []*job
-			for _, s := range group {
-				jobs = append(jobs, s.run...)
+		// Nothing of the group was written. A run whose partition's
+		// context ended meanwhile leaves with nil (nothing written: its
+		// partition gives up at once); the run of the record that is
+		// not fresh goes through the per-record path (no outcome); the
+		// others are processed again without them.
+		var rest []*submittedRun
+		for _, s := range group {
+			switch {
+			case s.ctx.Err() != nil:
+				close(s.ready)
+			case stale >= 0 && stale < len(s.run):
+				s.done = make([]string, len(s.run))
+				close(s.ready)
+			default:
+				rest = append(rest, s)
 			}
-			done, stale := g.process(jobs)
-			if stale >= len(jobs) {
-				// Not an index of the group (processGroup never answers
-				// one): no outcome is trusted, every job goes through the
-				// per-record path, and the group is not processed again.
-				stale, done = -1, make([]string, len(jobs))
-			}
-			if stale < 0 {
-				for _, s := range group {
-					s.done, done = done[:len(s.run):len(s.run)], done[len(s.run):]
-					close(s.ready)
-				}
-				break
-			}
-			// Nothing of the group was written. A run whose partition's
-			// context ended meanwhile leaves with nil (nothing written: its
-			// partition gives up at once); the run of the record that is
-			// not fresh goes through the per-record path (no outcome); the
-			// others are processed again without them.
-			var rest []*submittedRun
-			for _, s := range group {
-				switch {
-				case s.ctx.Err() != nil:
-					close(s.ready)
-				case stale >= 0 && stale < len(s.run):
-					s.done = make([]string, len(s.run))
-					close(s.ready)
-				default:
-					rest = append(rest, s)
-				}
-				stale -= len(s.run)
-			}
-			group = rest
+			stale -= len(s.run)
 		}
+		group = rest
 	}
 }
 
-// take removes from g.waiting, in order, the runs of the next group: each
-// run while the group stays within maxJobs records (its first run
-// excepted), and none of its tasks is in the group or in a group being
-// processed (g.busy; a task's records share its partition, except across a
-// change of the topic's partition count). The group's tasks become busy.
-// g.mu is held.
-func (g *runGroups) take() []*submittedRun {
-	var group, rest []*submittedRun
+// take returns the runs of the next group from waiting, in order, and the
+// runs left waiting: each run while the group stays within maxJobs records
+// (its first run excepted), and none of its tasks is in the group or in a
+// group being processed (g.busy; a task's records share its partition,
+// except across a change of the topic's partition count). The group's
+// tasks become busy until release.
+func (g *runGroups) take(waiting []*submittedRun) (group, rest []*submittedRun) {
+	g.mu.Lock()
+	defer g.mu.Unlock()
 	n := 0
-	for _, s := range g.waiting {
+	for _, s := range waiting {
 		if (len(group) > 0 && n+len(s.run) > g.maxJobs) || sharesTask(s.run, g.busy) {
 			rest = append(rest, s)
 			continue
@@ -175,8 +159,18 @@ func (g *runGroups) take() []*submittedRun {
 			g.busy[j.ev.TaskID] = true
 		}
 	}
-	g.waiting = rest
-	return group
+	return group, rest
+}
+
+// release ends the group take returned: its tasks are no longer busy.
+func (g *runGroups) release(group []*submittedRun) {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	for _, s := range group {
+		for _, j := range s.run {
+			delete(g.busy, j.ev.TaskID)
+		}
+	}
 }
 
 // sharesTask reports whether a job of run is of a task in tasks.

@@ -70,7 +70,7 @@ func TestRunGroupsUnderRandomLoad(t *testing.T) {
 			st.mu.Unlock()
 			return done, stale
 		}
-		g := &runGroups{max: 1 + rng.IntN(3), maxJobs: 2 + rng.IntN(8), process: process}
+		g := newRunGroups(1+rng.IntN(3), 2+rng.IntN(8), process)
 		parts := 2 + rng.IntN(10)
 		var wg sync.WaitGroup
 		for p := 0; p < parts; p++ {
@@ -133,7 +133,7 @@ func TestRunGroupsUnderRandomLoad(t *testing.T) {
 		select {
 		case <-ch:
 		case <-time.After(waitFor):
-			t.Fatalf("iter %d: hang (max %d, maxJobs %d, parts %d)", iter, g.max, g.maxJobs, parts)
+			t.Fatalf("iter %d: hang (max %d, maxJobs %d, parts %d)", iter, g.q.Max, g.maxJobs, parts)
 		}
 		wantIdle(t, g)
 		st.mu.Lock()

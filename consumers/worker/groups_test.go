@@ -72,7 +72,7 @@ func (r *groupRecorder) count() int {
 // task is in hold until its channel is closed.
 func recordedGroups(max, maxJobs int, hold map[string]chan struct{}) (*runGroups, *groupRecorder) {
 	r := &groupRecorder{hold: hold}
-	return &runGroups{max: max, maxJobs: maxJobs, process: r.process}, r
+	return newRunGroups(max, maxJobs, r.process), r
 }
 
 // submitCancellable submits run with a context of its own, waits until it
@@ -84,9 +84,7 @@ func submitCancellable(t *testing.T, g *runGroups, run []*job) (context.CancelFu
 	got := make(chan []string, 1)
 	go func() { got <- g.do(ctx, run) }()
 	testenv.Eventually(t, waitFor, "the run waiting", func() bool {
-		g.mu.Lock()
-		defer g.mu.Unlock()
-		return slices.ContainsFunc(g.waiting, func(s *submittedRun) bool { return s.run[0] == run[0] })
+		return slices.ContainsFunc(g.q.Waiting(), func(s *submittedRun) bool { return s.run[0] == run[0] })
 	})
 	return cancel, got
 }
@@ -107,9 +105,7 @@ func submitAll(t *testing.T, g *runGroups, runs map[string][]*job, names ...stri
 			mu.Unlock()
 		})
 		testenv.Eventually(t, waitFor, "run "+name+" waiting", func() bool {
-			g.mu.Lock()
-			defer g.mu.Unlock()
-			return slices.ContainsFunc(g.waiting, func(s *submittedRun) bool { return s.run[0] == runs[name][0] })
+			return slices.ContainsFunc(g.q.Waiting(), func(s *submittedRun) bool { return s.run[0] == runs[name][0] })
 		})
 	}
 	return func() map[string][]string { wg.Wait(); return outcomes }
@@ -130,9 +126,12 @@ func submitFirst(t *testing.T, g *runGroups, r *groupRecorder, run []*job) func(
 func wantIdle(t *testing.T, g *runGroups) {
 	t.Helper()
 	testenv.Eventually(t, waitFor, "no group active, no run waiting, no task busy", func() bool {
-		g.mu.Lock()
+		if !g.q.Idle() {
+			return false
+		}
+		g.mu.Lock() // not inside Idle: take and release lock it inside the queue's lock
 		defer g.mu.Unlock()
-		return g.active == 0 && len(g.waiting) == 0 && len(g.busy) == 0
+		return len(g.busy) == 0
 	})
 }
 
@@ -321,14 +320,14 @@ func TestAStaleRunAloneGetsNoOutcome(t *testing.T) {
 func TestAStaleIndexOutsideTheGroupEndsIt(t *testing.T) {
 	t.Parallel()
 	calls := 0
-	g := &runGroups{max: 1, maxJobs: 64, process: func(jobs []*job) ([]string, int) {
+	g := newRunGroups(1, 64, func(jobs []*job) ([]string, int) {
 		calls++
 		done := make([]string, len(jobs))
 		for i := range done {
 			done[i] = "ok"
 		}
 		return done, len(jobs)
-	}}
+	})
 	if done := g.do(context.Background(), testRun("x", 2)); !slices.Equal(done, []string{"", ""}) || calls != 1 {
 		t.Errorf("outcomes %q after %d calls, want none after one", done, calls)
 	}

@@ -294,12 +294,12 @@ func New(cfg Config) (*Worker, error) {
 	}
 	w := &Worker{cfg: cfg, log: cfg.Logger, pool: cfg.Pool, store: cfg.ArtifactStore, faults: cfg.Faults, m: m,
 		lease: inbox.Lease{Owner: cfg.LeaseOwner, For: cfg.InboxLease}}
-	w.groups = &runGroups{max: cfg.RunGroups, maxJobs: cfg.MaxBatchRecords, process: func(jobs []*job) ([]string, int) {
+	w.groups = newRunGroups(cfg.RunGroups, cfg.MaxBatchRecords, func(jobs []*job) ([]string, int) {
 		// A group's work is bounded by AttemptTimeout per step, not by any
 		// one partition's context: a partition revoked meanwhile waits for
 		// its run's outcomes, as it did before groups.
 		return w.processGroup(context.Background(), jobs)
-	}}
+	})
 	if w.pool, w.ownPool, err = dbpool.Use(w.pool, cfg.DatabaseURL, "worker"); err != nil {
 		return nil, err
 	}

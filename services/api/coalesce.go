@@ -16,6 +16,7 @@ import (
 
 	"github.com/converge-run/converge/internal/dbpool"
 	"github.com/converge-run/converge/internal/fault"
+	"github.com/converge-run/converge/internal/groupcommit"
 	"github.com/converge-run/converge/internal/outbox"
 	"github.com/converge-run/converge/internal/tenant"
 	"github.com/converge-run/converge/services/api/idempotency"
@@ -29,7 +30,8 @@ import (
 // same as alone (package idempotency, task, tenant) but the TaskCreated
 // outbox rows, inserted by one statement for the group
 // (outbox.QueueInsertMany), pipelined in two round trips. A lone request runs the single-request transaction
-// (store.createOne), so a quiet API answers as it did before.
+// (store.createOne), so a quiet API answers as it did before. The queue
+// is internal/groupcommit's, which the worker's groups of runs share.
 //
 // Each request's outcome is exactly the one it would have had alone:
 //   - a request whose record insert conflicted (its key was recorded by a
@@ -102,17 +104,22 @@ type coalescer struct {
 	sizes    prometheus.Observer // converge_api_create_batch_size
 	aborts   prometheus.Counter  // converge_api_create_group_aborts_total
 
+	q *groupcommit.Queue[*createReq] // Max: maxTx; a group: the first maxBatch requests waiting
+
 	mu        sync.Mutex
-	queue     []*createReq
-	inflight  int                  // transactions running (draining goroutines)
 	exhausted map[string]time.Time // tenant ID → until when its requests run alone (quotaMemo)
 }
 
 // newCoalescer returns the group commit of s with at most maxBatch requests
 // per transaction and maxTx transactions at once, each bounded by timeout.
 func newCoalescer(s *store, maxBatch, maxTx int, timeout time.Duration, faults *fault.Set, log *slog.Logger, m *metrics) *coalescer {
-	return &coalescer{store: s, maxBatch: maxBatch, maxTx: maxTx, timeout: timeout, faults: faults, log: log,
+	c := &coalescer{store: s, maxBatch: maxBatch, maxTx: maxTx, timeout: timeout, faults: faults, log: log,
 		sizes: m.createBatch, aborts: m.createGroupAborts, exhausted: map[string]time.Time{}}
+	c.q = &groupcommit.Queue[*createReq]{Max: maxTx, Process: c.run, Take: func(waiting []*createReq) (group, rest []*createReq) {
+		n := min(len(waiting), c.maxBatch)
+		return slices.Clone(waiting[:n]), slices.Delete(waiting, 0, n)
+	}}
+	return c
 }
 
 // do runs r's create in the next transaction and returns its outcome. A
@@ -122,44 +129,17 @@ func newCoalescer(s *store, maxBatch, maxTx int, timeout time.Duration, faults *
 // and groupLockTimeout), because the answer must say whether its task was
 // committed.
 func (c *coalescer) do(r *createReq) (*newTask, error) {
-	c.mu.Lock()
-	c.queue = append(c.queue, r)
-	if c.inflight < c.maxTx {
-		c.inflight++
-		go c.drain()
-	}
-	c.mu.Unlock()
+	c.q.Submit(r)
 	select {
 	case res := <-r.done:
 		return res.n, res.err
 	case <-r.ctx.Done():
 	}
-	c.mu.Lock()
-	if i := slices.Index(c.queue, r); i >= 0 {
-		c.queue = slices.Delete(c.queue, i, i+1)
-		c.mu.Unlock()
+	if c.q.Withdraw(r) {
 		return nil, fmt.Errorf("create task: waiting for a create transaction: %w", r.ctx.Err())
 	}
-	c.mu.Unlock()
 	res := <-r.done
 	return res.n, res.err
-}
-
-// drain runs transactions until the queue is empty.
-func (c *coalescer) drain() {
-	for {
-		c.mu.Lock()
-		if len(c.queue) == 0 {
-			c.inflight--
-			c.mu.Unlock()
-			return
-		}
-		n := min(len(c.queue), c.maxBatch)
-		group := slices.Clone(c.queue[:n])
-		c.queue = slices.Delete(c.queue, 0, n)
-		c.mu.Unlock()
-		c.run(group)
-	}
 }
 
 // run answers every request of group. Requests whose context already
@@ -277,7 +257,7 @@ func (c *coalescer) createGroup(ctx context.Context, group []*createReq) (result
 // (store.createOne) under r's own context. A quota found exhausted makes
 // its tenant's requests run alone for quotaMemo; a panic is logged with its
 // stack and answered as an error (net/http's handler recovery would not
-// see it: it happens on the draining goroutine).
+// see it: it happens on the group's goroutine).
 func (c *coalescer) runAlone(r *createReq) {
 	defer func() {
 		if v := recover(); v != nil {
