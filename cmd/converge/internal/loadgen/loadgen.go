@@ -11,7 +11,10 @@
 //     are in flight; late requests are sent as soon as one finishes.
 //   - closed (Rate == 0): Clients clients each send their next request as
 //     soon as the previous one is answered; latency is measured from the
-//     actual send.
+//     actual send. A client whose request got no answer (TRANSPORT: the
+//     API restarted or was killed) waits before its next one, 10 ms
+//     doubling per failure in a row up to 1 s, so that an API restart
+//     does not spend the run's requests on connection errors.
 //
 // Every request carries a unique Idempotency-Key (KeyPrefix + sequence
 // number; the prefix is random per run), so each accepted request creates a
@@ -45,6 +48,7 @@ import (
 
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/converge-run/converge/internal/backoff"
 	"github.com/converge-run/converge/internal/docgen"
 	"github.com/converge-run/converge/internal/task"
 	"github.com/converge-run/converge/services/api"
@@ -462,6 +466,7 @@ func (r *run) closed(ctx context.Context) (start, end time.Time) {
 	var wg sync.WaitGroup
 	for range r.cfg.Clients {
 		wg.Go(func() {
+			inRow := 0 // transport failures in a row
 			for ctx.Err() == nil {
 				if !deadline.IsZero() && !time.Now().Before(deadline) {
 					return
@@ -470,7 +475,22 @@ func (r *run) closed(ctx context.Context) (start, end time.Time) {
 				if r.cfg.Count > 0 && i >= r.cfg.Count {
 					return
 				}
-				r.do(ctx, i, time.Now())
+				if !r.do(ctx, i, time.Now()) {
+					inRow = 0
+					continue
+				}
+				// The API did not answer (restarted, killed, overloaded
+				// listener): wait before the next request, as a client
+				// would, instead of spending the run's requests on
+				// connection errors.
+				wait := backoff.Delay(transportBackoffMin, transportBackoffMax, inRow)
+				if !deadline.IsZero() {
+					wait = min(wait, time.Until(deadline))
+				}
+				inRow++
+				if !backoff.Wait(ctx, wait) {
+					return
+				}
 			}
 		})
 	}
@@ -478,13 +498,22 @@ func (r *run) closed(ctx context.Context) (start, end time.Time) {
 	return start, time.Now()
 }
 
-// do sends request i and records its latency from from.
-func (r *run) do(ctx context.Context, i int, from time.Time) {
+// Closed-model clients wait after a transport failure (closed): the first
+// wait is transportBackoffMin, doubling per failure in a row up to
+// transportBackoffMax, with jitter (internal/backoff).
+const (
+	transportBackoffMin = 10 * time.Millisecond
+	transportBackoffMax = time.Second
+)
+
+// do sends request i and records its latency from from. It reports whether
+// the request failed in transport (no answer, ctx still live).
+func (r *run) do(ctx context.Context, i int, from time.Time) (transport bool) {
 	body := r.body(i)
 	req, err := http.NewRequestWithContext(ctx, http.MethodPost, r.cfg.BaseURL+"/v1/tasks", bytes.NewReader(body))
 	if err != nil {
 		r.failWith("TRANSPORT", err.Error())
-		return
+		return false // a request that cannot be built: no wait helps
 	}
 	req.Header.Set("Content-Type", "application/json")
 	req.Header.Set("Idempotency-Key", r.cfg.KeyPrefix+strconv.Itoa(i))
@@ -496,17 +525,17 @@ func (r *run) do(ctx context.Context, i int, from time.Time) {
 	if err != nil {
 		if ctx.Err() != nil {
 			r.fail("CANCELLED") // interrupted: sent, never answered
-		} else {
-			r.failWith("TRANSPORT", err.Error())
+			return false
 		}
-		return
+		r.failWith("TRANSPORT", err.Error())
+		return true
 	}
 	rb, err := io.ReadAll(io.LimitReader(resp.Body, 1<<20))
 	resp.Body.Close()
 	r.latency.Record(time.Since(from))
 	if err != nil {
 		r.failWith("TRANSPORT", err.Error())
-		return
+		return ctx.Err() == nil
 	}
 	if resp.StatusCode != http.StatusAccepted {
 		var p struct {
@@ -517,18 +546,19 @@ func (r *run) do(ctx context.Context, i int, from time.Time) {
 			p.Code = "HTTP_" + strconv.Itoa(resp.StatusCode)
 		}
 		r.fail(p.Code)
-		return
+		return false
 	}
 	var c struct {
 		TaskID string `json:"task_id"`
 	}
 	if err := json.Unmarshal(rb, &c); err != nil || c.TaskID == "" {
 		r.fail("BAD_RESPONSE")
-		return
+		return false
 	}
 	r.mu.Lock()
 	r.created = append(r.created, created{seq: i, taskID: c.TaskID})
 	r.mu.Unlock()
+	return false
 }
 
 func (r *run) fail(code string) { r.failWith(code, "") }

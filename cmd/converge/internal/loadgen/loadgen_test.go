@@ -302,3 +302,32 @@ func TestRunSpreadsRequestsOverTokens(t *testing.T) {
 		}
 	}
 }
+
+// A closed-model client whose request failed in transport (the API went
+// away after the preflight: restarted, killed) waits before its next
+// request, longer after each failure in a row, instead of spending the
+// run's requests (and a core) on connection errors.
+func TestClosedClientsBackOffAfterTransportErrors(t *testing.T) {
+	t.Parallel()
+	ts := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.URL.Path == "/healthz" {
+			io.WriteString(w, `{"status":"ok"}`)
+			return
+		}
+		conn, _, err := w.(http.Hijacker).Hijack() // the connection drops: no answer
+		if err == nil {
+			conn.Close()
+		}
+	}))
+	defer ts.Close()
+	res, err := Run(context.Background(), Config{BaseURL: ts.URL, Clients: 16, Duration: 500 * time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Without a backoff each client sends again at once (thousands of
+	// requests here); with it, a client sends about 7 in 500 ms (waits of
+	// 10, 20, 40 ... ms).
+	if res.Requests > 16*10 || res.Errors["TRANSPORT"] != res.Requests {
+		t.Fatalf("%d requests, errors %v: want at most %d, all TRANSPORT", res.Requests, res.Errors, 16*10)
+	}
+}
