@@ -243,6 +243,26 @@ type Results struct {
 	TotalSeconds float64 `json:"total_seconds"`
 }
 
+// dropStage removes the results of stage.
+func (r *Results) dropStage(stage string) {
+	switch stage {
+	case StageCreate:
+		r.Create = nil
+	case StageRelay:
+		r.Relay = nil
+	case StageRSS:
+		r.RSS = nil
+	case StageWorker:
+		r.Worker = nil
+	case StageE2E:
+		r.E2E = nil
+	case StagePeer:
+		r.Peer = nil
+	case StageAB:
+		r.AB = nil
+	}
+}
+
 // Settings records the sizes used.
 type Settings struct {
 	Runs            int       `json:"runs"`
@@ -294,7 +314,15 @@ func Run(ctx context.Context, cfg Config) (*Results, error) {
 			continue
 		}
 		e.progress("== stage %s (load %s)", s, loadavg())
-		if err := stages[s](ctx, e, res); err != nil {
+		err := stages[s](ctx, e, res)
+		switch {
+		case ctx.Err() != nil:
+			// Interrupted: its runs so far are not its measurement (their
+			// medians would count the unfinished runs as zeros).
+			res.dropStage(s)
+			res.Errors[s] = "interrupted: its partial measurements were dropped"
+			e.progress("stage %s interrupted", s)
+		case err != nil:
 			res.Errors[s] = err.Error()
 			e.progress("stage %s failed: %v", s, err)
 		}

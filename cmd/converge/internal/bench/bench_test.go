@@ -214,3 +214,28 @@ func TestABConfig(t *testing.T) {
 		}
 	}
 }
+
+// An interrupted stage's partial results are dropped (dropStage knows
+// every stage): before, its unfinished runs were printed as zero medians.
+func TestDropStageRemovesOnlyThatStage(t *testing.T) {
+	full := func() *Results {
+		return &Results{Create: []CreatePoint{{}}, Relay: &RelayResult{}, RSS: &RSSResult{}, Worker: &WorkerResult{},
+			E2E: &E2EResult{}, Peer: &PeerResult{}, AB: &ABResult{}}
+	}
+	present := func(r *Results) map[string]bool {
+		return map[string]bool{StageCreate: r.Create != nil, StageRelay: r.Relay != nil, StageRSS: r.RSS != nil,
+			StageWorker: r.Worker != nil, StageE2E: r.E2E != nil, StagePeer: r.Peer != nil, StageAB: r.AB != nil}
+	}
+	if got := len(present(full())); got != len(knownStages) {
+		t.Fatalf("the test knows %d stages, the bench %d", got, len(knownStages))
+	}
+	for _, s := range knownStages {
+		r := full()
+		r.dropStage(s)
+		for stage, ok := range present(r) {
+			if ok == (stage == s) {
+				t.Errorf("after dropStage(%s), %s present = %v", s, stage, ok)
+			}
+		}
+	}
+}
