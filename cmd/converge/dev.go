@@ -72,6 +72,21 @@ func (c *DevCmd) Run(env *runEnv) error {
 	}
 	defer unlock()
 
+	// The API's addresses first: an address in use fails the start at
+	// once, before the embedded services take their seconds to start (and
+	// requests that arrive meanwhile wait in the listen backlog).
+	ln, err := net.Listen("tcp", c.HTTPAddr)
+	if err != nil {
+		return fmt.Errorf("API listen %s: %w", c.HTTPAddr, err)
+	}
+	defer ln.Close()
+	apiURL := "http://" + ln.Addr().String()
+	adminLn, err := net.Listen("tcp", c.AdminAddr)
+	if err != nil {
+		return fmt.Errorf("admin API listen %s: %w", c.AdminAddr, err)
+	}
+	defer adminLn.Close()
+
 	var supervised []pipeline.Component
 	dbURL := c.DatabaseURL
 	if dbURL == "" {
@@ -137,16 +152,6 @@ func (c *DevCmd) Run(env *runEnv) error {
 	artifactDir := c.ArtifactDir
 	if artifactDir == "" {
 		artifactDir = filepath.Join(dataDir, "artifacts")
-	}
-	ln, err := net.Listen("tcp", c.HTTPAddr)
-	if err != nil {
-		return fmt.Errorf("API listen %s: %w", c.HTTPAddr, err)
-	}
-	apiURL := "http://" + ln.Addr().String()
-	adminLn, err := net.Listen("tcp", c.AdminAddr)
-	if err != nil {
-		ln.Close()
-		return fmt.Errorf("admin API listen %s: %w", c.AdminAddr, err)
 	}
 
 	// The banner's commands find this data directory themselves only when

@@ -6,6 +6,7 @@ import (
 	"context"
 	"fmt"
 	"io"
+	"net"
 	"net/http"
 	"os"
 	"os/exec"
@@ -359,4 +360,27 @@ func devToken(t *testing.T, dir string) string {
 		t.Fatal(err)
 	}
 	return strings.TrimSpace(string(b))
+}
+
+// An API address in use fails `converge dev` at once, naming it, before
+// any embedded service starts (before, it failed only after PostgreSQL,
+// the broker and Redis had started).
+func TestDevRefusesABusyAPIAddressFirst(t *testing.T) {
+	d := newDevTest(t)
+	busy, err := net.Listen("tcp", strings.TrimPrefix(d.apiURL, "http://"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer busy.Close()
+	var out bytes.Buffer
+	cmd := exec.Command(d.bin, "dev")
+	cmd.Env = append(os.Environ(), d.env...)
+	cmd.Stdout, cmd.Stderr = &out, &out
+	err = cmd.Run()
+	if err == nil || !strings.Contains(out.String(), "API listen "+busy.Addr().String()) {
+		t.Fatalf("dev with its API address in use: %v\n%s", err, out.String())
+	}
+	if _, err := os.Stat(filepath.Join(d.dir, "data", "pg")); !os.IsNotExist(err) {
+		t.Fatalf("the embedded PostgreSQL's directory exists (%v): dev started it before binding the API", err)
+	}
 }
