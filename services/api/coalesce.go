@@ -97,14 +97,13 @@ const (
 type coalescer struct {
 	store    *store
 	maxBatch int           // most requests per transaction
-	maxTx    int           // most group transactions at once
 	timeout  time.Duration // most time of a group transaction (the API's RequestTimeout)
 	faults   *fault.Set
 	log      *slog.Logger
 	sizes    prometheus.Observer // converge_api_create_batch_size
 	aborts   prometheus.Counter  // converge_api_create_group_aborts_total
 
-	q *groupcommit.Queue[*createReq] // Max: maxTx; a group: the first maxBatch requests waiting
+	q *groupcommit.Queue[*createReq] // Max: the most group transactions at once; a group: the first maxBatch requests waiting
 
 	mu        sync.Mutex
 	exhausted map[string]time.Time // tenant ID → until when its requests run alone (quotaMemo)
@@ -113,7 +112,7 @@ type coalescer struct {
 // newCoalescer returns the group commit of s with at most maxBatch requests
 // per transaction and maxTx transactions at once, each bounded by timeout.
 func newCoalescer(s *store, maxBatch, maxTx int, timeout time.Duration, faults *fault.Set, log *slog.Logger, m *metrics) *coalescer {
-	c := &coalescer{store: s, maxBatch: maxBatch, maxTx: maxTx, timeout: timeout, faults: faults, log: log,
+	c := &coalescer{store: s, maxBatch: maxBatch, timeout: timeout, faults: faults, log: log,
 		sizes: m.createBatch, aborts: m.createGroupAborts, exhausted: map[string]time.Time{}}
 	c.q = &groupcommit.Queue[*createReq]{Max: maxTx, Process: c.run, Take: func(waiting []*createReq) (group, rest []*createReq) {
 		n := min(len(waiting), c.maxBatch)
@@ -147,7 +146,7 @@ func (c *coalescer) do(r *createReq) (*newTask, error) {
 // exhausted, and those with less than minGroupTime left, run alone; the
 // rest share one group transaction, and run alone when it fails (a group
 // whose COMMIT was sent but not answered is settled first: committed). Requests running alone after a group are not bounded by
-// maxTx (they take pool connections as without group commit).
+// the queue's Max (they take pool connections as without group commit).
 func (c *coalescer) run(group []*createReq) {
 	now := time.Now()
 	live := make([]*createReq, 0, len(group))
