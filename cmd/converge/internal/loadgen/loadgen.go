@@ -844,6 +844,10 @@ func (res *Result) Print(w io.Writer) {
 			if d, ok := res.FirstErrors[k]; ok {
 				fmt.Fprintf(w, "                 first: %s\n", d)
 			}
+			if k == "TRANSPORT" || k == "CANCELLED" {
+				// Sent and never answered: the API may have committed it.
+				fmt.Fprintf(w, "                 (no answer: such a request may still have created its task; a retry with its key would say)\n")
+			}
 		}
 	}
 	if res.WaitSeconds > 0 || res.Completed > 0 {
@@ -852,7 +856,11 @@ func (res *Result) Print(w io.Writer) {
 		if res.WaitError != "" {
 			fmt.Fprintf(w, "                 reading tasks failed: %s (pending tasks may have completed)\n", res.WaitError)
 		}
-		fmt.Fprintf(w, "end to end       p50 %.2f ms  p90 %.2f ms  p99 %.2f ms  max %.2f ms\n", e.P50, e.P90, e.P99, e.Max)
+		if e.Count == 0 {
+			fmt.Fprintf(w, "end to end       no completed task\n")
+		} else {
+			fmt.Fprintf(w, "end to end       p50 %.2f ms  p90 %.2f ms  p99 %.2f ms  max %.2f ms\n", e.P50, e.P90, e.P99, e.Max)
+		}
 		fmt.Fprintf(w, "completed        %.1f tasks/s\n", res.CompletedPerSec)
 	}
 }

@@ -331,3 +331,25 @@ func TestClosedClientsBackOffAfterTransportErrors(t *testing.T) {
 		t.Fatalf("%d requests, errors %v: want at most %d, all TRANSPORT", res.Requests, res.Errors, 16*10)
 	}
 }
+
+// The summary prints no percentiles of nothing (a run in which no task
+// completed), and says that an unanswered request may still have created
+// its task (a review found tasks behind TRANSPORT errors: the API
+// committed, then died before answering).
+func TestPrintSaysWhatItDoesNotKnow(t *testing.T) {
+	t.Parallel()
+	res := &Result{Model: "closed", Clients: 1, Requests: 3, Errors: map[string]int{"TRANSPORT": 3},
+		FirstErrors: map[string]string{"TRANSPORT": "connection refused"}, WaitSeconds: 1}
+	var b strings.Builder
+	res.Print(&b)
+	out := b.String()
+	for _, want := range []string{"create latency   no answered request", "end to end       no completed task",
+		"error            TRANSPORT × 3", "may still have created its task"} {
+		if !strings.Contains(out, want) {
+			t.Errorf("summary lacks %q:\n%s", want, out)
+		}
+	}
+	if strings.Contains(out, "0.00 ms") {
+		t.Errorf("summary prints percentiles of no sample:\n%s", out)
+	}
+}
