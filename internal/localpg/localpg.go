@@ -312,25 +312,59 @@ func onOff(b bool) string {
 	return "off"
 }
 
-// credential returns the identity to run PostgreSQL as: the postgres system
-// user when we are root, nil (ourselves) otherwise.
 // initdb creates the cluster of dataDir so that dataDir holds either a
-// complete cluster or none, whenever the process is killed: initdb runs in
-// the sibling directory dataDir+".initdb" (removed first: what an earlier,
-// interrupted initdb left), its files are synced when sync is set (initdb
-// --sync-only; the run itself is --no-sync, which is faster than syncing
-// file by file; a cluster run without fsync skips it), and
-// the directory is renamed to dataDir and the rename synced. Before, an
-// initdb killed part way (an interrupted first `converge dev`) left
-// PG_VERSION in dataDir and every later start failed. dataDir may exist
-// only when empty (rename(2) replaces an empty directory); otherwise the
-// error says so.
+// complete cluster or none, whenever the process is killed:
+//
+//   - dataDir must be absent or an empty directory (else an error says so,
+//     before any initdb); an empty one is removed first, since os.Rename
+//     replaces no directory;
+//   - initdb runs in a new sibling directory dataDir+".initdb-<random>"
+//     (what earlier, interrupted attempts left under that prefix is
+//     removed first, as far as it can be; a fresh name per attempt keeps
+//     an attempt still running from a killed process, whose failure
+//     cleanup empties its own directory, away from this one), with
+//     Pdeathsig so that it dies with us;
+//   - its files are synced when sync is set (initdb --sync-only; the run
+//     itself is --no-sync, faster than syncing file by file; a cluster run
+//     without fsync skips it);
+//   - the directory is renamed to dataDir and the rename synced.
+//
+// Before, an initdb killed part way (an interrupted first `converge dev`)
+// left PG_VERSION in dataDir and every later start failed. When the empty
+// dataDir cannot be removed (a mount point), initdb runs in it directly, as
+// before: then an interrupted initdb leaves a directory that the next start
+// refuses as not empty.
 func initdb(ctx context.Context, bin, dataDir string, sync bool, cred *syscall.Credential, log *slog.Logger) error {
-	tmp := dataDir + ".initdb"
-	if err := os.RemoveAll(tmp); err != nil {
+	inPlace := false
+	if entries, err := os.ReadDir(dataDir); err == nil {
+		if len(entries) > 0 {
+			return fmt.Errorf("initdb: %s is not empty and holds no cluster (no PG_VERSION): remove it, or point the data directory elsewhere", dataDir)
+		}
+		if os.Remove(dataDir) != nil {
+			inPlace = true // a mount point, or a parent we may not change
+		}
+	} else if !errors.Is(err, os.ErrNotExist) {
 		return err
 	}
-	if err := os.MkdirAll(tmp, 0o700); err != nil {
+	parent, base := filepath.Dir(dataDir), filepath.Base(dataDir)
+	// Best effort: an attempt of a killed process may still be writing
+	// into its directory for a moment (initdb's postgres child outlives a
+	// killed initdb until it reads the end of its input); what stays is
+	// removed at a later start.
+	left, _ := filepath.Glob(filepath.Join(parent, base+".initdb*"))
+	for _, d := range left {
+		if err := os.RemoveAll(d); err != nil {
+			log.Warn("initdb: an interrupted attempt's directory is not removed yet", "dir", d, "err", err)
+		}
+	}
+	tmp := dataDir
+	if !inPlace {
+		var err error
+		if tmp, err = os.MkdirTemp(parent, base+".initdb-"); err != nil {
+			return err
+		}
+	}
+	if err := os.Chmod(tmp, 0o700); err != nil {
 		return err
 	}
 	if err := chown(tmp, cred); err != nil {
@@ -339,12 +373,16 @@ func initdb(ctx context.Context, bin, dataDir string, sync bool, cred *syscall.C
 	log.Info("initdb", "data_dir", dataDir)
 	run := func(args ...string) error {
 		cmd := exec.CommandContext(ctx, filepath.Join(bin, "initdb"), args...)
-		cmd.SysProcAttr = &syscall.SysProcAttr{Credential: cred}
+		cmd.SysProcAttr = &syscall.SysProcAttr{Credential: cred, Pdeathsig: syscall.SIGKILL}
 		cmd.Dir = os.TempDir()
-		if out, err := cmd.CombinedOutput(); err != nil {
-			return fmt.Errorf("initdb %s: %w\n%s", dataDir, err, out)
+		out, err := cmd.CombinedOutput()
+		switch {
+		case err == nil:
+			return nil
+		case ctx.Err() != nil: // interrupted: its output is only its cleanup
+			return fmt.Errorf("initdb %s: %w", dataDir, ctx.Err())
 		}
-		return nil
+		return fmt.Errorf("initdb %s: %w\n%s", dataDir, err, out)
 	}
 	if err := run("-D", tmp, "-U", "postgres", "--auth=trust", "-E", "UTF8", "--locale=C", "--no-sync"); err != nil {
 		return err
@@ -354,10 +392,13 @@ func initdb(ctx context.Context, bin, dataDir string, sync bool, cred *syscall.C
 			return err
 		}
 	}
-	if err := os.Rename(tmp, dataDir); err != nil {
-		return fmt.Errorf("initdb: move the new cluster into place: %w (%s must be empty or absent)", err, dataDir)
+	if inPlace {
+		return nil
 	}
-	d, err := os.Open(filepath.Dir(dataDir))
+	if err := os.Rename(tmp, dataDir); err != nil {
+		return fmt.Errorf("initdb: move the new cluster into place: %w", err)
+	}
+	d, err := os.Open(parent)
 	if err != nil {
 		return err
 	}
@@ -365,6 +406,8 @@ func initdb(ctx context.Context, bin, dataDir string, sync bool, cred *syscall.C
 	return d.Sync()
 }
 
+// credential returns the identity to run PostgreSQL as: the postgres system
+// user when we are root, nil (ourselves) otherwise.
 func credential() (*syscall.Credential, error) {
 	if os.Geteuid() != 0 {
 		return nil, nil

@@ -143,3 +143,45 @@ func TestStartAfterAnInterruptedInitdb(t *testing.T) {
 		os.RemoveAll(cfg.DataDir)
 	}
 }
+
+// The data directory may exist when empty (a directory made by hand or by
+// an older converge): Start initializes the cluster in it. One that is not
+// empty and holds no cluster is refused before any initdb, naming it, and
+// nothing is left beside it.
+func TestStartOnAnEmptyOrForeignDataDirectory(t *testing.T) {
+	if _, err := localpg.BinDir(); err != nil {
+		if testenv.InCI() {
+			t.Fatal(err)
+		}
+		t.Skip(err)
+	}
+	dir, err := os.MkdirTemp("", "converge-localpg-test-")
+	if err != nil {
+		t.Fatal(err)
+	}
+	os.Chmod(dir, 0o755)
+	t.Cleanup(func() { os.RemoveAll(dir) })
+	cfg := localpg.Config{DataDir: filepath.Join(dir, "data"), Port: testenv.FreePort(t)}
+	if err := os.Mkdir(cfg.DataDir, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	c, err := localpg.Start(context.Background(), cfg)
+	if err != nil {
+		t.Fatalf("Start on an empty data directory: %v", err)
+	}
+	c.Stop()
+
+	foreign := localpg.Config{DataDir: filepath.Join(dir, "foreign"), Port: testenv.FreePort(t)}
+	if err := os.MkdirAll(filepath.Join(foreign.DataDir, "notes"), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if c, err := localpg.Start(context.Background(), foreign); err == nil || !strings.Contains(err.Error(), "not empty") {
+		if c != nil {
+			c.Stop()
+		}
+		t.Fatalf("Start on a non-empty directory without a cluster = %v, want it refused as not empty", err)
+	}
+	if left, _ := filepath.Glob(foreign.DataDir + ".initdb*"); len(left) > 0 {
+		t.Fatalf("left beside the refused directory: %v", left)
+	}
+}
