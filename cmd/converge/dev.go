@@ -336,15 +336,26 @@ func redact(u string) string {
 
 // lockDataDir takes an exclusive lock on dataDir/dev.lock for the life of
 // the process (the kernel releases it when the process ends, SIGKILL
-// included), so a second `converge dev` on the same data directory says at
-// once that one is running instead of waiting for its PostgreSQL.
+// included), so a second `converge dev` on the same data directory says
+// that one is running instead of waiting for its PostgreSQL. It tries for
+// devLockWait: a process just killed holds the lock until the kernel has
+// torn it down, after kill(1) returned.
 func lockDataDir(dataDir string) (unlock func(), err error) {
 	path := filepath.Join(dataDir, "dev.lock")
 	f, err := os.OpenFile(path, os.O_RDWR|os.O_CREATE, 0o644)
 	if err != nil {
 		return nil, err
 	}
-	if err := syscall.Flock(int(f.Fd()), syscall.LOCK_EX|syscall.LOCK_NB); err != nil {
+	deadline := time.Now().Add(devLockWait)
+	for {
+		err := syscall.Flock(int(f.Fd()), syscall.LOCK_EX|syscall.LOCK_NB)
+		if err == nil {
+			break
+		}
+		if errors.Is(err, syscall.EWOULDBLOCK) && time.Now().Before(deadline) {
+			time.Sleep(50 * time.Millisecond)
+			continue
+		}
 		owner, _ := os.ReadFile(path)
 		f.Close()
 		return nil, fmt.Errorf("another converge dev is running on %s (pid %s): stop it, or give this one another CONVERGE_DATA_DIR and ports", dataDir, strings.TrimSpace(string(owner)))
@@ -353,3 +364,6 @@ func lockDataDir(dataDir string) (unlock func(), err error) {
 	_, _ = f.WriteAt([]byte(strconv.Itoa(os.Getpid())+"\n"), 0)
 	return func() { f.Close() }, nil
 }
+
+// devLockWait bounds lockDataDir's tries.
+const devLockWait = 3 * time.Second

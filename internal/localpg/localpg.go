@@ -104,7 +104,7 @@ func Start(ctx context.Context, cfg Config) (*Cluster, error) {
 	if err != nil {
 		return nil, err
 	}
-	dataDir, err := filepath.Abs(cfg.DataDir)
+	dataDir, err := resolveDataDir(cfg.DataDir)
 	if err != nil {
 		return nil, err
 	}
@@ -112,18 +112,22 @@ func Start(ctx context.Context, cfg Config) (*Cluster, error) {
 	if err := checkTraversable(filepath.Dir(dataDir), cred); err != nil {
 		return nil, err
 	}
-	if _, err := os.Stat(filepath.Join(dataDir, "PG_VERSION")); errors.Is(err, os.ErrNotExist) {
+	removeInitdbLeftovers(dataDir, cfg.Logger)
+	_, err = os.Stat(filepath.Join(dataDir, "PG_VERSION"))
+	if _, merr := os.Stat(inPlaceMarker(dataDir)); errors.Is(err, os.ErrNotExist) || merr == nil {
 		if err := initdb(ctx, bin, dataDir, cfg.Fsync, cred, cfg.Logger); err != nil {
 			return nil, err
 		}
 	} else if err != nil {
 		return nil, err
 	}
-	if err := chown(dataDir, cred); err != nil {
-		return nil, err
-	}
 	if pid := waitForOldPostmaster(dataDir, cfg.Logger); pid != 0 {
 		return nil, fmt.Errorf("a PostgreSQL of this data directory (%s) is still running as pid %d after %s: stop it (kill -INT %d) and start again", dataDir, pid, oldPostmasterWait, pid)
+	}
+	// After the wait: an old postmaster's fast shutdown removes files while
+	// the walk runs.
+	if err := chown(dataDir, cred); err != nil {
+		return nil, err
 	}
 	if err := portFree(cfg.Port); err != nil {
 		return nil, err
@@ -312,6 +316,57 @@ func onOff(b bool) string {
 	return "off"
 }
 
+// resolveDataDir returns the absolute path of the data directory, the
+// target of a symbolic link (a data directory linked to another disk: the
+// cluster goes where the link points, and the link stays). A link whose
+// target is missing, and a path that is not a directory, are errors.
+func resolveDataDir(dir string) (string, error) {
+	dir, err := filepath.Abs(dir)
+	if err != nil {
+		return "", err
+	}
+	fi, err := os.Lstat(dir)
+	switch {
+	case errors.Is(err, os.ErrNotExist):
+		return dir, nil
+	case err != nil:
+		return "", err
+	case fi.Mode()&os.ModeSymlink != 0:
+		target, err := filepath.EvalSymlinks(dir)
+		if err != nil {
+			return "", fmt.Errorf("the data directory %s is a symbolic link whose target is missing: %w", dir, err)
+		}
+		return resolveDataDir(target)
+	case !fi.IsDir():
+		return "", fmt.Errorf("the data directory %s is not a directory", dir)
+	}
+	return dir, nil
+}
+
+// inPlaceMarker is the file beside dataDir that marks an initdb running in
+// dataDir itself (a mount point, see initdb): while it exists, what dataDir
+// holds is not a complete cluster.
+func inPlaceMarker(dataDir string) string { return dataDir + ".inplace-initdb" }
+
+// removeInitdbLeftovers removes, as far as it can, the directories that
+// interrupted initdb attempts left beside dataDir (dataDir+".initdb-*").
+// Best effort: an attempt of a killed process may still be writing into
+// its directory for a moment (initdb's postgres child outlives a killed
+// initdb until it reads the end of its input); what stays is removed at a
+// later start.
+func removeInitdbLeftovers(dataDir string, log *slog.Logger) {
+	left, _ := filepath.Glob(dataDir + ".initdb*")
+	for _, d := range left {
+		if err := os.RemoveAll(d); err != nil {
+			log.Warn("initdb: an interrupted attempt's directory is not removed yet", "dir", d, "err", err)
+		}
+	}
+}
+
+// removeEmptyDir removes an empty directory (os.Remove; a variable so that
+// a test can make it fail as on a mount point).
+var removeEmptyDir = os.Remove
+
 // initdb creates the cluster of dataDir so that dataDir holds either a
 // complete cluster or none, whenever the process is killed:
 //
@@ -319,46 +374,59 @@ func onOff(b bool) string {
 //     before any initdb); an empty one is removed first, since os.Rename
 //     replaces no directory;
 //   - initdb runs in a new sibling directory dataDir+".initdb-<random>"
-//     (what earlier, interrupted attempts left under that prefix is
-//     removed first, as far as it can be; a fresh name per attempt keeps
-//     an attempt still running from a killed process, whose failure
-//     cleanup empties its own directory, away from this one), with
-//     Pdeathsig so that it dies with us;
+//     (a fresh name per attempt keeps an attempt still running from a
+//     killed process, whose failure cleanup empties its own directory,
+//     away from this one; Start removes the leftovers), with Pdeathsig so
+//     that it dies with us;
 //   - its files are synced when sync is set (initdb --sync-only; the run
 //     itself is --no-sync, faster than syncing file by file; a cluster run
 //     without fsync skips it);
 //   - the directory is renamed to dataDir and the rename synced.
 //
+// When the empty dataDir cannot be removed (a mount point), initdb runs in
+// it, with inPlaceMarker beside it from before the initdb until after the
+// sync; a start that finds the marker empties dataDir (its half cluster)
+// and runs initdb again.
+//
 // Before, an initdb killed part way (an interrupted first `converge dev`)
-// left PG_VERSION in dataDir and every later start failed. When the empty
-// dataDir cannot be removed (a mount point), initdb runs in it directly, as
-// before: then an interrupted initdb leaves a directory that the next start
-// refuses as not empty.
+// left PG_VERSION in dataDir and every later start failed.
 func initdb(ctx context.Context, bin, dataDir string, sync bool, cred *syscall.Credential, log *slog.Logger) error {
-	inPlace := false
-	if entries, err := os.ReadDir(dataDir); err == nil {
-		if len(entries) > 0 {
-			return fmt.Errorf("initdb: %s is not empty and holds no cluster (no PG_VERSION): remove it, or point the data directory elsewhere", dataDir)
-		}
-		if os.Remove(dataDir) != nil {
-			inPlace = true // a mount point, or a parent we may not change
-		}
-	} else if !errors.Is(err, os.ErrNotExist) {
-		return err
-	}
 	parent, base := filepath.Dir(dataDir), filepath.Base(dataDir)
-	// Best effort: an attempt of a killed process may still be writing
-	// into its directory for a moment (initdb's postgres child outlives a
-	// killed initdb until it reads the end of its input); what stays is
-	// removed at a later start.
-	left, _ := filepath.Glob(filepath.Join(parent, base+".initdb*"))
-	for _, d := range left {
-		if err := os.RemoveAll(d); err != nil {
-			log.Warn("initdb: an interrupted attempt's directory is not removed yet", "dir", d, "err", err)
+	marker := inPlaceMarker(dataDir)
+	inPlace := false
+	if _, err := os.Stat(marker); err == nil {
+		if _, err := os.Stat(dataDir); errors.Is(err, os.ErrNotExist) {
+			_ = os.Remove(marker) // its directory is gone: nothing to resume
+		} else {
+			log.Info("initdb: emptying the data directory of an interrupted initdb", "data_dir", dataDir)
+			if err := removeContents(dataDir); err != nil {
+				return err
+			}
+			inPlace = true
+		}
+	}
+	if !inPlace {
+		entries, err := os.ReadDir(dataDir)
+		switch {
+		case err == nil && len(entries) > 0:
+			return fmt.Errorf("initdb: %s is not empty and holds no cluster (no PG_VERSION): remove it, or point the data directory elsewhere", dataDir)
+		case err == nil:
+			inPlace = removeEmptyDir(dataDir) != nil // a mount point, or a parent we may not change
+		case !errors.Is(err, os.ErrNotExist):
+			return err
 		}
 	}
 	tmp := dataDir
-	if !inPlace {
+	if inPlace {
+		f, err := os.Create(marker)
+		if err != nil {
+			return err
+		}
+		f.Close()
+		if err := syncDir(parent); err != nil {
+			return err
+		}
+	} else {
 		var err error
 		if tmp, err = os.MkdirTemp(parent, base+".initdb-"); err != nil {
 			return err
@@ -393,17 +461,38 @@ func initdb(ctx context.Context, bin, dataDir string, sync bool, cred *syscall.C
 		}
 	}
 	if inPlace {
-		return nil
-	}
-	if err := os.Rename(tmp, dataDir); err != nil {
+		if err := os.Remove(marker); err != nil {
+			return err
+		}
+	} else if err := os.Rename(tmp, dataDir); err != nil {
 		return fmt.Errorf("initdb: move the new cluster into place: %w", err)
 	}
-	d, err := os.Open(parent)
+	return syncDir(parent)
+}
+
+// syncDir fsyncs directory dir (its entries' creations, renames and
+// removals).
+func syncDir(dir string) error {
+	d, err := os.Open(dir)
 	if err != nil {
 		return err
 	}
 	defer d.Close()
 	return d.Sync()
+}
+
+// removeContents removes everything in dir, not dir itself.
+func removeContents(dir string) error {
+	entries, err := os.ReadDir(dir)
+	if err != nil {
+		return err
+	}
+	for _, e := range entries {
+		if err := os.RemoveAll(filepath.Join(dir, e.Name())); err != nil {
+			return err
+		}
+	}
+	return nil
 }
 
 // credential returns the identity to run PostgreSQL as: the postgres system
@@ -426,10 +515,13 @@ func chown(dir string, cred *syscall.Credential) error {
 		return nil
 	}
 	return filepath.Walk(dir, func(p string, _ os.FileInfo, err error) error {
-		if err != nil {
-			return err
+		if err == nil {
+			err = os.Lchown(p, int(cred.Uid), int(cred.Gid))
 		}
-		return os.Lchown(p, int(cred.Uid), int(cred.Gid))
+		if errors.Is(err, os.ErrNotExist) && p != dir {
+			return nil // removed meanwhile (an old postmaster's postmaster.pid)
+		}
+		return err
 	})
 }
 

@@ -185,3 +185,112 @@ func TestStartOnAnEmptyOrForeignDataDirectory(t *testing.T) {
 		t.Fatalf("left beside the refused directory: %v", left)
 	}
 }
+
+// tempParent returns a directory PostgreSQL's user can enter, removed at
+// the end of the test.
+func tempParent(t *testing.T) string {
+	t.Helper()
+	if _, err := localpg.BinDir(); err != nil {
+		if testenv.InCI() {
+			t.Fatal(err)
+		}
+		t.Skip(err)
+	}
+	dir, err := os.MkdirTemp("", "converge-localpg-test-")
+	if err != nil {
+		t.Fatal(err)
+	}
+	os.Chmod(dir, 0o755)
+	t.Cleanup(func() { os.RemoveAll(dir) })
+	return dir
+}
+
+// startStop starts cfg's cluster, checks that it answers, and stops it.
+func startStop(t *testing.T, cfg localpg.Config) {
+	t.Helper()
+	c, err := localpg.Start(context.Background(), cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Stop()
+	conn, err := pgx.Connect(context.Background(), c.URL("postgres"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	conn.Close(context.Background())
+}
+
+// An empty data directory that cannot be removed (a mount point) is
+// initialized in place, with a marker beside it while initdb runs; a start
+// that finds the marker (an in-place initdb that was killed) empties the
+// half cluster and initializes it again, instead of failing on it forever.
+func TestStartInitializesAnUnremovableDataDirInPlace(t *testing.T) {
+	defer localpg.FailRemoveEmptyDir()()
+	cfg := localpg.Config{DataDir: filepath.Join(tempParent(t), "data"), Port: testenv.FreePort(t)}
+	if err := os.Mkdir(cfg.DataDir, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	startStop(t, cfg)
+	if _, err := os.Stat(localpg.InPlaceMarker(cfg.DataDir)); !os.IsNotExist(err) {
+		t.Fatalf("the in-place marker is still there after a complete initdb (%v)", err)
+	}
+
+	// A killed in-place initdb: its half cluster and the marker.
+	if err := os.RemoveAll(cfg.DataDir); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.MkdirAll(filepath.Join(cfg.DataDir, "base"), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	for name, body := range map[string]string{"PG_VERSION": "15\n", localpg.InPlaceMarker(cfg.DataDir): ""} {
+		if !filepath.IsAbs(name) {
+			name = filepath.Join(cfg.DataDir, name)
+		}
+		if err := os.WriteFile(name, []byte(body), 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	startStop(t, cfg)
+	if _, err := os.Stat(localpg.InPlaceMarker(cfg.DataDir)); !os.IsNotExist(err) {
+		t.Fatalf("the in-place marker is still there after the resumed initdb (%v)", err)
+	}
+}
+
+// A data directory that is a symbolic link gets its cluster in the link's
+// target (the link stays); a link to nothing and a file are refused.
+func TestStartFollowsASymlinkedDataDir(t *testing.T) {
+	parent := tempParent(t)
+	target := filepath.Join(parent, "disk")
+	if err := os.Mkdir(target, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	link := filepath.Join(parent, "data")
+	if err := os.Symlink(target, link); err != nil {
+		t.Fatal(err)
+	}
+	startStop(t, localpg.Config{DataDir: link, Port: testenv.FreePort(t)})
+	if fi, err := os.Lstat(link); err != nil || fi.Mode()&os.ModeSymlink == 0 {
+		t.Fatalf("the link was replaced (%v)", err)
+	}
+	if _, err := os.Stat(filepath.Join(target, "PG_VERSION")); err != nil {
+		t.Fatalf("no cluster in the link's target: %v", err)
+	}
+
+	dangling := filepath.Join(parent, "dangling")
+	if err := os.Symlink(filepath.Join(parent, "missing"), dangling); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := localpg.Start(context.Background(), localpg.Config{DataDir: dangling, Port: testenv.FreePort(t)}); err == nil || !strings.Contains(err.Error(), "symbolic link") {
+		t.Fatalf("Start on a dangling link = %v, want it refused", err)
+	}
+	file := filepath.Join(parent, "file")
+	if err := os.WriteFile(file, nil, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := localpg.Start(context.Background(), localpg.Config{DataDir: file, Port: testenv.FreePort(t)}); err == nil || !strings.Contains(err.Error(), "not a directory") {
+		t.Fatalf("Start on a file = %v, want it refused", err)
+	}
+	if left, _ := filepath.Glob(filepath.Join(parent, "*.initdb*")); len(left) > 0 {
+		t.Fatalf("left beside the refused directories: %v", left)
+	}
+}

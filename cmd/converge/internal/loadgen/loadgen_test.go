@@ -353,3 +353,22 @@ func TestPrintSaysWhatItDoesNotKnow(t *testing.T) {
 		t.Errorf("summary prints percentiles of no sample:\n%s", out)
 	}
 }
+
+// When the tasks could not be read after the run (the API was killed), the
+// summary does not say that none completed.
+func TestPrintDoesNotGuessWhenTasksWereNotRead(t *testing.T) {
+	t.Parallel()
+	res := &Result{Model: "closed", Clients: 1, Requests: 5, Accepted: 5, Pending: 5, WaitSeconds: 15,
+		WaitError: "connection refused"}
+	var b strings.Builder
+	res.Print(&b)
+	out := b.String()
+	for _, want := range []string{"end to end       not known", "at least 0.0 tasks/s"} {
+		if !strings.Contains(out, want) {
+			t.Errorf("summary lacks %q:\n%s", want, out)
+		}
+	}
+	if strings.Contains(out, "no completed task") {
+		t.Errorf("summary says no task completed though none could be read:\n%s", out)
+	}
+}
