@@ -21,19 +21,8 @@ func TestMain(m *testing.M) { testenv.Main(m) }
 // first initialized on trust, restarted with a password), and URL carries
 // it.
 func TestPassword(t *testing.T) {
-	if _, err := localpg.BinDir(); err != nil {
-		if testenv.InCI() {
-			t.Fatal(err)
-		}
-		t.Skip(err)
-	}
 	ctx := context.Background()
-	dir, err := os.MkdirTemp("", "converge-localpg-test-")
-	if err != nil {
-		t.Fatal(err)
-	}
-	os.Chmod(dir, 0o755)
-	t.Cleanup(func() { os.RemoveAll(dir) })
+	dir := tempParent(t)
 	port := testenv.FreePort(t)
 	cfg := localpg.Config{DataDir: filepath.Join(dir, "data"), Port: port}
 	c, err := localpg.Start(ctx, cfg) // on trust
@@ -71,20 +60,9 @@ func TestPassword(t *testing.T) {
 // PostgreSQL is still running, with its pid, instead of "port in use" or a
 // lock-file error (issue 13: a postmaster left behind by a killed parent).
 func TestStartWhileTheDataDirectoryIsServed(t *testing.T) {
-	if _, err := localpg.BinDir(); err != nil {
-		if testenv.InCI() {
-			t.Fatal(err)
-		}
-		t.Skip(err)
-	}
 	defer localpg.SetOldPostmasterWait(300 * time.Millisecond)()
 	ctx := context.Background()
-	dir, err := os.MkdirTemp("", "converge-localpg-test-")
-	if err != nil {
-		t.Fatal(err)
-	}
-	os.Chmod(dir, 0o755)
-	t.Cleanup(func() { os.RemoveAll(dir) })
+	dir := tempParent(t)
 	cfg := localpg.Config{DataDir: filepath.Join(dir, "data"), Port: testenv.FreePort(t)}
 	c, err := localpg.Start(ctx, cfg)
 	if err != nil {
@@ -107,18 +85,7 @@ func TestStartWhileTheDataDirectoryIsServed(t *testing.T) {
 // dev` is interrupted on its first start) leaves no half-initialized data
 // directory behind: the next Start initializes and starts the cluster.
 func TestStartAfterAnInterruptedInitdb(t *testing.T) {
-	if _, err := localpg.BinDir(); err != nil {
-		if testenv.InCI() {
-			t.Fatal(err)
-		}
-		t.Skip(err)
-	}
-	dir, err := os.MkdirTemp("", "converge-localpg-test-")
-	if err != nil {
-		t.Fatal(err)
-	}
-	os.Chmod(dir, 0o755)
-	t.Cleanup(func() { os.RemoveAll(dir) })
+	dir := tempParent(t)
 	cfg := localpg.Config{DataDir: filepath.Join(dir, "data"), Port: testenv.FreePort(t)}
 	for _, after := range []time.Duration{50 * time.Millisecond, 300 * time.Millisecond, 800 * time.Millisecond} {
 		ctx, cancel := context.WithTimeout(context.Background(), after)
@@ -149,18 +116,7 @@ func TestStartAfterAnInterruptedInitdb(t *testing.T) {
 // empty and holds no cluster is refused before any initdb, naming it, and
 // nothing is left beside it.
 func TestStartOnAnEmptyOrForeignDataDirectory(t *testing.T) {
-	if _, err := localpg.BinDir(); err != nil {
-		if testenv.InCI() {
-			t.Fatal(err)
-		}
-		t.Skip(err)
-	}
-	dir, err := os.MkdirTemp("", "converge-localpg-test-")
-	if err != nil {
-		t.Fatal(err)
-	}
-	os.Chmod(dir, 0o755)
-	t.Cleanup(func() { os.RemoveAll(dir) })
+	dir := tempParent(t)
 	cfg := localpg.Config{DataDir: filepath.Join(dir, "data"), Port: testenv.FreePort(t)}
 	if err := os.Mkdir(cfg.DataDir, 0o755); err != nil {
 		t.Fatal(err)
