@@ -326,21 +326,27 @@ func resolveDataDir(dir string) (string, error) {
 		return "", err
 	}
 	fi, err := os.Lstat(dir)
-	switch {
-	case errors.Is(err, os.ErrNotExist):
+	if errors.Is(err, os.ErrNotExist) {
 		return dir, nil
-	case err != nil:
+	} else if err != nil {
 		return "", err
-	case fi.Mode()&os.ModeSymlink != 0:
-		target, err := filepath.EvalSymlinks(dir)
-		if err != nil {
-			return "", fmt.Errorf("the data directory %s is a symbolic link whose target is missing: %w", dir, err)
+	}
+	real := dir
+	if fi.Mode()&os.ModeSymlink != 0 {
+		if real, err = filepath.EvalSymlinks(dir); err != nil {
+			return "", fmt.Errorf("the data directory %s is a symbolic link that does not resolve (a missing target or a loop): %w", dir, err)
 		}
-		return resolveDataDir(target)
-	case !fi.IsDir():
+		if fi, err = os.Stat(real); err != nil {
+			return "", err
+		}
+	}
+	if !fi.IsDir() {
+		if real != dir {
+			return "", fmt.Errorf("the data directory %s is a symbolic link to %s, which is not a directory", dir, real)
+		}
 		return "", fmt.Errorf("the data directory %s is not a directory", dir)
 	}
-	return dir, nil
+	return real, nil
 }
 
 // inPlaceMarker is the file beside dataDir that marks an initdb running in
@@ -349,13 +355,14 @@ func resolveDataDir(dir string) (string, error) {
 func inPlaceMarker(dataDir string) string { return dataDir + ".inplace-initdb" }
 
 // removeInitdbLeftovers removes, as far as it can, the directories that
-// interrupted initdb attempts left beside dataDir (dataDir+".initdb-*").
+// interrupted initdb attempts left beside dataDir (dataDir+".initdb-*",
+// the names initdb gives them; nothing else is touched).
 // Best effort: an attempt of a killed process may still be writing into
 // its directory for a moment (initdb's postgres child outlives a killed
 // initdb until it reads the end of its input); what stays is removed at a
 // later start.
 func removeInitdbLeftovers(dataDir string, log *slog.Logger) {
-	left, _ := filepath.Glob(dataDir + ".initdb*")
+	left, _ := filepath.Glob(dataDir + ".initdb-*")
 	for _, d := range left {
 		if err := os.RemoveAll(d); err != nil {
 			log.Warn("initdb: an interrupted attempt's directory is not removed yet", "dir", d, "err", err)
@@ -398,8 +405,14 @@ func initdb(ctx context.Context, bin, dataDir string, sync bool, cred *syscall.C
 		if _, err := os.Stat(dataDir); errors.Is(err, os.ErrNotExist) {
 			_ = os.Remove(marker) // its directory is gone: nothing to resume
 		} else {
+			// A cluster whose server has run (postmaster.opts: written by
+			// the postmaster, never by initdb) is no half-made one, whatever
+			// the marker says (another volume mounted since, a restore).
+			if _, err := os.Stat(filepath.Join(dataDir, "postmaster.opts")); err == nil {
+				return fmt.Errorf("initdb: %s holds a cluster whose server has run, and %s says an initdb in it was interrupted: remove the marker if the cluster is the one to keep, or empty the directory", dataDir, marker)
+			}
 			log.Info("initdb: emptying the data directory of an interrupted initdb", "data_dir", dataDir)
-			if err := removeContents(dataDir); err != nil {
+			if err := removeContentsRetrying(dataDir); err != nil {
 				return err
 			}
 			inPlace = true
@@ -479,6 +492,21 @@ func syncDir(dir string) error {
 	}
 	defer d.Close()
 	return d.Sync()
+}
+
+// removeContentsRetrying is removeContents, tried again for up to 10 s
+// while it fails: the interrupted attempt's postgres child (which outlives
+// a killed initdb until it reads the end of its input) may still be
+// writing into dir.
+func removeContentsRetrying(dir string) error {
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		err := removeContents(dir)
+		if err == nil || time.Now().After(deadline) {
+			return err
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
 }
 
 // removeContents removes everything in dir, not dir itself.

@@ -112,8 +112,9 @@ func TestStartAfterAnInterruptedInitdb(t *testing.T) {
 }
 
 // The data directory may exist when empty (a directory made by hand or by
-// an older converge): Start initializes the cluster in it. One that is not
-// empty and holds no cluster is refused before any initdb, naming it, and
+// an older converge): Start initializes the cluster in it, removing what
+// killed attempts left beside it and nothing else. One that is not empty
+// and holds no cluster is refused before any initdb, naming it, and
 // nothing is left beside it.
 func TestStartOnAnEmptyOrForeignDataDirectory(t *testing.T) {
 	dir := tempParent(t)
@@ -121,11 +122,26 @@ func TestStartOnAnEmptyOrForeignDataDirectory(t *testing.T) {
 	if err := os.Mkdir(cfg.DataDir, 0o755); err != nil {
 		t.Fatal(err)
 	}
+	// Beside it: a killed attempt's directory (removed) and a file of the
+	// user's whose name only begins like one (kept).
+	leftover, notes := cfg.DataDir+".initdb-123", cfg.DataDir+".initdb.notes"
+	if err := os.MkdirAll(filepath.Join(leftover, "base"), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(notes, nil, 0o644); err != nil {
+		t.Fatal(err)
+	}
 	c, err := localpg.Start(context.Background(), cfg)
 	if err != nil {
 		t.Fatalf("Start on an empty data directory: %v", err)
 	}
 	c.Stop()
+	if _, err := os.Stat(leftover); !os.IsNotExist(err) {
+		t.Errorf("a killed attempt's directory is still there (%v)", err)
+	}
+	if _, err := os.Stat(notes); err != nil {
+		t.Errorf("a file beside the data directory was removed: %v", err)
+	}
 
 	foreign := localpg.Config{DataDir: filepath.Join(dir, "foreign"), Port: testenv.FreePort(t)}
 	if err := os.MkdirAll(filepath.Join(foreign.DataDir, "notes"), 0o755); err != nil {
@@ -191,6 +207,25 @@ func TestStartInitializesAnUnremovableDataDirInPlace(t *testing.T) {
 		t.Fatalf("the in-place marker is still there after a complete initdb (%v)", err)
 	}
 
+	// A marker beside a cluster whose server has run (another volume
+	// mounted since the interrupted initdb, a restore) empties nothing.
+	if err := os.WriteFile(localpg.InPlaceMarker(cfg.DataDir), nil, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if c, err := localpg.Start(context.Background(), cfg); err == nil || !strings.Contains(err.Error(), "whose server has run") {
+		if c != nil {
+			c.Stop()
+		}
+		t.Fatalf("Start with a marker beside a cluster that has run = %v, want it refused", err)
+	}
+	if _, err := os.Stat(filepath.Join(cfg.DataDir, "postmaster.opts")); err != nil {
+		t.Fatalf("the cluster was touched: %v", err)
+	}
+	if err := os.Remove(localpg.InPlaceMarker(cfg.DataDir)); err != nil {
+		t.Fatal(err)
+	}
+	startStop(t, cfg) // the operator removed the marker: the cluster is kept
+
 	// A killed in-place initdb: its half cluster and the marker.
 	if err := os.RemoveAll(cfg.DataDir); err != nil {
 		t.Fatal(err)
@@ -246,6 +281,14 @@ func TestStartFollowsASymlinkedDataDir(t *testing.T) {
 	if _, err := localpg.Start(context.Background(), localpg.Config{DataDir: file, Port: testenv.FreePort(t)}); err == nil || !strings.Contains(err.Error(), "not a directory") {
 		t.Fatalf("Start on a file = %v, want it refused", err)
 	}
+	toFile := filepath.Join(parent, "tofile")
+	if err := os.Symlink(file, toFile); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := localpg.Start(context.Background(), localpg.Config{DataDir: toFile, Port: testenv.FreePort(t)}); err == nil || !strings.Contains(err.Error(), toFile+" is a symbolic link to "+file) {
+		t.Fatalf("Start on a link to a file = %v, want it refused naming the link", err)
+	}
+
 	if left, _ := filepath.Glob(filepath.Join(parent, "*.initdb*")); len(left) > 0 {
 		t.Fatalf("left beside the refused directories: %v", left)
 	}
