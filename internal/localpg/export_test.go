@@ -1,9 +1,6 @@
 package localpg
 
-import (
-	"syscall"
-	"time"
-)
+import "time"
 
 // SetOldPostmasterWait shortens waitForOldPostmaster for a test and
 // returns the function that restores it.
@@ -13,14 +10,16 @@ func SetOldPostmasterWait(d time.Duration) (restore func()) {
 	return func() { oldPostmasterWait = old }
 }
 
-// FailRemoveEmptyDir makes initdb find its empty data directory
-// unremovable, as a mount point is, and returns the function that
-// restores it.
-func FailRemoveEmptyDir() (restore func()) {
-	old := removeEmptyDir
-	removeEmptyDir = func(string) error { return syscall.EBUSY }
-	return func() { removeEmptyDir = old }
+// TreatAsMountPoint makes initdb take every existing empty data directory
+// for a mount point, and returns the function that restores it.
+func TreatAsMountPoint() (restore func()) {
+	old := isMountPoint
+	isMountPoint = func(string) (bool, error) { return true, nil }
+	return func() { isMountPoint = old }
 }
+
+// DirID is dirID.
+func DirID(dir string) (string, error) { return dirID(dir) }
 
 // InPlaceMarker is inPlaceMarker.
 func InPlaceMarker(dataDir string) string { return inPlaceMarker(dataDir) }

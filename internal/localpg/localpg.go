@@ -351,35 +351,133 @@ func resolveDataDir(dir string) (string, error) {
 
 // inPlaceMarker is the file beside dataDir that marks an initdb running in
 // dataDir itself (a mount point, see initdb): while it exists, what dataDir
-// holds is not a complete cluster.
+// holds may be a half-made cluster. It holds dataDir's device and inode
+// numbers ("dev:ino"), so that it names that directory and no other later
+// found at the same path.
 func inPlaceMarker(dataDir string) string { return dataDir + ".inplace-initdb" }
 
 // removeInitdbLeftovers removes, as far as it can, the directories that
-// interrupted initdb attempts left beside dataDir (dataDir+".initdb-*",
-// the names initdb gives them; nothing else is touched).
-// Best effort: an attempt of a killed process may still be writing into
-// its directory for a moment (initdb's postgres child outlives a killed
-// initdb until it reads the end of its input); what stays is removed at a
-// later start.
+// interrupted initdb attempts left beside dataDir (the entries of its
+// parent named base+".initdb-*", the names initdb gives them; compared as
+// strings, not as a glob, so that a path holding * ? [ matches nothing
+// else). Best effort: an attempt of a killed process may still be writing
+// into its directory for a moment (initdb's postgres child outlives a
+// killed initdb until it reads the end of its input); what stays is
+// removed at a later start.
 func removeInitdbLeftovers(dataDir string, log *slog.Logger) {
-	left, _ := filepath.Glob(dataDir + ".initdb-*")
-	for _, d := range left {
+	parent, base := filepath.Dir(dataDir), filepath.Base(dataDir)
+	entries, _ := os.ReadDir(parent)
+	for _, e := range entries {
+		if !strings.HasPrefix(e.Name(), base+".initdb-") {
+			continue
+		}
+		d := filepath.Join(parent, e.Name())
 		if err := os.RemoveAll(d); err != nil {
 			log.Warn("initdb: an interrupted attempt's directory is not removed yet", "dir", d, "err", err)
 		}
 	}
 }
 
-// removeEmptyDir removes an empty directory (os.Remove; a variable so that
-// a test can make it fail as on a mount point).
-var removeEmptyDir = os.Remove
+// isMountPoint reports whether directory dir is on another device than its
+// parent (a variable so that a test can make a directory one).
+var isMountPoint = func(dir string) (bool, error) {
+	var d, p syscall.Stat_t
+	if err := syscall.Stat(dir, &d); err != nil {
+		return false, err
+	}
+	if err := syscall.Stat(filepath.Dir(dir), &p); err != nil {
+		return false, err
+	}
+	return d.Dev != p.Dev, nil
+}
+
+// dirID is "dev:ino" of directory dir.
+func dirID(dir string) (string, error) {
+	var st syscall.Stat_t
+	if err := syscall.Stat(dir, &st); err != nil {
+		return "", err
+	}
+	return fmt.Sprintf("%d:%d", st.Dev, st.Ino), nil
+}
+
+// initdbNames are the entries initdb creates in a data directory.
+var initdbNames = map[string]bool{
+	"PG_VERSION": true, "base": true, "global": true, "pg_commit_ts": true, "pg_dynshmem": true,
+	"pg_hba.conf": true, "pg_ident.conf": true, "pg_logical": true, "pg_multixact": true, "pg_notify": true,
+	"pg_replslot": true, "pg_serial": true, "pg_snapshots": true, "pg_stat": true, "pg_stat_tmp": true,
+	"pg_subtrans": true, "pg_tblspc": true, "pg_twophase": true, "pg_wal": true, "pg_xact": true,
+	"postgresql.auto.conf": true, "postgresql.conf": true,
+}
+
+// halfInitdb reports whether dataDir is the directory marker names and
+// holds nothing but what an initdb in it may have written: the only state
+// in which initdb empties a directory. Anything else (another directory at
+// that path, a volume mounted since, a restore, a cluster whose server has
+// run: postmaster.opts, backup_label and the like are not initdb's) is an
+// error naming the marker, and nothing is removed.
+func halfInitdb(dataDir, marker string) error {
+	refuse := func(why string) error {
+		return fmt.Errorf("initdb: %s says an initdb in %s was interrupted, but %s: nothing was removed; if the directory is to be kept, remove the marker, else empty the directory", marker, dataDir, why)
+	}
+	want, err := os.ReadFile(marker)
+	if err != nil {
+		return err
+	}
+	id, err := dirID(dataDir)
+	if err != nil {
+		return err
+	}
+	if strings.TrimSpace(string(want)) != id {
+		return refuse("the directory is not the one the marker names (" + id + ")")
+	}
+	entries, err := os.ReadDir(dataDir)
+	if err != nil {
+		return err
+	}
+	for _, e := range entries {
+		if e.Name() == "postmaster.pid" && standalonePID(dataDir) > 0 {
+			continue // the lock file of initdb's own postgres
+		}
+		if !initdbNames[e.Name()] {
+			return refuse("it holds " + e.Name() + ", which initdb does not write")
+		}
+	}
+	return nil
+}
+
+// standalonePID returns the pid in dataDir's postmaster.pid when a
+// standalone backend wrote it (initdb's bootstrap and single-user postgres:
+// PostgreSQL writes their pid negated), else 0.
+func standalonePID(dataDir string) int {
+	b, err := os.ReadFile(filepath.Join(dataDir, "postmaster.pid"))
+	if err != nil {
+		return 0
+	}
+	pid, err := strconv.Atoi(strings.TrimSpace(strings.SplitN(string(b), "\n", 2)[0]))
+	if err != nil || pid >= 0 {
+		return 0
+	}
+	return -pid
+}
+
+// waitForStandalone waits (at most 10 s) for the standalone backend of an
+// interrupted initdb in dataDir to exit, so that it writes nothing into
+// what is emptied and made again.
+func waitForStandalone(dataDir string) {
+	pid := standalonePID(dataDir)
+	for deadline := time.Now().Add(10 * time.Second); pid > 0 && time.Now().Before(deadline); {
+		if err := syscall.Kill(pid, 0); errors.Is(err, syscall.ESRCH) {
+			return
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+}
 
 // initdb creates the cluster of dataDir so that dataDir holds either a
 // complete cluster or none, whenever the process is killed:
 //
 //   - dataDir must be absent or an empty directory (else an error says so,
-//     before any initdb); an empty one is removed first, since os.Rename
-//     replaces no directory;
+//     before any initdb);
 //   - initdb runs in a new sibling directory dataDir+".initdb-<random>"
 //     (a fresh name per attempt keeps an attempt still running from a
 //     killed process, whose failure cleanup empties its own directory,
@@ -388,12 +486,15 @@ var removeEmptyDir = os.Remove
 //   - its files are synced when sync is set (initdb --sync-only; the run
 //     itself is --no-sync, faster than syncing file by file; a cluster run
 //     without fsync skips it);
-//   - the directory is renamed to dataDir and the rename synced.
+//   - the directory is renamed to dataDir, replacing an empty one in the
+//     same step (rename(2); Go's os.Rename refuses to), and the rename is
+//     synced. A directory that is no longer empty then is refused.
 //
-// When the empty dataDir cannot be removed (a mount point), initdb runs in
-// it, with inPlaceMarker beside it from before the initdb until after the
-// sync; a start that finds the marker empties dataDir (its half cluster)
-// and runs initdb again.
+// A dataDir that is a mount point cannot be replaced: initdb runs in it,
+// with inPlaceMarker beside it (holding its identity) from before the
+// initdb until after the sync. A start that finds the marker empties
+// dataDir and runs initdb again only when halfInitdb says it holds an
+// interrupted initdb of that directory, and refuses otherwise.
 //
 // Before, an initdb killed part way (an interrupted first `converge dev`)
 // left PG_VERSION in dataDir and every later start failed.
@@ -401,22 +502,22 @@ func initdb(ctx context.Context, bin, dataDir string, sync bool, cred *syscall.C
 	parent, base := filepath.Dir(dataDir), filepath.Base(dataDir)
 	marker := inPlaceMarker(dataDir)
 	inPlace := false
-	if _, err := os.Stat(marker); err == nil {
+	if _, err := os.Lstat(marker); err == nil {
 		if _, err := os.Stat(dataDir); errors.Is(err, os.ErrNotExist) {
 			_ = os.Remove(marker) // its directory is gone: nothing to resume
 		} else {
-			// A cluster whose server has run (postmaster.opts: written by
-			// the postmaster, never by initdb) is no half-made one, whatever
-			// the marker says (another volume mounted since, a restore).
-			if _, err := os.Stat(filepath.Join(dataDir, "postmaster.opts")); err == nil {
-				return fmt.Errorf("initdb: %s holds a cluster whose server has run, and %s says an initdb in it was interrupted: remove the marker if the cluster is the one to keep, or empty the directory", dataDir, marker)
+			if err := halfInitdb(dataDir, marker); err != nil {
+				return err
 			}
 			log.Info("initdb: emptying the data directory of an interrupted initdb", "data_dir", dataDir)
+			waitForStandalone(dataDir)
 			if err := removeContentsRetrying(dataDir); err != nil {
 				return err
 			}
 			inPlace = true
 		}
+	} else if !errors.Is(err, os.ErrNotExist) {
+		return err
 	}
 	if !inPlace {
 		entries, err := os.ReadDir(dataDir)
@@ -424,20 +525,41 @@ func initdb(ctx context.Context, bin, dataDir string, sync bool, cred *syscall.C
 		case err == nil && len(entries) > 0:
 			return fmt.Errorf("initdb: %s is not empty and holds no cluster (no PG_VERSION): remove it, or point the data directory elsewhere", dataDir)
 		case err == nil:
-			inPlace = removeEmptyDir(dataDir) != nil // a mount point, or a parent we may not change
+			if inPlace, err = isMountPoint(dataDir); err != nil {
+				return err
+			}
 		case !errors.Is(err, os.ErrNotExist):
 			return err
 		}
 	}
 	tmp := dataDir
 	if inPlace {
-		f, err := os.Create(marker)
+		id, err := dirID(dataDir)
 		if err != nil {
 			return err
 		}
-		f.Close()
-		if err := syncDir(parent); err != nil {
+		f, err := os.OpenFile(marker, os.O_WRONLY|os.O_CREATE|os.O_TRUNC|syscall.O_NOFOLLOW, 0o644)
+		if err != nil {
+			return fmt.Errorf("initdb: %s is a mount point, initialized in place, and its marker cannot be written beside it: %w", dataDir, err)
+		}
+		_, err = f.WriteString(id + "\n")
+		if err == nil {
+			err = f.Sync()
+		}
+		if cerr := f.Close(); err == nil {
+			err = cerr
+		}
+		if err == nil {
+			err = syncDir(parent)
+		}
+		if err != nil {
 			return err
+		}
+		// Still empty now that the marker names it (a file written
+		// meanwhile would be emptied by a later start otherwise).
+		if entries, err := os.ReadDir(dataDir); err != nil || len(entries) > 0 {
+			_ = os.Remove(marker)
+			return fmt.Errorf("initdb: %s changed while its initdb was being prepared (%v): start again", dataDir, err)
 		}
 	} else {
 		var err error
@@ -477,8 +599,9 @@ func initdb(ctx context.Context, bin, dataDir string, sync bool, cred *syscall.C
 		if err := os.Remove(marker); err != nil {
 			return err
 		}
-	} else if err := os.Rename(tmp, dataDir); err != nil {
-		return fmt.Errorf("initdb: move the new cluster into place: %w", err)
+	} else if err := syscall.Rename(tmp, dataDir); err != nil {
+		_ = os.RemoveAll(tmp)
+		return fmt.Errorf("initdb: move the new cluster into place at %s: %w (it must be absent or an empty directory)", dataDir, err)
 	}
 	return syncDir(parent)
 }

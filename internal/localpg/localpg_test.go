@@ -142,6 +142,20 @@ func TestStartOnAnEmptyOrForeignDataDirectory(t *testing.T) {
 	if _, err := os.Stat(notes); err != nil {
 		t.Errorf("a file beside the data directory was removed: %v", err)
 	}
+	// A path with glob characters matches nothing but itself: data in
+	// "?" leaves x's leftover-like directory alone.
+	other := filepath.Join(dir, "x", "pg.initdb-keepme")
+	if err := os.MkdirAll(other, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	globby := localpg.Config{DataDir: filepath.Join(dir, "?", "pg"), Port: testenv.FreePort(t)}
+	if err := os.MkdirAll(filepath.Dir(globby.DataDir), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	startStop(t, globby)
+	if _, err := os.Stat(other); err != nil {
+		t.Errorf("a directory matching the data directory's path as a glob was removed: %v", err)
+	}
 
 	foreign := localpg.Config{DataDir: filepath.Join(dir, "foreign"), Port: testenv.FreePort(t)}
 	if err := os.MkdirAll(filepath.Join(foreign.DataDir, "notes"), 0o755); err != nil {
@@ -192,59 +206,99 @@ func startStop(t *testing.T, cfg localpg.Config) {
 	conn.Close(context.Background())
 }
 
-// An empty data directory that cannot be removed (a mount point) is
-// initialized in place, with a marker beside it while initdb runs; a start
-// that finds the marker (an in-place initdb that was killed) empties the
-// half cluster and initializes it again, instead of failing on it forever.
-func TestStartInitializesAnUnremovableDataDirInPlace(t *testing.T) {
-	defer localpg.FailRemoveEmptyDir()()
+// An empty data directory that is a mount point is initialized in place,
+// with a marker naming it beside it while initdb runs. A start that finds
+// the marker empties the directory and initializes it again only when it
+// is that directory and holds nothing but an initdb's files; anything else
+// (a cluster whose server has run, a user's file, another directory at
+// that path) is refused and nothing is removed.
+func TestStartInitializesAMountPointInPlace(t *testing.T) {
+	defer localpg.TreatAsMountPoint()()
 	cfg := localpg.Config{DataDir: filepath.Join(tempParent(t), "data"), Port: testenv.FreePort(t)}
+	marker := localpg.InPlaceMarker(cfg.DataDir)
 	if err := os.Mkdir(cfg.DataDir, 0o755); err != nil {
 		t.Fatal(err)
 	}
 	startStop(t, cfg)
-	if _, err := os.Stat(localpg.InPlaceMarker(cfg.DataDir)); !os.IsNotExist(err) {
+	if _, err := os.Stat(marker); !os.IsNotExist(err) {
 		t.Fatalf("the in-place marker is still there after a complete initdb (%v)", err)
 	}
-
-	// A marker beside a cluster whose server has run (another volume
-	// mounted since the interrupted initdb, a restore) empties nothing.
-	if err := os.WriteFile(localpg.InPlaceMarker(cfg.DataDir), nil, 0o644); err != nil {
+	id, err := localpg.DirID(cfg.DataDir)
+	if err != nil {
 		t.Fatal(err)
 	}
-	if c, err := localpg.Start(context.Background(), cfg); err == nil || !strings.Contains(err.Error(), "whose server has run") {
-		if c != nil {
-			c.Stop()
+	refused := func(why string) {
+		t.Helper()
+		c, err := localpg.Start(context.Background(), cfg)
+		if err == nil || !strings.Contains(err.Error(), "nothing was removed") || !strings.Contains(err.Error(), why) {
+			if c != nil {
+				c.Stop()
+			}
+			t.Fatalf("Start = %v, want it refused because %s", err, why)
 		}
-		t.Fatalf("Start with a marker beside a cluster that has run = %v, want it refused", err)
 	}
-	if _, err := os.Stat(filepath.Join(cfg.DataDir, "postmaster.opts")); err != nil {
-		t.Fatalf("the cluster was touched: %v", err)
+
+	// The marker beside the cluster, which has run (postmaster.opts).
+	if err := os.WriteFile(marker, []byte(id+"\n"), 0o644); err != nil {
+		t.Fatal(err)
 	}
-	if err := os.Remove(localpg.InPlaceMarker(cfg.DataDir)); err != nil {
+	refused("postmaster.opts")
+	// A marker naming another directory.
+	if err := os.WriteFile(marker, []byte("1:2\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	refused("not the one the marker names")
+	if err := os.Remove(marker); err != nil {
 		t.Fatal(err)
 	}
 	startStop(t, cfg) // the operator removed the marker: the cluster is kept
 
-	// A killed in-place initdb: its half cluster and the marker.
-	if err := os.RemoveAll(cfg.DataDir); err != nil {
+	// A killed in-place initdb: initdb's files (PG_VERSION, base, the
+	// standalone postgres's lock file with its pid negated) and the marker.
+	if err := removeAllIn(cfg.DataDir); err != nil {
 		t.Fatal(err)
 	}
-	if err := os.MkdirAll(filepath.Join(cfg.DataDir, "base"), 0o755); err != nil {
+	if err := os.Mkdir(filepath.Join(cfg.DataDir, "base"), 0o755); err != nil {
 		t.Fatal(err)
 	}
-	for name, body := range map[string]string{"PG_VERSION": "15\n", localpg.InPlaceMarker(cfg.DataDir): ""} {
-		if !filepath.IsAbs(name) {
-			name = filepath.Join(cfg.DataDir, name)
-		}
-		if err := os.WriteFile(name, []byte(body), 0o644); err != nil {
+	for name, body := range map[string]string{"PG_VERSION": "15\n", "postmaster.pid": "-999999\n"} {
+		if err := os.WriteFile(filepath.Join(cfg.DataDir, name), []byte(body), 0o644); err != nil {
 			t.Fatal(err)
 		}
 	}
-	startStop(t, cfg)
-	if _, err := os.Stat(localpg.InPlaceMarker(cfg.DataDir)); !os.IsNotExist(err) {
+	// With a file of the user's in it: refused, kept.
+	mine := filepath.Join(cfg.DataDir, "photo.jpg")
+	if err := os.WriteFile(mine, nil, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(marker, []byte(id+"\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	refused("photo.jpg")
+	if _, err := os.Stat(mine); err != nil {
+		t.Fatalf("the user's file was removed: %v", err)
+	}
+	if err := os.Remove(mine); err != nil {
+		t.Fatal(err)
+	}
+	startStop(t, cfg) // only initdb's files: emptied and made again
+	if _, err := os.Stat(marker); !os.IsNotExist(err) {
 		t.Fatalf("the in-place marker is still there after the resumed initdb (%v)", err)
 	}
+}
+
+// removeAllIn removes everything in dir, not dir.
+func removeAllIn(dir string) error {
+	entries, err := os.ReadDir(dir)
+	if err != nil {
+		return err
+	}
+	for _, e := range entries {
+		if err := os.RemoveAll(filepath.Join(dir, e.Name())); err != nil {
+			return err
+		}
+	}
+	return nil
 }
 
 // A data directory that is a symbolic link gets its cluster in the link's
