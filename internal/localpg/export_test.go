@@ -18,8 +18,5 @@ func TreatAsMountPoint() (restore func()) {
 	return func() { isMountPoint = old }
 }
 
-// DirID is dirID.
-func DirID(dir string) (string, error) { return dirID(dir) }
-
 // InPlaceMarker is inPlaceMarker.
 func InPlaceMarker(dataDir string) string { return inPlaceMarker(dataDir) }

@@ -114,7 +114,7 @@ func Start(ctx context.Context, cfg Config) (*Cluster, error) {
 	}
 	removeInitdbLeftovers(dataDir, cfg.Logger)
 	_, err = os.Stat(filepath.Join(dataDir, "PG_VERSION"))
-	if _, merr := os.Stat(inPlaceMarker(dataDir)); errors.Is(err, os.ErrNotExist) || merr == nil {
+	if _, merr := os.Lstat(inPlaceMarker(dataDir)); errors.Is(err, os.ErrNotExist) || merr == nil {
 		if err := initdb(ctx, bin, dataDir, cfg.Fsync, cred, cfg.Logger); err != nil {
 			return nil, err
 		}
@@ -351,9 +351,7 @@ func resolveDataDir(dir string) (string, error) {
 
 // inPlaceMarker is the file beside dataDir that marks an initdb running in
 // dataDir itself (a mount point, see initdb): while it exists, what dataDir
-// holds may be a half-made cluster. It holds dataDir's device and inode
-// numbers ("dev:ino"), so that it names that directory and no other later
-// found at the same path.
+// holds may be a half-made cluster.
 func inPlaceMarker(dataDir string) string { return dataDir + ".inplace-initdb" }
 
 // removeInitdbLeftovers removes, as far as it can, the directories that
@@ -391,88 +389,6 @@ var isMountPoint = func(dir string) (bool, error) {
 	return d.Dev != p.Dev, nil
 }
 
-// dirID is "dev:ino" of directory dir.
-func dirID(dir string) (string, error) {
-	var st syscall.Stat_t
-	if err := syscall.Stat(dir, &st); err != nil {
-		return "", err
-	}
-	return fmt.Sprintf("%d:%d", st.Dev, st.Ino), nil
-}
-
-// initdbNames are the entries initdb creates in a data directory.
-var initdbNames = map[string]bool{
-	"PG_VERSION": true, "base": true, "global": true, "pg_commit_ts": true, "pg_dynshmem": true,
-	"pg_hba.conf": true, "pg_ident.conf": true, "pg_logical": true, "pg_multixact": true, "pg_notify": true,
-	"pg_replslot": true, "pg_serial": true, "pg_snapshots": true, "pg_stat": true, "pg_stat_tmp": true,
-	"pg_subtrans": true, "pg_tblspc": true, "pg_twophase": true, "pg_wal": true, "pg_xact": true,
-	"postgresql.auto.conf": true, "postgresql.conf": true,
-}
-
-// halfInitdb reports whether dataDir is the directory marker names and
-// holds nothing but what an initdb in it may have written: the only state
-// in which initdb empties a directory. Anything else (another directory at
-// that path, a volume mounted since, a restore, a cluster whose server has
-// run: postmaster.opts, backup_label and the like are not initdb's) is an
-// error naming the marker, and nothing is removed.
-func halfInitdb(dataDir, marker string) error {
-	refuse := func(why string) error {
-		return fmt.Errorf("initdb: %s says an initdb in %s was interrupted, but %s: nothing was removed; if the directory is to be kept, remove the marker, else empty the directory", marker, dataDir, why)
-	}
-	want, err := os.ReadFile(marker)
-	if err != nil {
-		return err
-	}
-	id, err := dirID(dataDir)
-	if err != nil {
-		return err
-	}
-	if strings.TrimSpace(string(want)) != id {
-		return refuse("the directory is not the one the marker names (" + id + ")")
-	}
-	entries, err := os.ReadDir(dataDir)
-	if err != nil {
-		return err
-	}
-	for _, e := range entries {
-		if e.Name() == "postmaster.pid" && standalonePID(dataDir) > 0 {
-			continue // the lock file of initdb's own postgres
-		}
-		if !initdbNames[e.Name()] {
-			return refuse("it holds " + e.Name() + ", which initdb does not write")
-		}
-	}
-	return nil
-}
-
-// standalonePID returns the pid in dataDir's postmaster.pid when a
-// standalone backend wrote it (initdb's bootstrap and single-user postgres:
-// PostgreSQL writes their pid negated), else 0.
-func standalonePID(dataDir string) int {
-	b, err := os.ReadFile(filepath.Join(dataDir, "postmaster.pid"))
-	if err != nil {
-		return 0
-	}
-	pid, err := strconv.Atoi(strings.TrimSpace(strings.SplitN(string(b), "\n", 2)[0]))
-	if err != nil || pid >= 0 {
-		return 0
-	}
-	return -pid
-}
-
-// waitForStandalone waits (at most 10 s) for the standalone backend of an
-// interrupted initdb in dataDir to exit, so that it writes nothing into
-// what is emptied and made again.
-func waitForStandalone(dataDir string) {
-	pid := standalonePID(dataDir)
-	for deadline := time.Now().Add(10 * time.Second); pid > 0 && time.Now().Before(deadline); {
-		if err := syscall.Kill(pid, 0); errors.Is(err, syscall.ESRCH) {
-			return
-		}
-		time.Sleep(50 * time.Millisecond)
-	}
-}
-
 // initdb creates the cluster of dataDir so that dataDir holds either a
 // complete cluster or none, whenever the process is killed:
 //
@@ -490,87 +406,115 @@ func waitForStandalone(dataDir string) {
 //     same step (rename(2); Go's os.Rename refuses to), and the rename is
 //     synced. A directory that is no longer empty then is refused.
 //
-// A dataDir that is a mount point cannot be replaced: initdb runs in it,
-// with inPlaceMarker beside it (holding its identity) from before the
-// initdb until after the sync. A start that finds the marker empties
-// dataDir and runs initdb again only when halfInitdb says it holds an
-// interrupted initdb of that directory, and refuses otherwise.
+// A dataDir that is a mount point cannot be replaced (its device differs
+// from its parent's, or the rename answers EBUSY: a bind mount): initdb
+// runs in it (initdbInPlace), with inPlaceMarker beside it until the
+// cluster is complete. A start that finds the marker beside a directory
+// that is not empty refuses, naming both, and removes nothing: the
+// directory may hold a half-made cluster, or by then anything else (a
+// restore, another volume), and only its owner can tell. Beside an empty
+// or missing directory the marker is removed and initdb runs.
 //
 // Before, an initdb killed part way (an interrupted first `converge dev`)
 // left PG_VERSION in dataDir and every later start failed.
 func initdb(ctx context.Context, bin, dataDir string, sync bool, cred *syscall.Credential, log *slog.Logger) error {
 	parent, base := filepath.Dir(dataDir), filepath.Base(dataDir)
 	marker := inPlaceMarker(dataDir)
-	inPlace := false
 	if _, err := os.Lstat(marker); err == nil {
-		if _, err := os.Stat(dataDir); errors.Is(err, os.ErrNotExist) {
-			_ = os.Remove(marker) // its directory is gone: nothing to resume
-		} else {
-			if err := halfInitdb(dataDir, marker); err != nil {
-				return err
-			}
-			log.Info("initdb: emptying the data directory of an interrupted initdb", "data_dir", dataDir)
-			waitForStandalone(dataDir)
-			if err := removeContentsRetrying(dataDir); err != nil {
-				return err
-			}
-			inPlace = true
+		entries, err := os.ReadDir(dataDir)
+		if err != nil && !errors.Is(err, os.ErrNotExist) {
+			return err
+		}
+		if len(entries) > 0 {
+			return fmt.Errorf("initdb: an initdb in %s was interrupted (%s is beside it), so the directory may hold a half-made cluster; nothing was removed: empty the directory and remove the marker, then start again", dataDir, marker)
+		}
+		if err := os.Remove(marker); err != nil {
+			return err
 		}
 	} else if !errors.Is(err, os.ErrNotExist) {
 		return err
 	}
-	if !inPlace {
-		entries, err := os.ReadDir(dataDir)
-		switch {
-		case err == nil && len(entries) > 0:
-			return fmt.Errorf("initdb: %s is not empty and holds no cluster (no PG_VERSION): remove it, or point the data directory elsewhere", dataDir)
-		case err == nil:
-			if inPlace, err = isMountPoint(dataDir); err != nil {
-				return err
-			}
-		case !errors.Is(err, os.ErrNotExist):
-			return err
-		}
-	}
-	tmp := dataDir
-	if inPlace {
-		id, err := dirID(dataDir)
+	entries, err := os.ReadDir(dataDir)
+	switch {
+	case err == nil && len(entries) > 0:
+		return fmt.Errorf("initdb: %s is not empty and holds no cluster (no PG_VERSION): remove it, or point the data directory elsewhere", dataDir)
+	case err == nil:
+		mount, err := isMountPoint(dataDir)
 		if err != nil {
 			return err
 		}
-		f, err := os.OpenFile(marker, os.O_WRONLY|os.O_CREATE|os.O_TRUNC|syscall.O_NOFOLLOW, 0o644)
-		if err != nil {
-			return fmt.Errorf("initdb: %s is a mount point, initialized in place, and its marker cannot be written beside it: %w", dataDir, err)
+		if mount {
+			return initdbInPlace(ctx, bin, dataDir, sync, cred, log)
 		}
-		_, err = f.WriteString(id + "\n")
-		if err == nil {
-			err = f.Sync()
-		}
-		if cerr := f.Close(); err == nil {
-			err = cerr
-		}
-		if err == nil {
-			err = syncDir(parent)
-		}
-		if err != nil {
-			return err
-		}
-		// Still empty now that the marker names it (a file written
-		// meanwhile would be emptied by a later start otherwise).
-		if entries, err := os.ReadDir(dataDir); err != nil || len(entries) > 0 {
-			_ = os.Remove(marker)
-			return fmt.Errorf("initdb: %s changed while its initdb was being prepared (%v): start again", dataDir, err)
-		}
-	} else {
-		var err error
-		if tmp, err = os.MkdirTemp(parent, base+".initdb-"); err != nil {
-			return err
-		}
-	}
-	if err := os.Chmod(tmp, 0o700); err != nil {
+	case !errors.Is(err, os.ErrNotExist):
 		return err
 	}
-	if err := chown(tmp, cred); err != nil {
+	tmp, err := os.MkdirTemp(parent, base+".initdb-")
+	if err != nil {
+		return err
+	}
+	if err := runInitdb(ctx, bin, tmp, dataDir, sync, cred, log); err != nil {
+		return err
+	}
+	if err := syscall.Rename(tmp, dataDir); err != nil {
+		_ = os.RemoveAll(tmp)
+		if errors.Is(err, syscall.EBUSY) { // a mount point on its parent's device (a bind mount)
+			return initdbInPlace(ctx, bin, dataDir, sync, cred, log)
+		}
+		return fmt.Errorf("initdb: move the new cluster into place at %s: %w (it must be absent or an empty directory)", dataDir, err)
+	}
+	return syncDir(parent)
+}
+
+// initdbInPlace runs initdb in dataDir itself (an empty mount point), with
+// inPlaceMarker beside it from before the run until the cluster is complete
+// and synced (see initdb). A failure before the run removes the marker; an
+// initdb that fails leaves it (initdb removes what it wrote when it fails,
+// so the next start finds the directory empty and proceeds).
+func initdbInPlace(ctx context.Context, bin, dataDir string, sync bool, cred *syscall.Credential, log *slog.Logger) error {
+	parent, marker := filepath.Dir(dataDir), inPlaceMarker(dataDir)
+	f, err := os.OpenFile(marker, os.O_WRONLY|os.O_CREATE|os.O_EXCL|syscall.O_NOFOLLOW, 0o644)
+	if err != nil {
+		return fmt.Errorf("initdb: %s is a mount point, initialized in place, and its marker cannot be written beside it: %w", dataDir, err)
+	}
+	_, err = f.WriteString(dataDir + "\n")
+	if err == nil {
+		err = f.Sync()
+	}
+	if cerr := f.Close(); err == nil {
+		err = cerr
+	}
+	if err == nil {
+		err = syncDir(parent)
+	}
+	if err == nil {
+		// Still empty now that the marker is there (a file written
+		// meanwhile would be taken for initdb's by nobody, but refused).
+		var entries []os.DirEntry
+		if entries, err = os.ReadDir(dataDir); err == nil && len(entries) > 0 {
+			err = fmt.Errorf("%s changed while its initdb was being prepared: start again", dataDir)
+		}
+	}
+	if err != nil {
+		_ = os.Remove(marker)
+		return fmt.Errorf("initdb: %w", err)
+	}
+	if err := runInitdb(ctx, bin, dataDir, dataDir, sync, cred, log); err != nil {
+		return err
+	}
+	if err := os.Remove(marker); err != nil {
+		return err
+	}
+	return syncDir(parent)
+}
+
+// runInitdb runs initdb in dir (dataDir's cluster, named in messages) as
+// cred, with Pdeathsig, then initdb --sync-only when sync is set.
+func runInitdb(ctx context.Context, bin, dir, dataDir string, sync bool, cred *syscall.Credential, log *slog.Logger) error {
+	if err := os.Chmod(dir, 0o700); err != nil {
+		return err
+	}
+	if err := chown(dir, cred); err != nil {
 		return err
 	}
 	log.Info("initdb", "data_dir", dataDir)
@@ -587,23 +531,13 @@ func initdb(ctx context.Context, bin, dataDir string, sync bool, cred *syscall.C
 		}
 		return fmt.Errorf("initdb %s: %w\n%s", dataDir, err, out)
 	}
-	if err := run("-D", tmp, "-U", "postgres", "--auth=trust", "-E", "UTF8", "--locale=C", "--no-sync"); err != nil {
+	if err := run("-D", dir, "-U", "postgres", "--auth=trust", "-E", "UTF8", "--locale=C", "--no-sync"); err != nil {
 		return err
 	}
 	if sync {
-		if err := run("-D", tmp, "--sync-only"); err != nil {
-			return err
-		}
+		return run("-D", dir, "--sync-only")
 	}
-	if inPlace {
-		if err := os.Remove(marker); err != nil {
-			return err
-		}
-	} else if err := syscall.Rename(tmp, dataDir); err != nil {
-		_ = os.RemoveAll(tmp)
-		return fmt.Errorf("initdb: move the new cluster into place at %s: %w (it must be absent or an empty directory)", dataDir, err)
-	}
-	return syncDir(parent)
+	return nil
 }
 
 // syncDir fsyncs directory dir (its entries' creations, renames and
@@ -615,35 +549,6 @@ func syncDir(dir string) error {
 	}
 	defer d.Close()
 	return d.Sync()
-}
-
-// removeContentsRetrying is removeContents, tried again for up to 10 s
-// while it fails: the interrupted attempt's postgres child (which outlives
-// a killed initdb until it reads the end of its input) may still be
-// writing into dir.
-func removeContentsRetrying(dir string) error {
-	deadline := time.Now().Add(10 * time.Second)
-	for {
-		err := removeContents(dir)
-		if err == nil || time.Now().After(deadline) {
-			return err
-		}
-		time.Sleep(100 * time.Millisecond)
-	}
-}
-
-// removeContents removes everything in dir, not dir itself.
-func removeContents(dir string) error {
-	entries, err := os.ReadDir(dir)
-	if err != nil {
-		return err
-	}
-	for _, e := range entries {
-		if err := os.RemoveAll(filepath.Join(dir, e.Name())); err != nil {
-			return err
-		}
-	}
-	return nil
 }
 
 // credential returns the identity to run PostgreSQL as: the postgres system
