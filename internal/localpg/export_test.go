@@ -20,3 +20,7 @@ func TreatAsMountPoint() (restore func()) {
 
 // InPlaceMarker is inPlaceMarker.
 func InPlaceMarker(dataDir string) string { return inPlaceMarker(dataDir) }
+
+// IsMountPoint is isMountPoint; UnescapeMountinfo is unescapeMountinfo.
+func IsMountPoint(dir string) (bool, error) { return isMountPoint(dir) }
+func UnescapeMountinfo(s string) string     { return unescapeMountinfo(s) }

@@ -376,8 +376,10 @@ func removeInitdbLeftovers(dataDir string, log *slog.Logger) {
 	}
 }
 
-// isMountPoint reports whether directory dir is on another device than its
-// parent (a variable so that a test can make a directory one).
+// isMountPoint reports whether directory dir is a mount point: on another
+// device than its parent, or listed as one in /proc/self/mountinfo (a bind
+// mount of the parent's filesystem). A variable so that a test can make a
+// directory one.
 var isMountPoint = func(dir string) (bool, error) {
 	var d, p syscall.Stat_t
 	if err := syscall.Stat(dir, &d); err != nil {
@@ -386,7 +388,40 @@ var isMountPoint = func(dir string) (bool, error) {
 	if err := syscall.Stat(filepath.Dir(dir), &p); err != nil {
 		return false, err
 	}
-	return d.Dev != p.Dev, nil
+	if d.Dev != p.Dev {
+		return true, nil
+	}
+	info, err := os.ReadFile("/proc/self/mountinfo")
+	if err != nil {
+		return false, nil // no procfs: the device comparison is all there is
+	}
+	for _, line := range strings.Split(string(info), "\n") {
+		// Field 5 is the mount point, with space, tab, newline and
+		// backslash written as octal escapes (proc(5)).
+		if f := strings.Fields(line); len(f) > 4 && unescapeMountinfo(f[4]) == dir {
+			return true, nil
+		}
+	}
+	return false, nil
+}
+
+// unescapeMountinfo undoes /proc/self/mountinfo's \ooo escapes.
+func unescapeMountinfo(s string) string {
+	if !strings.Contains(s, "\\") {
+		return s
+	}
+	var b strings.Builder
+	for i := 0; i < len(s); i++ {
+		if s[i] == '\\' && i+3 < len(s) {
+			if v, err := strconv.ParseUint(s[i+1:i+4], 8, 8); err == nil {
+				b.WriteByte(byte(v))
+				i += 3
+				continue
+			}
+		}
+		b.WriteByte(s[i])
+	}
+	return b.String()
 }
 
 // initdb creates the cluster of dataDir so that dataDir holds either a
@@ -413,7 +448,12 @@ var isMountPoint = func(dir string) (bool, error) {
 // that is not empty refuses, naming both, and removes nothing: the
 // directory may hold a half-made cluster, or by then anything else (a
 // restore, another volume), and only its owner can tell. Beside an empty
-// or missing directory the marker is removed and initdb runs.
+// mount point the marker is removed and initdb runs; beside an empty
+// directory that is not a mount point, or none, it refuses too (the volume
+// that holds the half cluster may be unmounted).
+//
+// Without sync (a cluster run without fsync), a power loss may make the
+// rename or the marker's removal durable before the cluster's files.
 //
 // Before, an initdb killed part way (an interrupted first `converge dev`)
 // left PG_VERSION in dataDir and every later start failed.
@@ -426,7 +466,20 @@ func initdb(ctx context.Context, bin, dataDir string, sync bool, cred *syscall.C
 			return err
 		}
 		if len(entries) > 0 {
-			return fmt.Errorf("initdb: an initdb in %s was interrupted (%s is beside it), so the directory may hold a half-made cluster; nothing was removed: empty the directory and remove the marker, then start again", dataDir, marker)
+			return fmt.Errorf("initdb: %s says an initdb in %s was interrupted, so the directory may hold a half-made cluster; nothing was removed: if the directory is to be kept (a complete cluster, a restore), remove the marker; else empty the directory and remove the marker; then start again", marker, dataDir)
+		}
+		// Empty: the marker is removed only where its initdb ran, on a
+		// mount point; an empty directory that is not one now may be the
+		// path with the volume unmounted, which still holds the half
+		// cluster.
+		mount := false
+		if err == nil {
+			if mount, err = isMountPoint(dataDir); err != nil {
+				return err
+			}
+		}
+		if !mount {
+			return fmt.Errorf("initdb: %s says an initdb in %s was interrupted, and %s is not a mount point now: mount the volume it ran on and start again, or remove the marker if that initdb is to be forgotten", marker, dataDir, dataDir)
 		}
 		if err := os.Remove(marker); err != nil {
 			return err

@@ -328,3 +328,42 @@ func TestStartFollowsASymlinkedDataDir(t *testing.T) {
 		t.Fatalf("left beside the refused directories: %v", left)
 	}
 }
+
+// A marker beside an empty directory that is not a mount point now (the
+// volume its in-place initdb ran on may be unmounted, still holding the
+// half cluster) is refused, and kept.
+func TestStartRefusesAMarkerBesideAnUnmountedPath(t *testing.T) {
+	cfg := localpg.Config{DataDir: filepath.Join(tempParent(t), "data"), Port: testenv.FreePort(t)}
+	marker := localpg.InPlaceMarker(cfg.DataDir)
+	if err := os.Mkdir(cfg.DataDir, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(marker, nil, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	c, err := localpg.Start(context.Background(), cfg)
+	if err == nil || !strings.Contains(err.Error(), "not a mount point now") {
+		if c != nil {
+			c.Stop()
+		}
+		t.Fatalf("Start = %v, want it refused", err)
+	}
+	if _, err := os.Stat(marker); err != nil {
+		t.Fatalf("the marker was removed: %v", err)
+	}
+}
+
+// Mount points are found by device and by /proc/self/mountinfo, whose
+// octal escapes are undone.
+func TestIsMountPoint(t *testing.T) {
+	if ok, err := localpg.IsMountPoint("/proc"); err != nil || !ok {
+		t.Errorf("IsMountPoint(/proc) = %v, %v", ok, err)
+	}
+	dir := t.TempDir()
+	if ok, err := localpg.IsMountPoint(dir); err != nil || ok {
+		t.Errorf("IsMountPoint(%s) = %v, %v", dir, ok, err)
+	}
+	if got := localpg.UnescapeMountinfo(`/mnt/a\040b\\c\134d`); got != `/mnt/a b\\c\d` {
+		t.Errorf("UnescapeMountinfo = %q", got)
+	}
+}
