@@ -754,9 +754,7 @@ func TestRelayPublicationDroppedWhileStreaming(t *testing.T) {
 	if got := testenv.MetricSum(t, reg, "converge_relay_publication_mismatches_total", nil); got != 1 {
 		t.Fatalf("publication_mismatches_total = %v, want 1", got)
 	}
-	if got := testenv.MetricSum(t, reg, "converge_relay_restarts_total", nil); got != 0 {
-		t.Fatalf("restarts_total = %v; a mismatch is not a session restart", got)
-	}
+	wantNoMismatchRestart(t, reg)
 }
 
 // A Relation message of the outbox makes the relay check its publication
@@ -824,9 +822,7 @@ func TestRelayPublicationDroppedAndRecreated(t *testing.T) {
 	if now, _, _ := b.slotState(t); now != held {
 		t.Fatalf("slot moved from %s to %s", held, now)
 	}
-	if got := testenv.MetricSum(t, reg, "converge_relay_restarts_total", nil); got != 0 {
-		t.Fatalf("restarts_total = %v; a mismatch is not a session restart", got)
-	}
+	wantNoMismatchRestart(t, reg)
 	if err := rr.relay.Health(); !errors.Is(err, ErrPublicationMismatch) {
 		t.Fatalf("Health = %v after several sessions, want the mismatch still reported", err)
 	}
@@ -894,9 +890,7 @@ func TestRelayOutboxRelationWithoutColumn(t *testing.T) {
 	if got := testenv.MetricSum(t, reg, "converge_relay_publication_mismatches_total", map[string]string{"reason": mismatchColumns}); got != 1 {
 		t.Fatalf("publication_mismatches_total{reason=columns} = %v, want 1 (one finding, however many sessions)", got)
 	}
-	if got := testenv.MetricSum(t, reg, "converge_relay_restarts_total", nil); got != 0 {
-		t.Fatalf("restarts_total = %v; a mismatch is not a session restart", got)
-	}
+	wantNoMismatchRestart(t, reg)
 	select {
 	case err := <-rr.done:
 		t.Fatalf("Run returned %v; it must go on", err)
@@ -1209,5 +1203,18 @@ func TestRelayTransactionLargerThanItsBuffer(t *testing.T) {
 	})
 	if upd != 0 {
 		t.Errorf("%d outbox rows updated while relaying, want 0", upd)
+	}
+}
+
+// wantNoMismatchRestart checks that no session restart was counted for a
+// publication or relation mismatch (a mismatch is not a restart). A session
+// that ended on the mismatch may still hold the slot for a moment (its
+// walsender exiting) when the next one opens: that is a slot_active
+// restart, counted as such, and allowed (CI, 2026-12-07: once under load).
+func wantNoMismatchRestart(t *testing.T, reg *prometheus.Registry) {
+	t.Helper()
+	all := testenv.MetricSum(t, reg, "converge_relay_restarts_total", nil)
+	if active := testenv.MetricSum(t, reg, "converge_relay_restarts_total", map[string]string{"reason": reasonSlotActive}); all != active {
+		t.Fatalf("restarts_total = %v (slot_active %v); a mismatch is not a session restart", all, active)
 	}
 }
