@@ -21,6 +21,5 @@ func TreatAsMountPoint() (restore func()) {
 // InPlaceMarker is inPlaceMarker.
 func InPlaceMarker(dataDir string) string { return inPlaceMarker(dataDir) }
 
-// IsMountPoint is isMountPoint; UnescapeMountinfo is unescapeMountinfo.
+// IsMountPoint is isMountPoint.
 func IsMountPoint(dir string) (bool, error) { return isMountPoint(dir) }
-func UnescapeMountinfo(s string) string     { return unescapeMountinfo(s) }

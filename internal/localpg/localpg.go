@@ -24,6 +24,8 @@ import (
 	"strconv"
 	"strings"
 	"syscall"
+
+	"golang.org/x/sys/unix"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -376,52 +378,23 @@ func removeInitdbLeftovers(dataDir string, log *slog.Logger) {
 	}
 }
 
-// isMountPoint reports whether directory dir is a mount point: on another
-// device than its parent, or listed as one in /proc/self/mountinfo (a bind
-// mount of the parent's filesystem). A variable so that a test can make a
-// directory one.
+// isMountPoint reports whether directory dir is a mount point, a bind mount
+// of its parent's filesystem included: statx's STATX_ATTR_MOUNT_ROOT
+// (Linux 5.8 and later), else a device that differs from its parent's. A
+// variable so that a test can make a directory one.
 var isMountPoint = func(dir string) (bool, error) {
-	var d, p syscall.Stat_t
-	if err := syscall.Stat(dir, &d); err != nil {
+	var st unix.Statx_t
+	if err := unix.Statx(unix.AT_FDCWD, dir, unix.AT_SYMLINK_NOFOLLOW, unix.STATX_BASIC_STATS, &st); err != nil {
 		return false, err
 	}
-	if err := syscall.Stat(filepath.Dir(dir), &p); err != nil {
+	if st.Attributes_mask&unix.STATX_ATTR_MOUNT_ROOT != 0 {
+		return st.Attributes&unix.STATX_ATTR_MOUNT_ROOT != 0, nil
+	}
+	var p unix.Stat_t
+	if err := unix.Stat(filepath.Dir(dir), &p); err != nil {
 		return false, err
 	}
-	if d.Dev != p.Dev {
-		return true, nil
-	}
-	info, err := os.ReadFile("/proc/self/mountinfo")
-	if err != nil {
-		return false, nil // no procfs: the device comparison is all there is
-	}
-	for _, line := range strings.Split(string(info), "\n") {
-		// Field 5 is the mount point, with space, tab, newline and
-		// backslash written as octal escapes (proc(5)).
-		if f := strings.Fields(line); len(f) > 4 && unescapeMountinfo(f[4]) == dir {
-			return true, nil
-		}
-	}
-	return false, nil
-}
-
-// unescapeMountinfo undoes /proc/self/mountinfo's \ooo escapes.
-func unescapeMountinfo(s string) string {
-	if !strings.Contains(s, "\\") {
-		return s
-	}
-	var b strings.Builder
-	for i := 0; i < len(s); i++ {
-		if s[i] == '\\' && i+3 < len(s) {
-			if v, err := strconv.ParseUint(s[i+1:i+4], 8, 8); err == nil {
-				b.WriteByte(byte(v))
-				i += 3
-				continue
-			}
-		}
-		b.WriteByte(s[i])
-	}
-	return b.String()
+	return unix.Mkdev(st.Dev_major, st.Dev_minor) != p.Dev, nil
 }
 
 // initdb creates the cluster of dataDir so that dataDir holds either a
