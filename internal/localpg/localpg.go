@@ -24,11 +24,12 @@ import (
 	"strconv"
 	"strings"
 	"syscall"
-
-	"golang.org/x/sys/unix"
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"golang.org/x/sys/unix"
+
+	"github.com/converge-run/converge/internal/fsutil"
 )
 
 // Config describes the cluster to run. Zero values take the documented
@@ -489,7 +490,7 @@ func initdb(ctx context.Context, bin, dataDir string, sync bool, cred *syscall.C
 		}
 		return fmt.Errorf("initdb: move the new cluster into place at %s: %w (it must be absent or an empty directory)", dataDir, err)
 	}
-	return syncDir(parent)
+	return fsutil.SyncDir(parent)
 }
 
 // initdbInPlace runs initdb in dataDir itself (an empty mount point), with
@@ -511,7 +512,7 @@ func initdbInPlace(ctx context.Context, bin, dataDir string, sync bool, cred *sy
 		err = cerr
 	}
 	if err == nil {
-		err = syncDir(parent)
+		err = fsutil.SyncDir(parent)
 	}
 	if err == nil {
 		// Still empty now that the marker is there (a file written
@@ -531,7 +532,7 @@ func initdbInPlace(ctx context.Context, bin, dataDir string, sync bool, cred *sy
 	if err := os.Remove(marker); err != nil {
 		return err
 	}
-	return syncDir(parent)
+	return fsutil.SyncDir(parent)
 }
 
 // runInitdb runs initdb in dir (dataDir's cluster, named in messages) as
@@ -564,17 +565,6 @@ func runInitdb(ctx context.Context, bin, dir, dataDir string, sync bool, cred *s
 		return run("-D", dir, "--sync-only")
 	}
 	return nil
-}
-
-// syncDir fsyncs directory dir (its entries' creations, renames and
-// removals).
-func syncDir(dir string) error {
-	d, err := os.Open(dir)
-	if err != nil {
-		return err
-	}
-	defer d.Close()
-	return d.Sync()
 }
 
 // credential returns the identity to run PostgreSQL as: the postgres system
