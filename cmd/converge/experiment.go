@@ -4,13 +4,13 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	"net"
 	"os"
 	"path/filepath"
 	"strings"
 	"time"
 
 	"github.com/converge-run/converge/cmd/converge/internal/experiment"
+	"github.com/converge-run/converge/internal/freeport"
 	"github.com/converge-run/converge/internal/localpg"
 	"github.com/converge-run/converge/internal/localredis"
 )
@@ -71,7 +71,7 @@ func (c *ExperimentRunCmd) Run(env *runEnv) error {
 		defer os.RemoveAll(tmp)
 	}
 	quiet := slog.New(slog.DiscardHandler)
-	pgPort, err := freePort()
+	pgPort, err := freeport.Pick()
 	if err != nil {
 		return err
 	}
@@ -80,7 +80,7 @@ func (c *ExperimentRunCmd) Run(env *runEnv) error {
 		return fmt.Errorf("embedded PostgreSQL: %w", err)
 	}
 	defer pg.Stop()
-	redisPort, err := freePort()
+	redisPort, err := freeport.Pick()
 	if err != nil {
 		return err
 	}
@@ -133,13 +133,4 @@ func (c *ExperimentRunCmd) Run(env *runEnv) error {
 	}
 	fmt.Printf("all %d experiments passed; reports in %s\n", len(list), c.Out)
 	return nil
-}
-
-func freePort() (int, error) {
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		return 0, err
-	}
-	defer l.Close()
-	return l.Addr().(*net.TCPAddr).Port, nil
 }

@@ -21,8 +21,6 @@ import (
 	"context"
 	"fmt"
 	"log/slog"
-	"math/rand/v2"
-	"net"
 	"net/url"
 	"os"
 	"path/filepath"
@@ -43,6 +41,7 @@ import (
 	"github.com/twmb/franz-go/pkg/kgo"
 	"go.uber.org/goleak"
 
+	"github.com/converge-run/converge/internal/freeport"
 	"github.com/converge-run/converge/internal/localpg"
 	"github.com/converge-run/converge/internal/localredis"
 	"github.com/converge-run/converge/internal/taskevent"
@@ -120,44 +119,11 @@ func unavailable(t testing.TB, what string, err error) {
 // (net.ipv4.ip_local_port_range).
 func FreePort(t testing.TB) int {
 	t.Helper()
-	p, err := freePort()
+	p, err := freeport.Pick()
 	if err != nil {
 		t.Fatal(err)
 	}
 	return p
-}
-
-func freePort() (int, error) {
-	if low, ok := ephemeralLow(); ok && low > 20000 {
-		for range 50 {
-			p := 10000 + rand.IntN(low-10000)
-			if l, err := net.Listen("tcp", "127.0.0.1:"+strconv.Itoa(p)); err == nil {
-				l.Close()
-				return p, nil
-			}
-		}
-	}
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		return 0, err
-	}
-	defer l.Close()
-	return l.Addr().(*net.TCPAddr).Port, nil
-}
-
-// ephemeralLow is the first port of the kernel's ephemeral range, where
-// /proc says.
-func ephemeralLow() (int, bool) {
-	b, err := os.ReadFile("/proc/sys/net/ipv4/ip_local_port_range")
-	if err != nil {
-		return 0, false
-	}
-	f := strings.Fields(string(b))
-	if len(f) != 2 {
-		return 0, false
-	}
-	low, err := strconv.Atoi(f[0])
-	return low, err == nil
 }
 
 func startPG() {
@@ -173,7 +139,7 @@ func startPG() {
 		}
 		os.Chmod(dir, 0o755)
 		pgTmpDir = dir
-		port, err := freePort()
+		port, err := freeport.Pick()
 		if err != nil {
 			pgErr = err
 			return
@@ -288,7 +254,7 @@ func startRedis() {
 	if u := os.Getenv("CONVERGE_TEST_REDIS_URL"); u != "" {
 		redisURL = u
 	} else {
-		port, err := freePort()
+		port, err := freeport.Pick()
 		if err != nil {
 			redisErr = err
 			return
@@ -567,7 +533,7 @@ func newCluster(t testing.TB, db string) (*Cluster, *DB) {
 		t.Fatal(err)
 	}
 	os.Chmod(dir, 0o755)
-	port, err := freePort()
+	port, err := freeport.Pick()
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -15,6 +15,8 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/converge-run/converge/internal/freeport"
 )
 
 // The ab stage: two converge builds (two executables, e.g. of two commits)
@@ -275,7 +277,7 @@ func (e *env) startABSide(ctx context.Context, name, bin string, round int) (*ab
 	}
 	var ports [4]int
 	for i := range ports {
-		p, err := freePort()
+		p, err := freeport.Pick()
 		if err != nil {
 			return nil, err
 		}

@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
-	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -16,6 +15,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/converge-run/converge/internal/freeport"
 	"github.com/converge-run/converge/internal/tenant"
 
 	"github.com/jackc/pgx/v5"
@@ -426,7 +426,7 @@ func startEnv(ctx context.Context, cfg *Config) (_ *env, err error) {
 			return nil, fmt.Errorf("pgbench not found next to the PostgreSQL server binaries in %s", bin)
 		}
 	}
-	port, err := freePort()
+	port, err := freeport.Pick()
 	if err != nil {
 		return nil, err
 	}
@@ -450,7 +450,7 @@ func startEnv(ctx context.Context, cfg *Config) (_ *env, err error) {
 		return nil, fmt.Errorf("start kfake: %w", err)
 	}
 	e.brokers = e.kafka.ListenAddrs()
-	rport, err := freePort()
+	rport, err := freeport.Pick()
 	if err != nil {
 		return nil, err
 	}
@@ -566,7 +566,10 @@ func benchTenants(ctx context.Context, pool *pgxpool.Pool, n int) ([]string, err
 }
 
 // profile starts a CPU profile named name when ProfileDir is set; the
-// returned function stops it.
+// returned function stops it. Beside name.pprof it writes the process's
+// cumulative allocation profile at the start and at the stop
+// (name.allocs-start.pprof, name.allocs.pprof): the stage's allocations are
+// `go tool pprof -base name.allocs-start.pprof name.allocs.pprof`.
 func (e *env) profile(name string) func() {
 	if e.cfg.ProfileDir == "" {
 		return func() {}
@@ -582,19 +585,23 @@ func (e *env) profile(name string) func() {
 		f.Close()
 		return func() {}
 	}
+	e.writeAllocs(name + ".allocs-start")
 	return func() {
 		pprof.StopCPUProfile()
 		f.Close()
+		e.writeAllocs(name + ".allocs")
 	}
 }
 
-func freePort() (int, error) {
-	l, err := net.Listen("tcp", "127.0.0.1:0")
+// writeAllocs writes the cumulative allocation profile to ProfileDir/name.pprof;
+// a failure only loses that file.
+func (e *env) writeAllocs(name string) {
+	f, err := os.Create(filepath.Join(e.cfg.ProfileDir, name+".pprof"))
 	if err != nil {
-		return 0, err
+		return
 	}
-	defer l.Close()
-	return l.Addr().(*net.TCPAddr).Port, nil
+	defer f.Close()
+	_ = pprof.Lookup("allocs").WriteTo(f, 0)
 }
 
 // median returns the median of xs (the mean of the two middle values for an

@@ -20,6 +20,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/converge-run/converge/cdc"
+	"github.com/converge-run/converge/internal/freeport"
 	"github.com/converge-run/converge/internal/outbox"
 	"github.com/converge-run/converge/internal/taskevent"
 )
@@ -395,7 +396,7 @@ func runRSS(ctx context.Context, e *env, res *Results) error {
 		}
 		argv = []string{exe, "relay"}
 	}
-	mport, err := freePort()
+	mport, err := freeport.Pick()
 	if err != nil {
 		return err
 	}
