@@ -67,12 +67,14 @@ import (
 	"io/fs"
 	"os"
 	"path/filepath"
-	"regexp"
 	"slices"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/converge-run/converge/internal/fault"
+	"github.com/converge-run/converge/internal/fsutil"
+	"github.com/converge-run/converge/internal/ident"
 )
 
 // Meta is what the store records with each object.
@@ -97,7 +99,15 @@ var (
 	ErrInvalidToken = errors.New("invalid artifact token")
 )
 
-var tokenRE = regexp.MustCompile(`^[A-Za-z0-9][A-Za-z0-9._:-]{0,179}$`)
+// readBufs holds Observe's read buffers, readBuf bytes each. A read-back
+// per task allocating and zeroing its own was 23 % of the bytes the converge
+// process allocated in the peer bench (BENCHMARKS.md, fourteenth session).
+// Nothing Observe returns refers to the buffer.
+var readBufs = sync.Pool{New: func() any { b := make([]byte, readBuf); return &b }}
+
+// validToken reports whether token is ^[A-Za-z0-9][A-Za-z0-9._:-]{0,179}$:
+// a file name on every file system, with no path separator.
+func validToken(token string) bool { return ident.Valid(token, 1, 180, true) }
 
 const (
 	// objExt is the file name extension of an object: header line and bytes.
@@ -259,7 +269,7 @@ func (s *Store) PutUnsynced(token, taskID string, attempt int, data []byte) (Met
 // (Head) which another process may have linked without syncing call it
 // before they record the object as durable.
 func (s *Store) SyncObjects() error {
-	return syncDir(filepath.Join(s.root, "objects"))
+	return fsutil.SyncDir(filepath.Join(s.root, "objects"))
 }
 
 // Item is one object of PutManyUnsynced: Put's arguments.
@@ -389,7 +399,7 @@ func (s *Store) putMany(items []Item, sync bool) ([]Meta, []error) {
 // object already committed under it decided (done, with the Meta and error
 // to return), else the object to write.
 func (s *Store) prepare(it Item) (o newObject, done bool, m Meta, err error) {
-	if !tokenRE.MatchString(it.Token) {
+	if !validToken(it.Token) {
 		return o, true, Meta{}, fmt.Errorf("%w: %q", ErrInvalidToken, it.Token)
 	}
 	sum := sha256.Sum256(it.Data)
@@ -595,18 +605,6 @@ func writePack(f *os.File, objs []newObject, magic bool) error {
 	return nil
 }
 
-func syncDir(dir string) error {
-	d, err := os.Open(dir)
-	if err != nil {
-		return err
-	}
-	defer d.Close()
-	if err := d.Sync(); err != nil {
-		return fmt.Errorf("fsync %s: %w", dir, err)
-	}
-	return nil
-}
-
 // object is an open object name whose record was read: f is its pack
 // file (or, for an object an earlier release wrote, its own file).
 type object struct {
@@ -792,7 +790,7 @@ func readHeader(r io.Reader, buf []byte) (line, rest []byte, err error) {
 
 // Head returns the committed Meta of token, or ErrNotFound.
 func (s *Store) Head(token string) (Meta, error) {
-	if !tokenRE.MatchString(token) {
+	if !validToken(token) {
 		return Meta{}, fmt.Errorf("%w: %q", ErrInvalidToken, token)
 	}
 	o, err := s.openObject(token, make([]byte, headBuf))
@@ -810,7 +808,7 @@ func (s *Store) Head(token string) (Meta, error) {
 // stream covers the artifact bytes only: offsets 0 to the stored size, as
 // http.ServeContent expects. The caller closes the reader.
 func (s *Store) Open(token string) (io.ReadSeekCloser, Meta, error) {
-	if !tokenRE.MatchString(token) {
+	if !validToken(token) {
 		return nil, Meta{}, fmt.Errorf("%w: %q", ErrInvalidToken, token)
 	}
 	o, err := s.openObject(token, make([]byte, headBuf))
@@ -851,10 +849,12 @@ type Observation struct {
 // Observe reads the object back in full and hashes what is stored, for
 // read-back verification (seed section 7.1).
 func (s *Store) Observe(token string) (Observation, error) {
-	if !tokenRE.MatchString(token) {
+	if !validToken(token) {
 		return Observation{}, fmt.Errorf("%w: %q", ErrInvalidToken, token)
 	}
-	buf := make([]byte, readBuf)
+	bp := readBufs.Get().(*[]byte)
+	defer readBufs.Put(bp)
+	buf := *bp
 	o, err := s.openObject(token, buf)
 	switch {
 	case errors.Is(err, os.ErrNotExist):
@@ -887,16 +887,16 @@ func (s *Store) Observe(token string) (Observation, error) {
 // is already hidden or absent is not an error: the call is idempotent.
 // Fault point: artifact.hide-timeout-after-commit (ErrTimeout after hiding).
 func (s *Store) Hide(token string) error {
-	if !tokenRE.MatchString(token) {
+	if !validToken(token) {
 		return fmt.Errorf("%w: %q", ErrInvalidToken, token)
 	}
 	if err := s.hideFile(token + objExt); err != nil {
 		return fmt.Errorf("artifact hide %s: %w", token, err)
 	}
-	if err := syncDir(filepath.Join(s.root, "hidden")); err != nil {
+	if err := fsutil.SyncDir(filepath.Join(s.root, "hidden")); err != nil {
 		return err
 	}
-	if err := syncDir(filepath.Join(s.root, "objects")); err != nil {
+	if err := fsutil.SyncDir(filepath.Join(s.root, "objects")); err != nil {
 		return err
 	}
 	if s.faults.Hit(fault.ArtifactHideTimeoutAfterCommit) != fault.ActionNone {
@@ -952,7 +952,7 @@ func (s *Store) hideFile(name string) error {
 // retention of whole tasks calls it, under its own ledger entry
 // (ledger.DeleteArtifact, kind artifact.delete); Gone verifies it.
 func (s *Store) Delete(token string) error {
-	if !tokenRE.MatchString(token) {
+	if !validToken(token) {
 		return fmt.Errorf("%w: %q", ErrInvalidToken, token)
 	}
 	var erased []erasedRecord
@@ -977,7 +977,7 @@ func (s *Store) Delete(token string) error {
 		}
 	}
 	for _, dir := range []string{"objects", "hidden"} {
-		if err := syncDir(filepath.Join(s.root, dir)); err != nil {
+		if err := fsutil.SyncDir(filepath.Join(s.root, dir)); err != nil {
 			return fmt.Errorf("artifact delete %s: %w", token, err)
 		}
 	}
@@ -1096,7 +1096,7 @@ func overwriteRecord(f *os.File, hdr, width, n int64, token string) (tokenAt int
 // Gone reports whether the store holds nothing under token, neither a
 // readable nor a hidden object: the read-back verification of Delete.
 func (s *Store) Gone(token string) (bool, error) {
-	if !tokenRE.MatchString(token) {
+	if !validToken(token) {
 		return false, fmt.Errorf("%w: %q", ErrInvalidToken, token)
 	}
 	for _, dir := range []string{"objects", "hidden"} {

@@ -33,7 +33,7 @@ import (
 // object is missing or does not match.
 func (s *Server) handleGetArtifact(w http.ResponseWriter, r *http.Request) {
 	id := taskIDOf(r)
-	if !taskIDRE.MatchString(id) {
+	if !validTaskID(id) {
 		s.writeError(w, r, notFound(id))
 		return
 	}

@@ -84,7 +84,7 @@ func parseIfMatch(h http.Header) (int64, error) {
 // another task or version is 422 IDEMPOTENCY_KEY_REUSED_WITH_DIFFERENT_REQUEST.
 func (s *Server) handleCancel(w http.ResponseWriter, r *http.Request) {
 	id := taskIDOf(r)
-	if !taskIDRE.MatchString(id) {
+	if !validTaskID(id) {
 		s.writeError(w, r, notFound(id))
 		return
 	}

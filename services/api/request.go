@@ -6,7 +6,6 @@ import (
 	"io"
 	"mime"
 	"net/http"
-	"regexp"
 	"strconv"
 	"strings"
 	"unicode/utf8"
@@ -14,19 +13,17 @@ import (
 	"github.com/go-json-experiment/json/jsontext"
 
 	"github.com/converge-run/converge/internal/canon"
+	"github.com/converge-run/converge/internal/ident"
 )
 
 // OutputFormatJCS is the only output format: the RFC 8785 canonical form.
 const OutputFormatJCS = "jcs"
 
-// idempotencyKeyRE is the accepted key, after unquoting.
-var idempotencyKeyRE = regexp.MustCompile(`^[A-Za-z0-9_.:-]{6,255}$`)
-
 // ValidIdempotencyKey reports whether the API accepts key as an
 // Idempotency-Key (after unquoting): 6 to 255 characters of A–Z, a–z, 0–9,
 // '_', '.', ':' and '-'; any other key is answered 400
 // IDEMPOTENCY_KEY_INVALID. For clients that make keys (converge loadgen).
-func ValidIdempotencyKey(key string) bool { return idempotencyKeyRE.MatchString(key) }
+func ValidIdempotencyKey(key string) bool { return ident.Valid(key, 6, 255, false) }
 
 // checkContentType accepts application/json with optional parameters; a
 // charset parameter, when present, must be utf-8 (RFC 8259 section 8.1).
@@ -70,7 +67,7 @@ func parseIdempotencyKey(h http.Header) (string, error) {
 	if len(v) >= 2 && v[0] == '"' && v[len(v)-1] == '"' {
 		v = v[1 : len(v)-1]
 	}
-	if !idempotencyKeyRE.MatchString(v) {
+	if !ValidIdempotencyKey(v) {
 		return "", newError(CodeIdempotencyKeyInvalid, "Idempotency-Key must be 6 to 255 characters of A-Z a-z 0-9 _ . : - (optionally in double quotes)")
 	}
 	return v, nil

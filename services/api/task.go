@@ -7,18 +7,19 @@ import (
 	"fmt"
 	"log/slog"
 	"net/http"
-	"regexp"
 	"strconv"
 	"strings"
 
 	"github.com/google/uuid"
 
+	"github.com/converge-run/converge/internal/ident"
 	"github.com/converge-run/converge/internal/taskevent"
 )
 
-// taskIDRE is the syntax of ids looked up; anything else is 404 without a
-// query (task ids are UUIDs; this also admits other plain ids).
-var taskIDRE = regexp.MustCompile(`^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$`)
+// validTaskID reports whether id has the syntax of ids looked up,
+// ^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$; anything else is 404 without a query
+// (task ids are UUIDs; this also admits other plain ids).
+func validTaskID(id string) bool { return ident.Valid(id, 1, 128, true) }
 
 // cacheStatusName is this cache's name in Cache-Status (RFC 9211).
 const cacheStatusName = "converge"
@@ -55,7 +56,7 @@ func notFound(id string) error {
 // detail=error). ETag is the quoted version.
 func (s *Server) handleGetTask(w http.ResponseWriter, r *http.Request) {
 	id := taskIDOf(r)
-	if !taskIDRE.MatchString(id) {
+	if !validTaskID(id) {
 		s.writeError(w, r, notFound(id))
 		return
 	}
