@@ -23,92 +23,120 @@ const maxExactInt = 1<<53 - 1
 // generic path, which rejects or formats those values exactly as before.
 // TestEncodeFastPathMatchesGeneric compares both paths.
 func appendCanonical(dst []byte, e *Event) ([]byte, bool) {
-	t := &e.Task
-	if !exactInts(e.TaskVersion, int64(e.SchemaVersion), t.Version, int64(t.Attempt), t.InputSize) ||
+	if !exactInts(e.TaskVersion, int64(e.SchemaVersion)) || !encodableTimes(e.OccurredAt) {
+		return dst, false
+	}
+	w := canonicalWriter{dst: dst, ok: true}
+	w.raw(`{"event_id":`)
+	w.str(e.EventID)
+	w.raw(`,"event_type":`)
+	w.str(e.EventType)
+	w.raw(`,"occurred_at":`)
+	w.time(e.OccurredAt)
+	w.raw(`,"schema_version":`)
+	w.int(int64(e.SchemaVersion))
+	w.raw(`,"task":`)
+	var ok bool
+	if w.dst, ok = AppendTask(w.dst, &e.Task); !ok {
+		return dst, false
+	}
+	w.raw(`,"task_id":`)
+	w.str(e.TaskID)
+	w.raw(`,"task_version":`)
+	w.int(e.TaskVersion)
+	w.raw(`}`)
+	return w.dst, w.ok
+}
+
+// AppendTask appends the RFC 8785 form of t to dst (the "task" member of
+// an event's canonical value; the Redis task view stores it too). It
+// reports false, with dst unspecified, for a value whose canonical form it
+// does not produce, as appendCanonical: a string that is not valid UTF-8,
+// an integer beyond ±(2^53-1), a time whose year is outside 0000–9999 or
+// whose offset is not whole minutes. Callers then use encoding/json, which
+// rejects or replaces those values (TestAppendTaskMatchesEncodingJSON).
+func AppendTask(dst []byte, t *Task) ([]byte, bool) {
+	if !exactInts(t.Version, int64(t.Attempt), t.InputSize) ||
 		(t.ArtifactSize != nil && !exactInts(*t.ArtifactSize)) ||
-		!encodableTimes(e.OccurredAt, t.CreatedAt, t.UpdatedAt) ||
+		!encodableTimes(t.CreatedAt, t.UpdatedAt) ||
 		(t.CompletedAt != nil && !encodableTimes(*t.CompletedAt)) {
 		return dst, false
 	}
-	ok := true
-	str := func(s string) {
-		if !utf8.ValidString(s) {
-			ok = false
-			return
-		}
-		var err error
-		if dst, err = jsontext.AppendQuote(dst, s); err != nil {
-			ok = false
-		}
-	}
-	optStr := func(s *string) {
-		if s == nil {
-			dst = append(dst, "null"...)
-			return
-		}
-		str(*s)
-	}
-	tm := func(v time.Time) {
-		dst = append(dst, '"')
-		dst = v.AppendFormat(dst, time.RFC3339Nano)
-		dst = append(dst, '"')
-	}
-
-	dst = append(dst, `{"event_id":`...)
-	str(e.EventID)
-	dst = append(dst, `,"event_type":`...)
-	str(e.EventType)
-	dst = append(dst, `,"occurred_at":`...)
-	tm(e.OccurredAt)
-	dst = append(dst, `,"schema_version":`...)
-	dst = strconv.AppendInt(dst, int64(e.SchemaVersion), 10)
-
-	dst = append(dst, `,"task":{"artifact_sha256":`...)
-	optStr(t.ArtifactSHA256)
-	dst = append(dst, `,"artifact_size":`...)
+	w := canonicalWriter{dst: dst, ok: true}
+	w.raw(`{"artifact_sha256":`)
+	w.optStr(t.ArtifactSHA256)
+	w.raw(`,"artifact_size":`)
 	if t.ArtifactSize == nil {
-		dst = append(dst, "null"...)
+		w.raw("null")
 	} else {
-		dst = strconv.AppendInt(dst, *t.ArtifactSize, 10)
+		w.int(*t.ArtifactSize)
 	}
-	dst = append(dst, `,"attempt":`...)
-	dst = strconv.AppendInt(dst, int64(t.Attempt), 10)
-	dst = append(dst, `,"completed_at":`...)
+	w.raw(`,"attempt":`)
+	w.int(int64(t.Attempt))
+	w.raw(`,"completed_at":`)
 	if t.CompletedAt == nil {
-		dst = append(dst, "null"...)
+		w.raw("null")
 	} else {
-		tm(*t.CompletedAt)
+		w.time(*t.CompletedAt)
 	}
-	dst = append(dst, `,"created_at":`...)
-	tm(t.CreatedAt)
-	dst = append(dst, `,"input_sha256":`...)
-	str(t.InputSHA256)
-	dst = append(dst, `,"input_size":`...)
-	dst = strconv.AppendInt(dst, t.InputSize, 10)
-	dst = append(dst, `,"output_format":`...)
-	str(t.OutputFormat)
-	dst = append(dst, `,"status":`...)
-	str(t.Status)
-	dst = append(dst, `,"task_id":`...)
-	str(t.TaskID)
+	w.raw(`,"created_at":`)
+	w.time(t.CreatedAt)
+	w.raw(`,"input_sha256":`)
+	w.str(t.InputSHA256)
+	w.raw(`,"input_size":`)
+	w.int(t.InputSize)
+	w.raw(`,"output_format":`)
+	w.str(t.OutputFormat)
+	w.raw(`,"status":`)
+	w.str(t.Status)
+	w.raw(`,"task_id":`)
+	w.str(t.TaskID)
 	if t.TenantID != "" {
-		dst = append(dst, `,"tenant_id":`...)
-		str(t.TenantID)
+		w.raw(`,"tenant_id":`)
+		w.str(t.TenantID)
 	}
-	dst = append(dst, `,"terminal_error_code":`...)
-	optStr(t.TerminalErrorCode)
-	dst = append(dst, `,"updated_at":`...)
-	tm(t.UpdatedAt)
-	dst = append(dst, `,"version":`...)
-	dst = strconv.AppendInt(dst, t.Version, 10)
-	dst = append(dst, '}')
+	w.raw(`,"terminal_error_code":`)
+	w.optStr(t.TerminalErrorCode)
+	w.raw(`,"updated_at":`)
+	w.time(t.UpdatedAt)
+	w.raw(`,"version":`)
+	w.int(t.Version)
+	w.raw(`}`)
+	return w.dst, w.ok
+}
 
-	dst = append(dst, `,"task_id":`...)
-	str(e.TaskID)
-	dst = append(dst, `,"task_version":`...)
-	dst = strconv.AppendInt(dst, e.TaskVersion, 10)
-	dst = append(dst, '}')
-	return dst, ok
+// canonicalWriter appends JSON values in their RFC 8785 form; ok turns
+// false at a string that is not valid UTF-8.
+type canonicalWriter struct {
+	dst []byte
+	ok  bool
+}
+
+func (w *canonicalWriter) raw(s string) { w.dst = append(w.dst, s...) }
+func (w *canonicalWriter) int(v int64)  { w.dst = strconv.AppendInt(w.dst, v, 10) }
+func (w *canonicalWriter) time(v time.Time) {
+	w.dst = append(w.dst, '"')
+	w.dst = v.AppendFormat(w.dst, time.RFC3339Nano)
+	w.dst = append(w.dst, '"')
+}
+
+func (w *canonicalWriter) str(s string) {
+	if !utf8.ValidString(s) {
+		w.ok = false
+		return
+	}
+	var err error
+	if w.dst, err = jsontext.AppendQuote(w.dst, s); err != nil {
+		w.ok = false
+	}
+}
+
+func (w *canonicalWriter) optStr(s *string) {
+	if s == nil {
+		w.raw("null")
+		return
+	}
+	w.str(*s)
 }
 
 func exactInts(vs ...int64) bool {

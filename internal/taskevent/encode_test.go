@@ -2,11 +2,15 @@ package taskevent
 
 import (
 	"bytes"
+	"encoding/json"
 	"errors"
 	"math/rand/v2"
+	"reflect"
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/converge-run/converge/internal/canon"
 )
 
 // randomEvent draws an event whose strings include escapes, non-ASCII,
@@ -142,6 +146,33 @@ func BenchmarkEncodePaths(b *testing.B) {
 	})
 }
 
+// BenchmarkTaskView: the Redis task view's encoding (taskview's
+// Cache.encode), by AppendTask and by encoding/json (before).
+func BenchmarkTaskView(b *testing.B) {
+	now := time.Date(2026, 11, 30, 12, 0, 0, 123456000, time.UTC)
+	sha := strings.Repeat("ab", 32)
+	size := int64(1100)
+	task := Task{TaskID: "018f3a2b-7c1d-7e00-8000-000000000000", TenantID: "bench-1", Status: StatusCompleted, Version: 2,
+		Attempt: 1, OutputFormat: "jcs", InputSHA256: sha, InputSize: 1024, ArtifactSHA256: &sha, ArtifactSize: &size,
+		CreatedAt: now, UpdatedAt: now, CompletedAt: &now}
+	b.Run("AppendTask", func(b *testing.B) {
+		b.ReportAllocs()
+		for b.Loop() {
+			if _, ok := AppendTask(make([]byte, 0, 512), &task); !ok {
+				b.Fatal("not taken")
+			}
+		}
+	})
+	b.Run("encoding-json", func(b *testing.B) {
+		b.ReportAllocs()
+		for b.Loop() {
+			if _, err := json.Marshal(task); err != nil {
+				b.Fatal(err)
+			}
+		}
+	})
+}
+
 // TestDecodeIsStrict: a duplicated member or a member name in another case
 // is an invalid event (I-JSON, RFC 7493), not silently merged.
 func TestDecodeIsStrict(t *testing.T) {
@@ -164,4 +195,54 @@ func TestDecodeIsStrict(t *testing.T) {
 			t.Errorf("%s: Decode err = %v, want ErrInvalidEvent", name, err)
 		}
 	}
+}
+
+// TestAppendTaskMatchesEncodingJSON: the task view's fast encoding decodes
+// to the task encoding/json encodes, and is its RFC 8785 form, for every
+// random task it takes (the Redis view is json.Unmarshal'ed by Cache.Get).
+func TestAppendTaskMatchesEncodingJSON(t *testing.T) {
+	t.Parallel()
+	r := rand.New(rand.NewPCG(3, 4))
+	fast := 0
+	for n := range 20000 {
+		task := randomEvent(r).Task
+		got, ok := AppendTask(nil, &task)
+		if !ok {
+			continue
+		}
+		fast++
+		want, err := json.Marshal(task)
+		if err != nil {
+			t.Fatalf("task %d: the fast path took a task encoding/json refuses: %v", n, err)
+		}
+		canonical, err := canon.Transform(want)
+		if err != nil {
+			t.Fatalf("task %d: %v", n, err)
+		}
+		if !bytes.Equal(got, canonical) {
+			t.Fatalf("task %d:\n fast         %s\n encoding/json %s (canonical %s)", n, got, want, canonical)
+		}
+		var back Task
+		if err := json.Unmarshal(got, &back); err != nil || !reflect.DeepEqual(back, roundTrip(t, task)) {
+			t.Fatalf("task %d: %s decodes to %+v (%v)", n, got, back, err)
+		}
+	}
+	if fast < 500 {
+		t.Errorf("only %d of 20000 tasks took the fast path", fast)
+	}
+}
+
+// roundTrip is task through encoding/json and back (times lose their
+// monotonic reading and location pointer identity there).
+func roundTrip(t *testing.T, task Task) Task {
+	t.Helper()
+	raw, err := json.Marshal(task)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var back Task
+	if err := json.Unmarshal(raw, &back); err != nil {
+		t.Fatal(err)
+	}
+	return back
 }
