@@ -12,7 +12,6 @@ import (
 	"github.com/twmb/franz-go/pkg/kgo"
 
 	"github.com/converge-run/converge/internal/artifact"
-	"github.com/converge-run/converge/internal/canon"
 	"github.com/converge-run/converge/internal/consumergroup"
 	"github.com/converge-run/converge/internal/dbpool"
 	"github.com/converge-run/converge/internal/inbox"
@@ -297,12 +296,12 @@ func (w *Worker) intakeRun(ctx context.Context, tx *dbpool.PipelinedTx, run []*j
 		if !inserted[i] || !started[i].Applied || started[i].Task.Attempt != 1 || !docFound[i] {
 			return notFresh{i}
 		}
-		out, err := canon.Transform(docs[i])
+		out, sha, err := task.CanonicalInput(docs[i], started[i].Task.InputSHA256)
 		if err != nil {
 			return notFresh{i}
 		}
 		j.task, j.artifact = started[i].Task, out
-		want[i] = ledger.NewPut(j.task.TaskID, j.task.Attempt, canon.SHA256Hex(out), int64(len(out)))
+		want[i] = ledger.NewPut(j.task.TaskID, j.task.Attempt, sha, int64(len(out)))
 	}
 	effs := make([]ledger.Effect, n)
 	planned := make([]bool, n)

@@ -242,7 +242,7 @@ func (w *Worker) intake(ctx context.Context, tx pgx.Tx, j *job) (string, error) 
 	if !docFound {
 		return "", &DeterministicError{Code: CodeTaskInputNotFound, Err: fmt.Errorf("task %s", t.TaskID)}
 	}
-	out, err := canon.Transform(doc)
+	out, outSHA, err := task.CanonicalInput(doc, t.InputSHA256)
 	if err != nil {
 		var ce *canon.Error
 		if !errors.As(err, &ce) {
@@ -266,7 +266,7 @@ func (w *Worker) intake(ctx context.Context, tx pgx.Tx, j *job) (string, error) 
 	if liveFound {
 		attempt = live.Attempt
 	}
-	want := ledger.NewPut(t.TaskID, attempt, canon.SHA256Hex(out), int64(len(out)))
+	want := ledger.NewPut(t.TaskID, attempt, outSHA, int64(len(out)))
 	eff, planned, err := ledger.Plan(ctx, tx, want)
 	if err != nil {
 		return "", err

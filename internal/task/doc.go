@@ -21,7 +21,9 @@
 //     returns is the one its outbox event carries (package outbox), written
 //     in the same transaction (seed 4).
 //   - A task is created at version 0, status queued, with its document
-//     (task_input) and its tenant (internal/tenant), in the API's create
+//     (task_input: its RFC 8785 form, whose SHA-256 is input_sha256; rows of
+//     releases before 2026-12-07 hold the document as received, see
+//     CanonicalInput) and its tenant (internal/tenant), in the API's create
 //     transaction (QueueCreate).
 //   - Versions stay below 2^53 (a CHECK constraint), so they survive JSON
 //     and Lua doubles.

@@ -112,8 +112,8 @@ VALUES ($1, NULLIF($2, ''), $3, $4, $5, $6, $7, $8, $9, $10, $11)`,
 		Exec(func(tag pgconn.CommandTag) error { return checkOne(tag, "insert input of task "+t.TaskID) })
 }
 
-// Document reads the submitted document of task id; found is false when the
-// task has no task_input row.
+// Document reads the stored input of task id (task_input.document: see
+// CanonicalInput); found is false when the task has no task_input row.
 func Document(ctx context.Context, q dbpool.Querier, id string) (doc []byte, found bool, err error) {
 	return scanDocument(q.QueryRow(ctx, sqlDocument, id), id)
 }

@@ -12,6 +12,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/twmb/franz-go/pkg/kgo"
 
+	"github.com/converge-run/converge/internal/canon"
 	"github.com/converge-run/converge/internal/dbpool"
 	"github.com/converge-run/converge/internal/ledger"
 	"github.com/converge-run/converge/internal/outbox"
@@ -48,12 +49,23 @@ func EventRecord(ev *taskevent.Event, value []byte, sum string) *kgo.Record {
 // CreateTask creates, in q (a transaction the caller commits, or a pool), a
 // queued task at version 0 with document doc and its TaskCreated outbox row,
 // as the API's create transaction does (without the idempotency record).
+//
+// doc is stored as given, as the API stored documents before it stored
+// their canonical form, and input_sha256 and input_size are those of its
+// RFC 8785 form (seed 3): a canonical doc is what today's API stores, any
+// other valid one what an earlier release stored (task.CanonicalInput takes
+// both). A doc outside I-JSON, which no API stores, gets an input_sha256 no
+// stored bytes hash to, so the worker canonicalizes it and fails the task.
 func CreateTask(ctx context.Context, q dbpool.Querier, doc []byte) (Created, error) {
-	in := sha256.Sum256(doc)
+	in := sha256.Sum256(append([]byte("not canonicalizable:"), doc...))
+	size := int64(len(doc))
+	if c, err := canon.Transform(doc); err == nil {
+		in, size = sha256.Sum256(c), int64(len(c))
+	}
 	fp := sha256.Sum256(append([]byte("document-transform:"), doc...))
 	now := time.Now().UTC().Truncate(time.Microsecond)
 	t := taskevent.Task{TaskID: "task-" + uuid.NewString(), Status: taskevent.StatusQueued, OutputFormat: "jcs",
-		InputSHA256: hex.EncodeToString(in[:]), InputSize: int64(len(doc)), CreatedAt: now, UpdatedAt: now}
+		InputSHA256: hex.EncodeToString(in[:]), InputSize: size, CreatedAt: now, UpdatedAt: now}
 	b := &pgx.Batch{}
 	task.QueueCreate(b, t, hex.EncodeToString(fp[:]), doc)
 	if err := q.SendBatch(ctx, b).Close(); err != nil {

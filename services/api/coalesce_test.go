@@ -28,7 +28,7 @@ func groupReq(p tenant.Principal, key, doc string) *createReq {
 	k := idempotency.Key{Scope: tenant.CreateScope(p.TenantID), Key: key, Fingerprint: Fingerprint(inputSHA, OutputFormatJCS),
 		TTL: time.Hour, Lease: time.Minute}
 	req := &createRequest{Document: canonical, OutputFormat: OutputFormatJCS}
-	d, err := newTaskDraft(p.TenantID, req, inputSHA, int64(len(canonical)))
+	d, err := newTaskDraft(p.TenantID, req, canonical, inputSHA)
 	if err != nil {
 		panic(err)
 	}

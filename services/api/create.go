@@ -126,7 +126,7 @@ func (s *Server) handleCreate(w http.ResponseWriter, r *http.Request) {
 	p := principal(r)
 	k := idempotency.Key{Scope: tenant.CreateScope(p.TenantID), Key: key, Fingerprint: Fingerprint(inputSHA, req.OutputFormat),
 		TTL: s.cfg.IdempotencyTTL, Lease: s.cfg.IdempotencyLease}
-	draft, err := newTaskDraft(p.TenantID, req, inputSHA, int64(len(canonical)))
+	draft, err := newTaskDraft(p.TenantID, req, canonical, inputSHA)
 	if err != nil {
 		s.writeError(w, r, err)
 		return
@@ -229,6 +229,7 @@ type taskDraft struct {
 	Response         []byte // canonical JSON of the 202 body
 	tenantID         string
 	req              *createRequest
+	document         []byte // the document's RFC 8785 form, stored as the task's input
 	inputSHA         string
 	inputSize        int64
 	// build returns the task's rows created at now; rows unless a test
@@ -237,9 +238,9 @@ type taskDraft struct {
 }
 
 // newTaskDraft chooses the ids (UUIDv7) and the 202 body of a new task of
-// tenantID for req, whose canonical document has SHA-256 inputSHA and
-// inputSize bytes.
-func newTaskDraft(tenantID string, req *createRequest, inputSHA string, inputSize int64) (*taskDraft, error) {
+// tenantID for req, whose document's RFC 8785 form is canonical, with
+// SHA-256 inputSHA.
+func newTaskDraft(tenantID string, req *createRequest, canonical []byte, inputSHA string) (*taskDraft, error) {
 	taskID, err := uuid.NewV7()
 	if err != nil {
 		return nil, fmt.Errorf("task id: %w", err)
@@ -248,7 +249,7 @@ func newTaskDraft(tenantID string, req *createRequest, inputSHA string, inputSiz
 	if err != nil {
 		return nil, fmt.Errorf("outbox id: %w", err)
 	}
-	d := &taskDraft{TaskID: taskID.String(), OutboxID: outboxID.String(), tenantID: tenantID, req: req, inputSHA: inputSHA, inputSize: inputSize}
+	d := &taskDraft{TaskID: taskID.String(), OutboxID: outboxID.String(), tenantID: tenantID, req: req, document: canonical, inputSHA: inputSHA, inputSize: int64(len(canonical))}
 	d.Response = idempotency.CreatedResponse(d.snapshot(time.Time{}))
 	d.build = d.rows
 	return d, nil
@@ -276,7 +277,7 @@ func (d *taskDraft) rows(now time.Time) (*newTask, error) {
 	if err != nil {
 		return nil, err
 	}
-	return &newTask{Task: t, Document: d.req.Document, OutboxID: ev.EventID, Payload: payload, PayloadSHA256: payloadSHA, Response: d.Response}, nil
+	return &newTask{Task: t, Document: d.document, OutboxID: ev.EventID, Payload: payload, PayloadSHA256: payloadSHA, Response: d.Response}, nil
 }
 
 // answerExisting answers a request whose key is already recorded (seed

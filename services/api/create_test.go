@@ -66,8 +66,9 @@ func TestCreateReplayAndKeyReuse(t *testing.T) {
 		t.Fatalf("task row: %s v%d size %d fp %s", status, version, inputSize, fp)
 	}
 	var stored []byte
-	if err := b.db.Pool.QueryRow(ctx, `SELECT document FROM task_input WHERE task_id=$1`, id).Scan(&stored); err != nil || string(stored) != doc {
-		t.Fatalf("task_input %q, %v; want the document as received", stored, err)
+	if err := b.db.Pool.QueryRow(ctx, `SELECT document FROM task_input WHERE task_id=$1`, id).Scan(&stored); err != nil ||
+		string(stored) != string(canonical) || canon.SHA256Hex(stored) != inputSHA {
+		t.Fatalf("task_input %q, %v; want the document's canonical form %s, whose SHA-256 is the task's input_sha256", stored, err, canonical)
 	}
 	var state string
 	var recTask string

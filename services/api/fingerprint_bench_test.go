@@ -46,7 +46,7 @@ func BenchmarkCreateCPU(b *testing.B) {
 		}
 		sha := canon.SHA256Hex(c)
 		sinkFingerprint = Fingerprint(sha, req.OutputFormat)
-		d, err := newTaskDraft("", req, sha, int64(len(c)))
+		d, err := newTaskDraft("", req, c, sha)
 		if err != nil {
 			b.Fatal(err)
 		}

@@ -32,7 +32,7 @@ func TestCreateTaskGuardsTheRecord(t *testing.T) {
 	ctx := context.Background()
 	s := &store{pool: b.db.Pool}
 	k := idempotency.Key{Scope: tenant.CreateScope(b.tenant.ID), Key: "guard-key-1", Fingerprint: strings.Repeat("a", 64), TTL: time.Hour, Lease: time.Minute}
-	d, err := newTaskDraft(b.tenant.ID, &createRequest{Document: []byte(`{"a":1}`), OutputFormat: OutputFormatJCS}, strings.Repeat("b", 64), 7)
+	d, err := newTaskDraft(b.tenant.ID, &createRequest{Document: []byte(`{"a":1}`), OutputFormat: OutputFormatJCS}, []byte(`{"a":1}`), strings.Repeat("b", 64))
 	if err != nil {
 		t.Fatal(err)
 	}
