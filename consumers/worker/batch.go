@@ -156,6 +156,7 @@ func (w *Worker) processGroup(ctx context.Context, run []*job) (done []string, s
 		return done, -1
 	}
 	w.m.batched.Add(float64(len(run)))
+	w.m.groups.Observe(float64(len(run)))
 	w.m.effects.WithLabelValues(string(ledger.KindArtifactPut), string(ledger.Started)).Add(float64(len(run)))
 	// The effects, of distinct tasks, at most Concurrency at once.
 	verified := make([]*verifiedEffect, len(run))

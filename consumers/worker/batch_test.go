@@ -5,6 +5,9 @@ import (
 	"fmt"
 	"testing"
 
+	"github.com/prometheus/client_golang/prometheus"
+	dto "github.com/prometheus/client_model/go"
+
 	"github.com/converge-run/converge/internal/artifact"
 	"github.com/converge-run/converge/internal/canon"
 	"github.com/converge-run/converge/internal/fault"
@@ -37,6 +40,12 @@ func TestRunsOfFreshRecords(t *testing.T) {
 	testenv.Eventually(t, waitFor, "offsets committed", func() bool { return b.allCommitted(t) })
 	if got := counterValue(rw.w.m.batched); got < n/2 {
 		t.Errorf("%v records through runs, want most of %d", got, n)
+	}
+	// Every record through runs is counted in one group's observation.
+	var h dto.Metric
+	if err := rw.w.m.groups.(prometheus.Metric).Write(&h); err != nil || h.GetHistogram().GetSampleSum() != counterValue(rw.w.m.batched) ||
+		h.GetHistogram().GetSampleCount() == 0 {
+		t.Errorf("group records histogram %v (%v), want a sum of %v records", h.GetHistogram(), err, counterValue(rw.w.m.batched))
 	}
 	if got := counterValue(rw.w.m.effects.WithLabelValues(string(ledger.KindArtifactPut), string(ledger.Unknown))); got != 1 {
 		t.Errorf("effects unknown = %v, want 1 (the timed-out write)", got)

@@ -159,6 +159,7 @@
 // # Metrics
 //
 //	converge_worker_batched_records_total            counter   records whose intake went through a run's shared transaction (batch.go)
+//	converge_worker_group_records                    histogram records per group of runs whose shared intake committed (groups.go; buckets 1 to 256)
 //	converge_worker_messages_total{outcome}          counter   records by outcome: processed, duplicate, conflict, ignored, failed, retried (one per failed attempt), dead_lettered, cancelled (a task cancelled while queued: not started); every outcome is exported at 0 from the start (the dead-letter alert takes increase() of dead_lettered)
 //	converge_deadletter_published_total{error_code}  counter   records parked on the dead-letter topic (acknowledged and recorded), by error code; RETRIES_EXHAUSTED and TASK_NOT_FOUND are exported at 0 from the start, other codes appear with their first dead letter (at 1)
 //	converge_worker_effect_transitions_total{kind,state} counter effect ledger transitions made by the worker (kind artifact.put|artifact.hide; state started, unknown, verified, compensation_required, compensated, failed)

@@ -458,6 +458,7 @@ func (w *Worker) visibleBy(r *kgo.Record, first time.Time) time.Time {
 // metrics are the converge_worker_* collectors (listed in doc.go).
 type metrics struct {
 	batched      prometheus.Counter
+	groups       prometheus.Histogram
 	messages     *prometheus.CounterVec
 	deadLettered *prometheus.CounterVec
 	effects      *prometheus.CounterVec
@@ -470,6 +471,11 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 		batched: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "converge_worker_batched_records_total",
 			Help: "Records whose intake went through a run's shared transaction (batch.go); the others were processed on their own.",
+		}),
+		groups: prometheus.NewHistogram(prometheus.HistogramOpts{
+			Name:    "converge_worker_group_records",
+			Help:    "Records per group of runs whose shared intake transaction committed (groups.go): how many tasks share the group's transactions, directory fsync and artifact pack.",
+			Buckets: prometheus.ExponentialBuckets(1, 2, 9),
 		}),
 		messages: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "converge_worker_messages_total",
@@ -503,7 +509,7 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 	for _, code := range []string{CodeRetriesExhausted, CodeTaskNotFound} {
 		m.deadLettered.WithLabelValues(code)
 	}
-	for _, c := range []prometheus.Collector{m.batched, m.messages, m.deadLettered, m.effects, m.processing, m.endToEnd} {
+	for _, c := range []prometheus.Collector{m.batched, m.groups, m.messages, m.deadLettered, m.effects, m.processing, m.endToEnd} {
 		if err := reg.Register(c); err != nil {
 			return nil, fmt.Errorf("worker: register metrics: %w", err)
 		}

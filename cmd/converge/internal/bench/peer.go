@@ -391,7 +391,7 @@ func (p *peerPipeline) run(ctx context.Context, run int) (PeerRun, error) {
 	if err != nil {
 		return PeerRun{}, err
 	}
-	batched0, processed0 := p.workerCounts(ctx)
+	c0 := p.workerCounts(ctx)
 	m := e.cpuStart()
 	byApp0, err := backendCPU(ctx, p.pool, p.db)
 	if err != nil {
@@ -431,9 +431,13 @@ WHERE i.idempotency_key LIKE $1 || '%'`, prefix).Scan(&done, &secs, &createSecs)
 	}
 	n := float64(e.cfg.PeerTasks)
 	_ = lgCPU // the load generator's CPU is not converge's
-	batched1, processed1 := p.workerCounts(ctx)
-	if processed1 > processed0 {
-		e.progress("peer    converge    run %d: %.0f%% of the worker's records went through runs (batch.go)", run+1, 100*(batched1-batched0)/(processed1-processed0))
+	c1 := p.workerCounts(ctx)
+	if c1.processed > c0.processed {
+		msg := fmt.Sprintf("%.0f%% of the worker's records went through runs (batch.go)", 100*(c1.batched-c0.batched)/(c1.processed-c0.processed))
+		if g := c1.groups - c0.groups; g > 0 {
+			msg += fmt.Sprintf(", %.1f records per group of runs (%.0f groups)", (c1.grouped-c0.grouped)/g, g)
+		}
+		e.progress("peer    converge    run %d: %s", run+1, msg)
 	}
 	pgByApp := map[string]float64{}
 	var named time.Duration
@@ -484,32 +488,45 @@ WHERE datname = $1 AND application_name LIKE 'converge-%'`, db)
 	return out, nil
 }
 
-// workerCounts scrapes the pipeline's /metrics for the worker's records
-// through runs and its processed records (zeros when unreadable).
-func (p *peerPipeline) workerCounts(ctx context.Context) (batched, processed float64) {
+// workerCounts are the worker's counters that the peer stage reports.
+type workerCounts struct {
+	batched, processed float64 // records through runs; records processed
+	groups, grouped    float64 // groups of runs whose intake committed; their records
+}
+
+// workerCounts scrapes the pipeline's /metrics for the worker's counters
+// (zeros when unreadable).
+func (p *peerPipeline) workerCounts(ctx context.Context) (c workerCounts) {
 	req, err := http.NewRequestWithContext(ctx, http.MethodGet, p.baseURL+"/metrics", nil)
 	if err != nil {
-		return 0, 0
+		return c
 	}
 	resp, err := http.DefaultClient.Do(req)
 	if err != nil {
-		return 0, 0
+		return c
 	}
 	defer resp.Body.Close()
 	sc := bufio.NewScanner(resp.Body)
 	for sc.Scan() {
 		line := sc.Text()
-		var v float64
+		var dst *float64
 		switch {
 		case strings.HasPrefix(line, "converge_worker_batched_records_total "):
-			fmt.Sscan(strings.Fields(line)[1], &v)
-			batched += v
+			dst = &c.batched
 		case strings.HasPrefix(line, `converge_worker_messages_total{outcome="processed"} `):
-			fmt.Sscan(strings.Fields(line)[1], &v)
-			processed += v
+			dst = &c.processed
+		case strings.HasPrefix(line, "converge_worker_group_records_count "):
+			dst = &c.groups
+		case strings.HasPrefix(line, "converge_worker_group_records_sum "):
+			dst = &c.grouped
+		default:
+			continue
 		}
+		var v float64
+		fmt.Sscan(strings.Fields(line)[1], &v)
+		*dst += v
 	}
-	return batched, processed
+	return c
 }
 
 // nextXID is the next transaction id PostgreSQL will assign (reading it
