@@ -3,6 +3,9 @@ package worker
 import (
 	"context"
 	"fmt"
+	"io"
+	"strconv"
+	"strings"
 	"testing"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -245,6 +248,49 @@ func TestRunFindsAnObjectUnderItsToken(t *testing.T) {
 			t.Errorf("task %d: %s, want completed", i, tk.Status)
 		case b.objects(t, c.taskID) != 1:
 			t.Errorf("task %d: %d objects, want 1", i, b.objects(t, c.taskID))
+		}
+	}
+}
+
+// The artifact is the RFC 8785 form of the task's input whether the input
+// is stored in that form (what the API stores: task.CanonicalInput returns
+// the bytes as they are) or as an earlier release stored it, as received
+// (canonicalized by the worker), on the path of runs and on the per-record
+// path (a record that is not fresh sends its run there).
+func TestArtifactIsTheCanonicalFormOfTheStoredInput(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	docs := []string{
+		`{"b":2,"a":1}`, // as received: key order
+		`{ "n" : 1.0, "e" : 1e2, "s" : "\u00e9\/" }`, // as received: whitespace, numbers, escapes
+		`{"a":1,"b":2}`,               // canonical already
+		`[3,"é",{"y":null,"x":true}]`, // as received: nested key order
+	}
+	var tasks []created
+	want := map[string]string{}
+	for round := range 2 {
+		for _, d := range docs {
+			doc := []byte(strings.Replace(d, "1", strconv.Itoa(round+1), 1))
+			out, err := canon.Transform(doc)
+			if err != nil {
+				t.Fatal(err)
+			}
+			c := createTask(t, b.db.Pool, doc)
+			tasks = append(tasks, c)
+			want[c.taskID] = string(out)
+		}
+	}
+	testenv.MustStartTask(t, b.db.Pool, tasks[len(docs)].taskID) // not fresh: the per-record path
+	b.processAll(t, tasks)
+	for _, c := range tasks {
+		r, _, err := b.store.Open(artifact.Token(c.taskID, 1))
+		if err != nil {
+			t.Fatalf("artifact of %s: %v", c.taskID, err)
+		}
+		got, _ := io.ReadAll(r)
+		r.Close()
+		if string(got) != want[c.taskID] {
+			t.Errorf("task %s: artifact %s, want %s", c.taskID, got, want[c.taskID])
 		}
 	}
 }

@@ -46,8 +46,9 @@
 // CONFLICT DO NOTHING, already complete — succeeded, with the task id and
 // the replayable 202 response, both chosen before the transaction (the body
 // holds no timestamp) — then the task (queued, version 0), its input (the
-// document bytes as received) and the TaskCreated outbox row; the record's
-// foreign key to the task is checked at COMMIT (migration 00016). No other
+// document's RFC 8785 form, whose SHA-256 is input_sha256) and the
+// TaskCreated outbox row; the record's foreign key to the task is checked
+// at COMMIT (migration 00016). No other
 // session sees the record before the transaction commits, so seed 3.1's
 // in_progress state lasts exactly as long as the transaction: a concurrent
 // request with the same key waits on the primary key meanwhile. The

@@ -74,6 +74,8 @@ var documentedMetrics = []documentedMetric{
 	{doc: "cmd/converge/internal/pipeline", name: "converge_component_restarts_total", labels: []string{"component"}},
 	// consumers/worker
 	{doc: "consumers/worker", name: "converge_worker_messages_total", labels: []string{"outcome"}},
+	{doc: "consumers/worker", name: "converge_worker_batched_records_total"},
+	{doc: "consumers/worker", name: "converge_worker_group_records"},
 	{doc: "consumers/worker", name: "converge_worker_effect_transitions_total", labels: []string{"kind", "state"}},
 	{doc: "consumers/worker", name: "converge_worker_processing_seconds"},
 	{doc: "consumers/worker", name: "converge_worker_task_end_to_end_seconds"},
