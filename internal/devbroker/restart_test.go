@@ -15,6 +15,7 @@ import (
 	"github.com/twmb/franz-go/pkg/kgo"
 
 	"github.com/converge-run/converge/internal/devbroker"
+	"github.com/converge-run/converge/internal/testenv"
 )
 
 // TestStopRestartKeepsState stops the broker under clients that stay open
@@ -26,8 +27,9 @@ func TestStopRestartKeepsState(t *testing.T) {
 	t.Parallel()
 	ctx := t.Context()
 	const topic, group = "restart", "restart-group"
+	// A port below the ephemeral range: the restart binds it again.
 	b, err := devbroker.Start(devbroker.Config{DataDir: t.TempDir(), Logger: slog.New(slog.DiscardHandler),
-		Opts: []kfake.Opt{kfake.NumBrokers(1), kfake.SeedTopics(1, topic)}})
+		Opts: []kfake.Opt{kfake.NumBrokers(1), kfake.Ports(testenv.FreePort(t)), kfake.SeedTopics(1, topic)}})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -55,7 +55,7 @@ func (s *store) createTask(ctx context.Context, k idempotency.Key, p tenant.Prin
 // idempotency record.
 type newTask struct {
 	Task          taskevent.Task // the snapshot at version 0
-	Document      []byte         // the "document" member's RFC 8785 form (task.CanonicalInput)
+	Document      []byte         // the "document" member's RFC 8785 form (canon.Transform), as task.CanonicalInput expects
 	OutboxID      string
 	Payload       []byte // canonical JSON of the TaskCreated event
 	PayloadSHA256 string

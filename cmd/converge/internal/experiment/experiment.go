@@ -53,6 +53,7 @@ import (
 	"github.com/converge-run/converge/internal/dbpool"
 	"github.com/converge-run/converge/internal/devbroker"
 	"github.com/converge-run/converge/internal/fault"
+	"github.com/converge-run/converge/internal/freeport"
 	"github.com/converge-run/converge/internal/taskevent"
 )
 
@@ -95,9 +96,16 @@ var _ Broker = (*devbroker.Broker)(nil)
 // experiment run` does: internal/devbroker, one broker, the task-event
 // topic and its dead-letter topic with 4 partitions, its state kept in
 // dataDir (so kafka-outage can stop and restart it). Close it after Run.
+// Its port is below the kernel's ephemeral range (internal/freeport): the
+// restart binds it again, and while the broker is down an outgoing
+// connection could otherwise be given it.
 func NewBroker(dataDir string, log *slog.Logger) (*devbroker.Broker, error) {
+	port, err := freeport.Pick()
+	if err != nil {
+		return nil, err
+	}
 	return devbroker.Start(devbroker.Config{Logger: log, DataDir: dataDir,
-		Opts: []kfake.Opt{kfake.NumBrokers(1), kfake.SeedTopics(4, taskevent.DefaultTopic, taskevent.DeadLetterTopic(taskevent.DefaultTopic))}})
+		Opts: []kfake.Opt{kfake.NumBrokers(1), kfake.Ports(port), kfake.SeedTopics(4, taskevent.DefaultTopic, taskevent.DeadLetterTopic(taskevent.DefaultTopic))}})
 }
 
 // Experiment is one runnable experiment.
