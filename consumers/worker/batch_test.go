@@ -4,8 +4,6 @@ import (
 	"context"
 	"fmt"
 	"io"
-	"strconv"
-	"strings"
 	"testing"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -255,42 +253,53 @@ func TestRunFindsAnObjectUnderItsToken(t *testing.T) {
 // The artifact is the RFC 8785 form of the task's input whether the input
 // is stored in that form (what the API stores: task.CanonicalInput returns
 // the bytes as they are) or as an earlier release stored it, as received
-// (canonicalized by the worker), on the path of runs and on the per-record
-// path (a record that is not fresh sends its run there).
+// (canonicalized by the worker), on the path of runs (every task fresh) and
+// on the per-record path (every task started already, so none is fresh).
 func TestArtifactIsTheCanonicalFormOfTheStoredInput(t *testing.T) {
 	t.Parallel()
-	b := setup(t, nil)
 	docs := []string{
 		`{"b":2,"a":1}`, // as received: key order
 		`{ "n" : 1.0, "e" : 1e2, "s" : "\u00e9\/" }`, // as received: whitespace, numbers, escapes
 		`{"a":1,"b":2}`,               // canonical already
 		`[1,"é",{"y":null,"x":true}]`, // as received: nested key order
 	}
-	var tasks []created
-	want := map[string]string{}
-	for round := range 2 {
-		for _, d := range docs {
-			doc := []byte(strings.Replace(d, "1", strconv.Itoa(round+1), 1))
-			out, err := canon.Transform(doc)
-			if err != nil {
-				t.Fatal(err)
+	for _, path := range []string{"runs", "per record"} {
+		t.Run(path, func(t *testing.T) {
+			t.Parallel()
+			b := setup(t, nil)
+			var tasks []created
+			want := map[string]string{}
+			for _, d := range docs {
+				out, err := canon.Transform([]byte(d))
+				if err != nil {
+					t.Fatal(err)
+				}
+				c := createTask(t, b.db.Pool, []byte(d))
+				tasks = append(tasks, c)
+				want[c.taskID] = string(out)
+				if path == "per record" {
+					testenv.MustStartTask(t, b.db.Pool, c.taskID) // not fresh: resumed per record
+				}
 			}
-			c := createTask(t, b.db.Pool, doc)
-			tasks = append(tasks, c)
-			want[c.taskID] = string(out)
-		}
-	}
-	testenv.MustStartTask(t, b.db.Pool, tasks[len(docs)].taskID) // not fresh: the per-record path
-	b.processAll(t, tasks)
-	for _, c := range tasks {
-		r, _, err := b.store.Open(artifact.Token(c.taskID, 1))
-		if err != nil {
-			t.Fatalf("artifact of %s: %v", c.taskID, err)
-		}
-		got, _ := io.ReadAll(r)
-		r.Close()
-		if string(got) != want[c.taskID] {
-			t.Errorf("task %s: artifact %s, want %s", c.taskID, got, want[c.taskID])
-		}
+			rw := b.processAll(t, tasks)
+			wantBatched := float64(len(tasks))
+			if path == "per record" {
+				wantBatched = 0
+			}
+			if got := counterValue(rw.w.m.batched); got != wantBatched {
+				t.Errorf("%v records through runs, want %v", got, wantBatched)
+			}
+			for _, c := range tasks {
+				r, _, err := b.store.Open(artifact.Token(c.taskID, 1))
+				if err != nil {
+					t.Fatalf("artifact of %s: %v", c.taskID, err)
+				}
+				got, _ := io.ReadAll(r)
+				r.Close()
+				if string(got) != want[c.taskID] {
+					t.Errorf("task %s: artifact %s, want %s", c.taskID, got, want[c.taskID])
+				}
+			}
+		})
 	}
 }
