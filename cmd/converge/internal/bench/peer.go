@@ -1,7 +1,6 @@
 package bench
 
 import (
-	"bufio"
 	"bytes"
 	"context"
 	"encoding/json"
@@ -13,12 +12,13 @@ import (
 	"path/filepath"
 	"slices"
 	"strconv"
-	"strings"
 	"syscall"
 	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/prometheus/common/expfmt"
+	"github.com/prometheus/common/model"
 
 	"github.com/converge-run/converge/cmd/converge/internal/pipeline"
 	"github.com/converge-run/converge/consumers/worker"
@@ -495,7 +495,7 @@ type workerCounts struct {
 }
 
 // workerCounts scrapes the pipeline's /metrics for the worker's counters
-// (zeros when unreadable).
+// (zeros when unreadable), parsed by Prometheus's text parser.
 func (p *peerPipeline) workerCounts(ctx context.Context) (c workerCounts) {
 	req, err := http.NewRequestWithContext(ctx, http.MethodGet, p.baseURL+"/metrics", nil)
 	if err != nil {
@@ -506,25 +506,24 @@ func (p *peerPipeline) workerCounts(ctx context.Context) (c workerCounts) {
 		return c
 	}
 	defer resp.Body.Close()
-	sc := bufio.NewScanner(resp.Body)
-	for sc.Scan() {
-		line := sc.Text()
-		var dst *float64
-		switch {
-		case strings.HasPrefix(line, "converge_worker_batched_records_total "):
-			dst = &c.batched
-		case strings.HasPrefix(line, `converge_worker_messages_total{outcome="processed"} `):
-			dst = &c.processed
-		case strings.HasPrefix(line, "converge_worker_group_records_count "):
-			dst = &c.groups
-		case strings.HasPrefix(line, "converge_worker_group_records_sum "):
-			dst = &c.grouped
-		default:
-			continue
+	parser := expfmt.NewTextParser(model.UTF8Validation)
+	mfs, err := parser.TextToMetricFamilies(resp.Body)
+	if err != nil {
+		return c
+	}
+	for _, m := range mfs["converge_worker_batched_records_total"].GetMetric() {
+		c.batched += m.GetCounter().GetValue()
+	}
+	for _, m := range mfs["converge_worker_messages_total"].GetMetric() {
+		for _, l := range m.GetLabel() {
+			if l.GetName() == "outcome" && l.GetValue() == worker.OutcomeProcessed {
+				c.processed += m.GetCounter().GetValue()
+			}
 		}
-		var v float64
-		fmt.Sscan(strings.Fields(line)[1], &v)
-		*dst += v
+	}
+	for _, m := range mfs["converge_worker_group_records"].GetMetric() {
+		c.groups += float64(m.GetHistogram().GetSampleCount())
+		c.grouped += m.GetHistogram().GetSampleSum()
 	}
 	return c
 }
