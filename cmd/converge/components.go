@@ -163,6 +163,7 @@ func openRedis(url string) (*redis.Client, error) {
 type APICmd struct {
 	Services
 	Pipeline
+	APIServer
 	MaxReplays int `env:"CONVERGE_DLQ_MAX_REPLAYS" default:"3" help:"Replays allowed per dead-lettered message through POST /v1/admin/dead-letters/{id}/replay; the next request marks it refused."`
 }
 
@@ -320,9 +321,10 @@ type Retention struct {
 
 // Validate refuses API settings that are not counts of at least one,
 // naming the flag and the variable (api.Config would take 0 for its
-// default). kong calls it when it parses a command that embeds Pipeline,
-// before anything starts.
-func (p Pipeline) Validate() error {
+// default). kong calls it when it parses a command that embeds APIServer
+// (`api`, `dev`), before anything starts; the other components do not
+// read these settings and so do not refuse them.
+func (p APIServer) Validate() error {
 	for _, v := range []struct {
 		n          int
 		flag, name string

@@ -39,6 +39,7 @@ var examples embed.FS
 type DevCmd struct {
 	Services
 	Pipeline
+	APIServer
 	WorkerTuning
 	Retention
 	DataDir     string `env:"CONVERGE_DATA_DIR" default:".converge" help:"Directory of the embedded services' data (PostgreSQL cluster, Kafka log, Redis, artifacts)."`

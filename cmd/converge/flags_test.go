@@ -48,9 +48,9 @@ func TestCreateGroupSettings(t *testing.T) {
 	t.Setenv("CONVERGE_CREATE_TRANSACTIONS", "3")
 	for _, args := range [][]string{{"dev"}, {"api"}, {"api", "--create-transactions", "5", "--create-batch-max", "8"}} {
 		cli := parseCLI(t, args...)
-		got := cli.Dev.Pipeline
+		got := cli.Dev.APIServer
 		if args[0] == "api" {
-			got = cli.API.Pipeline
+			got = cli.API.APIServer
 		}
 		wantTx, wantBatch := 3, 32
 		if len(args) > 1 {
@@ -94,6 +94,18 @@ func TestAPICountsAreChecked(t *testing.T) {
 	t.Setenv("CONVERGE_CREATE_TRANSACTIONS", "0")
 	if err := parseError(t, "api"); err == nil || !strings.Contains(err.Error(), "CONVERGE_CREATE_TRANSACTIONS") {
 		t.Errorf("CONVERGE_CREATE_TRANSACTIONS=0: %v, want it refused naming the variable", err)
+	}
+	// The components that run no API neither take nor check its settings:
+	// an environment shared by all of them, with a bad API count, stops the
+	// API alone (it refused `converge worker` too).
+	t.Setenv("CONVERGE_MAX_IN_FLIGHT_PER_TENANT", "0")
+	for _, cmd := range []string{"worker", "relay", "projector", "reconciler"} {
+		if err := parseError(t, cmd); err != nil {
+			t.Errorf("%s with CONVERGE_MAX_IN_FLIGHT_PER_TENANT=0: %v, want it parsed", cmd, err)
+		}
+		if err := parseError(t, cmd, "--max-in-flight-per-tenant=3"); err == nil {
+			t.Errorf("%s --max-in-flight-per-tenant: parsed, want the flag unknown", cmd)
+		}
 	}
 }
 

@@ -46,12 +46,18 @@ type Pipeline struct {
 	SlotName        string `env:"CONVERGE_SLOT_NAME" default:"converge_outbox" help:"Logical replication slot of the relay."`
 	PublicationName string `env:"CONVERGE_PUBLICATION_NAME" default:"converge_outbox" help:"Publication on outbox_event."`
 	ArtifactDir     string `env:"CONVERGE_ARTIFACT_DIR" help:"Artifact store directory (default: <data-dir>/artifacts for dev, required otherwise)."`
-	MaxBodyBytes    int64  `env:"CONVERGE_MAX_BODY_BYTES" default:"8388608" help:"Largest accepted POST /v1/tasks body in bytes (larger: 413)."`
-	MaxInFlight     int    `name:"max-in-flight-per-tenant" env:"CONVERGE_MAX_IN_FLIGHT_PER_TENANT" default:"64" help:"API requests one tenant may have in process at once (more: 429 RATE_LIMITED)."`
-	CreateBatchMax  int    `name:"create-batch-max" env:"CONVERGE_CREATE_BATCH_MAX" default:"32" help:"Most concurrent POST /v1/tasks requests the API creates in one transaction (group commit; each keeps its own outcome); 1: each in its own transaction."`
-	CreateTx        int    `name:"create-transactions" env:"CONVERGE_CREATE_TRANSACTIONS" default:"2" help:"Most group-commit create transactions the API runs at once (with --create-batch-max above 1); the requests that arrive meanwhile wait and join the next."`
-	HTTPAddr        string `name:"http-addr" env:"CONVERGE_HTTP_ADDR" default:"127.0.0.1:8080" help:"API listen address (also serves /metrics)."`
-	AdminAddr       string `name:"admin-addr" env:"CONVERGE_ADMIN_ADDR" default:"127.0.0.1:8081" help:"Listen address of the admin plane (/v1/admin/: dead letters, parked outbox rows, tenants; admin tokens only; also /metrics)."`
+}
+
+// APIServer are the settings of the HTTP API, for `converge api` and the
+// API inside `converge dev` (the other components neither take nor check
+// them).
+type APIServer struct {
+	MaxBodyBytes   int64  `env:"CONVERGE_MAX_BODY_BYTES" default:"8388608" help:"Largest accepted POST /v1/tasks body in bytes (larger: 413)."`
+	MaxInFlight    int    `name:"max-in-flight-per-tenant" env:"CONVERGE_MAX_IN_FLIGHT_PER_TENANT" default:"64" help:"API requests one tenant may have in process at once (more: 429 RATE_LIMITED)."`
+	CreateBatchMax int    `name:"create-batch-max" env:"CONVERGE_CREATE_BATCH_MAX" default:"32" help:"Most concurrent POST /v1/tasks requests the API creates in one transaction (group commit; each keeps its own outcome); 1: each in its own transaction."`
+	CreateTx       int    `name:"create-transactions" env:"CONVERGE_CREATE_TRANSACTIONS" default:"2" help:"Most group-commit create transactions the API runs at once (with --create-batch-max above 1); the requests that arrive meanwhile wait and join the next."`
+	HTTPAddr       string `name:"http-addr" env:"CONVERGE_HTTP_ADDR" default:"127.0.0.1:8080" help:"API listen address (also serves /metrics)."`
+	AdminAddr      string `name:"admin-addr" env:"CONVERGE_ADMIN_ADDR" default:"127.0.0.1:8081" help:"Listen address of the admin plane (/v1/admin/: dead letters, parked outbox rows, tenants; admin tokens only; also /metrics)."`
 }
 
 // WorkerTuning are the worker settings an operator may change.
