@@ -253,9 +253,36 @@ DELETE FROM dead_letter WHERE dead_letter_id IN (
 // the task's data, so it goes with the task. Parked and refused ones are
 // never removed.
 func DeleteOfTask(ctx context.Context, q dbpool.Querier, taskID string) (int64, error) {
-	tag, err := q.Exec(ctx, `DELETE FROM dead_letter WHERE task_id = $1 AND state IN ('resolved', 'replayed')`, taskID)
+	return DeleteOfTasks(ctx, q, []string{taskID})
+}
+
+// DeleteOfTasks is DeleteOfTask for every task of taskIDs, in one
+// statement.
+func DeleteOfTasks(ctx context.Context, q dbpool.Querier, taskIDs []string) (int64, error) {
+	if len(taskIDs) == 0 {
+		return 0, nil
+	}
+	tag, err := q.Exec(ctx, `DELETE FROM dead_letter WHERE task_id = ANY($1) AND state IN ('resolved', 'replayed')`, taskIDs)
 	if err != nil {
-		return 0, fmt.Errorf("delete dead letters of task %s: %w", taskID, err)
+		return 0, fmt.Errorf("delete dead letters of %d tasks: %w", len(taskIDs), err)
 	}
 	return tag.RowsAffected(), nil
+}
+
+// LockOfTasks locks the dead letters of the tasks of taskIDs (FOR UPDATE),
+// as a replay or a resolution does before it
+// locks the task: the retention of a batch of tasks takes the project's
+// lock order (dead letters, inbox, task) before it reads which of them it
+// may remove.
+func LockOfTasks(ctx context.Context, q dbpool.Querier, taskIDs []string) error {
+	if len(taskIDs) == 0 {
+		return nil
+	}
+	// Planned with the ids (pgx.QueryExecModeExec), through the index on
+	// task_id, in its order: an ORDER BY dead_letter_id walked the whole
+	// primary key instead.
+	if _, err := q.Exec(ctx, `SELECT 1 FROM dead_letter WHERE task_id = ANY($1) FOR UPDATE`, pgx.QueryExecModeExec, taskIDs); err != nil {
+		return fmt.Errorf("lock dead letters of %d tasks: %w", len(taskIDs), err)
+	}
+	return nil
 }

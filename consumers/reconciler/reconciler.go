@@ -127,9 +127,14 @@ type Config struct {
 	// worker still on the effect updates it well within this time. Defaults
 	// to 30s.
 	EffectDeadline time.Duration
-	// BatchSize bounds the effects each scan of one pass handles. Defaults
-	// to 100.
+	// BatchSize bounds the effects each scan of one pass handles, and the
+	// rows or tasks of one retention batch. Defaults to 100.
 	BatchSize int
+	// RetentionBudget is the longest a pass spends on retention: while
+	// its batches come back full, it takes another until this much time
+	// has gone (scanRetention). Defaults to Interval, so that retention
+	// can use the whole of each interval when it is behind.
+	RetentionBudget time.Duration
 	// Logger defaults to slog.Default().
 	Logger *slog.Logger
 	// Registerer receives the converge_reconciler_* metrics. Defaults to a
@@ -176,17 +181,18 @@ type Config struct {
 	// closes it. Optional.
 	Producer *kgo.Client
 	// OutboxRetention is how long a published (or parked and decided)
-	// outbox row is kept before a pass removes it (issue 13; at most
-	// BatchSize per pass). Defaults to 7 days (168h), the default retention
-	// of a Kafka topic: after it the event is gone from the broker too.
+	// outbox row is kept before a pass removes it (issue 13; in batches of
+	// BatchSize, for at most RetentionBudget per pass). Defaults to 7 days
+	// (168h), the default retention of a Kafka topic: after it the event is
+	// gone from the broker too.
 	OutboxRetention time.Duration
 	// TaskRetention is how long a terminal task is kept after its last
 	// update before a pass removes it with its artifacts and every row of
-	// it (issue 13, seed 3.3; at most BatchSize tasks examined per pass),
-	// once nothing still needs it (task.Hold: no idempotency record names
-	// it, every event published or decided, no dead letter parked or
-	// refused, every effect settled, no inbox row processing). Defaults to
-	// 30 days (720h). Validate refuses a window shorter than the idempotency
+	// it (issue 13, seed 3.3; in batches of BatchSize tasks, for at most
+	// RetentionBudget per pass), once nothing still needs it (task.Hold: no
+	// idempotency record names it, every event published or decided, no
+	// dead letter parked or refused, every effect settled, no inbox row
+	// processing). Defaults to 30 days (720h). Validate refuses a window shorter than the idempotency
 	// window (idempotency.DefaultTTL, 24h: a task outlives its keys) or
 	// than OutboxRetention (the task's inbox rows must outlive its records
 	// in Kafka, whose retention OutboxRetention follows).
@@ -210,6 +216,9 @@ func (c *Config) setDefaults() {
 	}
 	if c.BatchSize <= 0 {
 		c.BatchSize = 100
+	}
+	if c.RetentionBudget <= 0 {
+		c.RetentionBudget = c.Interval
 	}
 	if c.Logger == nil {
 		c.Logger = slog.Default()

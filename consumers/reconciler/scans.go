@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"log/slog"
+	"slices"
 	"time"
 
 	"github.com/redis/go-redis/v9"
@@ -45,8 +46,8 @@ func (r *Reconciler) scans(ctx context.Context, res *Result) error {
 	return errors.Join(errs...)
 }
 
-// scanRetention removes what is kept no longer (issue 13, seed 3.3), each
-// step bounded by BatchSize:
+// scanRetention removes what is kept no longer (issue 13, seed 3.3), in
+// batches of BatchSize:
 //
 //  1. idempotency records past expires_at whose task is settled
 //     (idempotency.Purge);
@@ -55,152 +56,230 @@ func (r *Reconciler) scans(ctx context.Context, res *Result) error {
 //     not processing, in one transaction (purgeOutbox): the event is gone
 //     from Kafka too, so no delivery can need its inbox row any more;
 //  3. terminal tasks last updated more than TaskRetention ago (purgeTasks).
+//
+// Each step takes batch after batch while they come back full, until the
+// pass has spent RetentionBudget on retention (then the next pass goes on):
+// one batch per pass was a ceiling of BatchSize per Interval, 20 tasks/s
+// at the defaults, below the rate a deployment creates tasks at, so the
+// tables grew without end (issue 11).
 func (r *Reconciler) scanRetention(ctx context.Context, res *Result) error {
-	n, err := idempotency.Purge(ctx, r.pool, r.cfg.BatchSize)
-	if err != nil {
-		return err
+	deadline := time.Now().Add(r.cfg.RetentionBudget)
+	more := func(n int) bool { return n >= r.cfg.BatchSize && time.Now().Before(deadline) && ctx.Err() == nil }
+	var n, m, in, dl int64
+	for {
+		k, err := idempotency.Purge(ctx, r.pool, r.cfg.BatchSize)
+		if err != nil {
+			return err
+		}
+		r.m.actions.WithLabelValues(ActionIdempotencyExpired).Add(float64(k))
+		res.IdempotencyExpired += int(k)
+		n += k
+		if !more(int(k)) {
+			break
+		}
 	}
-	r.m.actions.WithLabelValues(ActionIdempotencyExpired).Add(float64(n))
-	res.IdempotencyExpired += int(n)
-	ids, err := r.backlog.Purgeable(ctx, r.pool, r.cfg.OutboxRetention, r.cfg.BatchSize)
-	if err != nil {
-		return err
+	for {
+		ids, err := r.backlog.Purgeable(ctx, r.pool, r.cfg.OutboxRetention, r.cfg.BatchSize)
+		if err != nil {
+			return err
+		}
+		i, k, err := purgeOutbox(ctx, r.pool, ids)
+		if err != nil {
+			return err
+		}
+		r.m.actions.WithLabelValues(ActionOutboxPurged).Add(float64(k))
+		r.m.actions.WithLabelValues(ActionInboxPurged).Add(float64(i))
+		res.OutboxPurged += int(k)
+		res.InboxPurged += int(i)
+		m, in = m+k, in+i
+		// A row that changed since it was read stays, and the next batch
+		// would read it again: go on only when the whole batch went.
+		if k < int64(len(ids)) || !more(len(ids)) {
+			break
+		}
 	}
-	in, m, err := purgeOutbox(ctx, r.pool, ids)
-	if err != nil {
-		return err
+	for {
+		k, err := deadletter.DeleteOrphans(ctx, r.pool, r.cfg.TaskRetention, r.cfg.BatchSize)
+		if err != nil {
+			return err
+		}
+		r.m.actions.WithLabelValues(ActionDeadLetterPurged).Add(float64(k))
+		res.DeadLettersPurged += int(k)
+		dl += k
+		if !more(int(k)) {
+			break
+		}
 	}
-	r.m.actions.WithLabelValues(ActionOutboxPurged).Add(float64(m))
-	r.m.actions.WithLabelValues(ActionInboxPurged).Add(float64(in))
-	res.OutboxPurged += int(m)
-	res.InboxPurged += int(in)
-	dl, err := deadletter.DeleteOrphans(ctx, r.pool, r.cfg.TaskRetention, r.cfg.BatchSize)
-	if err != nil {
-		return err
-	}
-	r.m.actions.WithLabelValues(ActionDeadLetterPurged).Add(float64(dl))
-	res.DeadLettersPurged += int(dl)
 	if n > 0 || m > 0 || in > 0 || dl > 0 {
 		r.log.InfoContext(ctx, "retention", slog.Int64("idempotency_records", n), slog.Int64("outbox_rows", m), slog.Int64("inbox_rows", in),
 			slog.Int64("orphan_dead_letters", dl))
 	}
-	return r.purgeTasks(ctx, res)
+	for {
+		examined, err := r.purgeTasks(ctx, res)
+		if err != nil || !more(examined) {
+			return err
+		}
+	}
 }
 
 // purgeTasks examines at most BatchSize terminal tasks last updated more
 // than TaskRetention ago (task.Expired: oldest first, from a cursor past
-// the tasks kept by earlier passes, back to the start once a pass reaches
-// the end) and removes those nothing needs any more (purgeTask).
-func (r *Reconciler) purgeTasks(ctx context.Context, res *Result) error {
+// the tasks kept by earlier batches, back to the start once a batch reaches
+// the end) and removes those nothing needs any more (purgeBatch). It
+// returns how many it examined.
+func (r *Reconciler) purgeTasks(ctx context.Context, res *Result) (int, error) {
 	ids, next, err := task.Expired(ctx, r.pool, r.cfg.TaskRetention, r.retentionCursor, r.cfg.BatchSize)
 	if err != nil {
-		return err
+		return 0, err
 	}
 	if len(ids) < r.cfg.BatchSize {
 		r.retentionCursor = task.Cursor{}
 	} else {
 		r.retentionCursor = next
 	}
-	for _, id := range ids {
-		r.purgeTask(ctx, res, id)
-	}
-	return nil
+	r.purgeBatch(ctx, res, ids)
+	return len(ids), nil
 }
 
-// purgeTask removes task id past TaskRetention when nothing needs it any
-// more (task.Hold, and no inbox row of its events processing):
+// purgeBatch removes the tasks of ids past TaskRetention that nothing
+// needs any more (task.Holds, and no inbox row of their events
+// processing), a batch at a time:
 //
-//  1. each artifact of it that may be in the store is deleted under its own
-//     artifact.delete ledger entry, written before the file is removed and
-//     verified by observing the store hold nothing under the put's token
-//     (ledger.DeleteArtifact); a crash between any two steps leaves the
-//     deletion started, and the next pass resumes it with the same token;
-//  2. once every deletion is verified, one transaction removes its dead
-//     letters (resolved or replayed), inbox rows, effects, outbox rows,
-//     input and the task, after checking Hold again under the locks
-//     (removeTask);
-//  3. its Redis view is removed (best effort: a failure is counted as an
-//     error and the view expires with its TTL).
+//  1. each artifact of them that may be in the store is deleted under its
+//     own artifact.delete ledger entry, written before the file is removed
+//     and verified by observing the store hold nothing under the put's
+//     token (ledger.DeleteArtifacts: the batch's ledger writes together);
+//     a crash between any two steps leaves the deletion started, and the
+//     next pass resumes it with the same token; a task whose deletion
+//     failed stays for the next pass, the others go on;
+//  2. one transaction removes the tasks whose deletions are verified, with
+//     their dead letters (resolved or replayed), inbox rows, effects,
+//     outbox rows and inputs, after checking the holds again under the
+//     locks (removeTasks);
+//  3. their Redis views are removed (best effort: a failure is counted as
+//     an error and the view expires with its TTL).
 //
 // Kept tasks are counted in TasksKept and examined again on a later walk.
-func (r *Reconciler) purgeTask(ctx context.Context, res *Result, id string) {
-	log := r.log.With(slog.String("task_id", id))
-	hold, found, err := task.Hold(ctx, r.pool, id, r.cfg.TaskRetention)
-	if err == nil && found && (hold == "" || hold == task.HoldArtifact) {
-		var busy bool
-		if busy, err = r.inboxBusy(ctx, id); busy {
-			hold = holdInboxProcessing
+func (r *Reconciler) purgeBatch(ctx context.Context, res *Result, ids []string) {
+	if len(ids) == 0 {
+		return
+	}
+	fail := func(msg string, err error) {
+		r.log.WarnContext(ctx, msg, slog.Int("tasks", len(ids)), slog.Any("err", err))
+		r.act(res, ActionError, nil)
+	}
+	holds, err := task.Holds(ctx, r.pool, ids, r.cfg.TaskRetention)
+	if err != nil {
+		fail("task retention", err)
+		return
+	}
+	var candidates []string
+	for _, id := range ids {
+		hold, found := holds[id]
+		switch {
+		case !found:
+			// removed meanwhile (another reconciler)
+		case hold != "" && hold != task.HoldArtifact:
+			r.log.DebugContext(ctx, "expired task kept", slog.String("task_id", id), slog.String("reason", hold))
+			res.TasksKept++
+		default:
+			candidates = append(candidates, id)
 		}
 	}
-	switch {
-	case err != nil:
-		log.WarnContext(ctx, "task retention", slog.Any("err", err))
-		r.act(res, ActionError, nil)
-		return
-	case !found:
-		return // removed meanwhile (another reconciler)
-	case hold != "" && hold != task.HoldArtifact:
-		log.DebugContext(ctx, "expired task kept", slog.String("reason", hold))
-		res.TasksKept++
+	if len(candidates) == 0 {
 		return
 	}
-	if hold == task.HoldArtifact {
-		puts, err := ledger.Undeleted(ctx, r.pool, id)
+	msgs, err := outbox.IDsOfTasks(ctx, r.pool, candidates)
+	if err != nil {
+		fail("task retention", err)
+		return
+	}
+	busy, err := inbox.ProcessingOf(ctx, r.pool, messagesOf(msgs, candidates))
+	if err != nil {
+		fail("task retention", err)
+		return
+	}
+	var ready, withArtifacts []string
+	for _, id := range candidates {
+		if slices.ContainsFunc(msgs[id], func(m string) bool { return busy[m] }) {
+			r.log.DebugContext(ctx, "expired task kept", slog.String("task_id", id), slog.String("reason", holdInboxProcessing))
+			res.TasksKept++
+			continue
+		}
+		if holds[id] == task.HoldArtifact {
+			withArtifacts = append(withArtifacts, id)
+		}
+		ready = append(ready, id)
+	}
+	if len(withArtifacts) > 0 {
+		failed, err := r.deleteArtifacts(ctx, res, withArtifacts)
 		if err != nil {
-			log.WarnContext(ctx, "task retention: read its artifacts", slog.Any("err", err))
-			r.act(res, ActionError, nil)
+			fail("task retention: delete artifacts; resumed next pass", err)
 			return
 		}
-		for _, p := range puts {
-			d, err := ledger.DeleteArtifact(ctx, r.pool, r.store, r.cfg.Faults, p)
-			if err != nil {
-				log.WarnContext(ctx, "task retention: delete artifact; resumed next pass", slog.String("token", p.Token), slog.Any("err", err))
-				r.act(res, ActionError, nil)
-				return
-			}
-			if d.Verified {
-				log.InfoContext(ctx, "artifact deleted (task retention)", slog.String("token", p.Token), slog.String("effect_id", d.DeleteID))
-				r.act(res, ActionArtifactDeleted, &res.ArtifactsDeleted)
-			}
-		}
+		ready = slices.DeleteFunc(ready, func(id string) bool { return failed[id] })
 	}
-	rm, err := removeTask(ctx, r.pool, id, r.cfg.TaskRetention)
-	switch {
-	case err != nil:
-		log.WarnContext(ctx, "task retention: remove task", slog.Any("err", err))
-		r.act(res, ActionError, nil)
+	rm, err := removeTasks(ctx, r.pool, ready, r.cfg.TaskRetention)
+	if err != nil {
+		fail("task retention: remove tasks", err)
 		return
-	case rm.hold != "":
-		log.InfoContext(ctx, "expired task kept: it changed since it was read", slog.String("reason", rm.hold))
-		res.TasksKept++
-		return
+	}
+	for _, id := range ready {
+		if hold, ok := rm.kept[id]; ok {
+			r.log.InfoContext(ctx, "expired task kept: it changed since it was read", slog.String("task_id", id), slog.String("reason", hold))
+			res.TasksKept++
+		}
 	}
 	r.m.actions.WithLabelValues(ActionInboxPurged).Add(float64(rm.inbox))
 	res.InboxPurged += int(rm.inbox)
-	log.InfoContext(ctx, "task removed (retention)", slog.Int64("effects", rm.effects), slog.Int64("outbox_rows", rm.outbox),
-		slog.Int64("inbox_rows", rm.inbox), slog.Int64("dead_letters", rm.deadLetters), slog.Duration("older_than", r.cfg.TaskRetention))
-	r.act(res, ActionTaskPurged, &res.TasksPurged)
-	if r.cache != nil {
-		if err := r.cache.Invalidate(ctx, id); err != nil {
-			log.WarnContext(ctx, "task retention: remove the task's view; it expires with its TTL", slog.Any("err", err))
-			r.act(res, ActionError, nil)
+	if len(rm.tasks) > 0 {
+		r.log.InfoContext(ctx, "tasks removed (retention)", slog.Int("tasks", len(rm.tasks)), slog.Int64("effects", rm.effects),
+			slog.Int64("outbox_rows", rm.outbox), slog.Int64("inbox_rows", rm.inbox), slog.Int64("dead_letters", rm.deadLetters),
+			slog.Duration("older_than", r.cfg.TaskRetention))
+	}
+	for _, id := range rm.tasks {
+		r.log.InfoContext(ctx, "task removed (retention)", slog.String("task_id", id), slog.Duration("older_than", r.cfg.TaskRetention))
+		r.act(res, ActionTaskPurged, &res.TasksPurged)
+		if r.cache != nil {
+			if err := r.cache.Invalidate(ctx, id); err != nil {
+				r.log.WarnContext(ctx, "task retention: remove the task's view; it expires with its TTL", slog.String("task_id", id), slog.Any("err", err))
+				r.act(res, ActionError, nil)
+			}
 		}
 	}
 }
 
-// holdInboxProcessing: an inbox row of one of the task's events is
-// processing (inbox.AnyProcessing); the task is kept.
-const holdInboxProcessing = "inbox_processing"
-
-// inboxBusy reports whether an inbox row of one of task id's events is
-// processing.
-func (r *Reconciler) inboxBusy(ctx context.Context, id string) (bool, error) {
-	msgs, err := outbox.IDsOfTask(ctx, r.pool, id)
+// deleteArtifacts deletes the artifacts of the tasks of ids that may still
+// be in the store (ledger.UndeletedOf, ledger.DeleteArtifacts) and returns
+// the tasks whose deletion failed (each logged and counted as an error):
+// they stay for the next pass. err: the batch's reads or ledger writes
+// failed, and no task of ids may be removed now.
+func (r *Reconciler) deleteArtifacts(ctx context.Context, res *Result, ids []string) (failed map[string]bool, err error) {
+	puts, err := ledger.UndeletedOf(ctx, r.pool, ids)
 	if err != nil {
-		return false, err
+		return nil, err
 	}
-	return inbox.AnyProcessing(ctx, r.pool, msgs)
+	ds, errs, err := ledger.DeleteArtifacts(ctx, r.pool, r.store, r.cfg.Faults, puts)
+	failed = map[string]bool{}
+	for i, p := range puts {
+		switch {
+		case errs[i] != nil:
+			r.log.WarnContext(ctx, "task retention: delete artifact; resumed next pass", slog.String("task_id", p.TaskID),
+				slog.String("token", p.Token), slog.Any("err", errs[i]))
+			r.act(res, ActionError, nil)
+			failed[p.TaskID] = true
+		case ds[i].Verified:
+			r.log.InfoContext(ctx, "artifact deleted (task retention)", slog.String("task_id", p.TaskID), slog.String("token", p.Token),
+				slog.String("effect_id", ds[i].DeleteID))
+			r.act(res, ActionArtifactDeleted, &res.ArtifactsDeleted)
+		}
+	}
+	return failed, err
 }
+
+// holdInboxProcessing: an inbox row of one of the task's events is
+// processing (inbox.ProcessingOf); the task is kept.
+const holdInboxProcessing = "inbox_processing"
 
 // leftoverSweepInterval is how often a pass removes the artifact store's
 // crashed temporary files.

@@ -396,7 +396,8 @@ func TestRetentionKeepsTasksSomethingNeeds(t *testing.T) {
 // file, or between removing it and verifying the deletion, leaves the
 // deletion started and the task in place; the next pass resumes it under
 // the same token and converges (seed 7: the ledger row first, observe
-// instead of assuming).
+// instead of assuming). Another task of the same batch, whose deletion
+// went through, is removed in the first pass.
 func TestRetentionResumesAfterCrash(t *testing.T) {
 	t.Parallel()
 	for _, point := range []string{fault.RetentionAfterDeletePlanned, fault.RetentionAfterArtifactDelete} {
@@ -404,19 +405,23 @@ func TestRetentionResumesAfterCrash(t *testing.T) {
 			t.Parallel()
 			ctx := context.Background()
 			faults := &fault.Set{}
-			if err := faults.Arm(point, fault.ActionError, 1); err != nil {
-				t.Fatal(err)
-			}
 			b := setup(t, Config{Faults: faults})
 			s := b.settledTask(t, `{"k":"crash"}`, true)
+			sibling := b.settledTask(t, `{"k":"sibling"}`, true)
 			other := b.settledTask(t, `{"k":"other"}`, false)
+			if err := faults.ArmKey(point, fault.ActionError, 1, s.id); err != nil {
+				t.Fatal(err)
+			}
 
 			res, err := b.r.Pass(ctx)
 			if err != nil {
 				t.Fatal(err)
 			}
-			if res.TasksPurged != 0 || res.Errors != 1 || faults.Fired(point) != 1 {
-				t.Fatalf("first pass: %+v, fired %d", res, faults.Fired(point))
+			if res.TasksPurged != 1 || res.ArtifactsDeleted != 1 || res.Errors != 1 || faults.Fired(point) != 1 {
+				t.Fatalf("first pass: %+v, fired %d; want the sibling removed, the crashed one kept", res, faults.Fired(point))
+			}
+			if left := b.rows(t, sibling); left["task"] != 0 || !b.gone(t, sibling.token) {
+				t.Fatalf("the sibling's rows after the first pass: %v (artifact gone: %v)", left, b.gone(t, sibling.token))
 			}
 			del := testenv.RequireEffect(t, b.db.Pool, ledger.KindArtifactDelete, ledger.DeleteToken(s.token))
 			if del.State != ledger.Started || del.TaskID != s.id {
@@ -514,5 +519,63 @@ VALUES ('t', 0, 7, 'converge-worker', NULL, 'deterministic', 'X', 1, 'test', now
 	}
 	if fmt.Sprint(left) != "[3 4 5 6]" {
 		t.Errorf("dead letters left at offsets %v, want [3 4 5 6]", left)
+	}
+}
+
+// Retention keeps pace with the rate tasks are created at (issue 11): a
+// pass takes batch after batch while they come back full, for up to
+// RetentionBudget. One batch per pass was a ceiling of BatchSize per
+// Interval (20 tasks/s at the defaults), so a deployment creating more
+// grew its tables without end. With the budget spent after one batch,
+// each step takes one batch, and later passes finish the work. (Outbox
+// rows are purgeable only below the backlog's watermark, which other
+// databases' open transactions on the shared cluster hold back: the test
+// counts them over passes.)
+func TestRetentionTakesBatchesWhileTheyComeBackFull(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		name   string
+		budget time.Duration
+	}{{"one pass", 0}, {"budget spent after one batch", time.Nanosecond}} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			const n, batch = 5, 2
+			b := setup(t, Config{BatchSize: batch, RetentionBudget: tc.budget})
+			for i := range n {
+				old := b.settledTask(t, fmt.Sprintf(`{"old":%d}`, i), true)
+				b.idempotencyRecord(t, fmt.Sprintf("old-%d", i), old.id, "-1 minute")
+				young := b.settledTask(t, fmt.Sprintf(`{"young":%d}`, i), false)
+				b.exec(t, `UPDATE outbox_event SET created_at = now() - interval '8 days' WHERE aggregate_id = $1`, young.id)
+			}
+			var total Result
+			for pass := 0; total.TasksPurged < n || total.OutboxPurged < 2*n; pass++ {
+				if pass > 40 {
+					t.Fatalf("after %d passes: %+v", pass, total)
+				}
+				if pass > 0 {
+					time.Sleep(50 * time.Millisecond)
+				}
+				res, err := b.r.Pass(context.Background())
+				if err != nil {
+					t.Fatal(err)
+				}
+				if tc.budget > 0 && (res.IdempotencyExpired > batch || res.OutboxPurged > batch || res.TasksPurged > batch) {
+					t.Fatalf("pass %d: %+v, want at most one batch of %d per step", pass, res, batch)
+				}
+				if tc.budget == 0 && pass == 0 && (res.IdempotencyExpired != n || res.TasksPurged != n || res.ArtifactsDeleted != n) {
+					t.Fatalf("first pass: %+v, want all %d records expired and tasks purged with their artifacts", res, n)
+				}
+				total.IdempotencyExpired += res.IdempotencyExpired
+				total.OutboxPurged += res.OutboxPurged
+				total.TasksPurged += res.TasksPurged
+			}
+			if total.IdempotencyExpired != n || total.OutboxPurged != 2*n || total.TasksPurged != n {
+				t.Errorf("%+v, want %d records expired, %d outbox rows and %d tasks purged", total, n, 2*n, n)
+			}
+			var tasks int
+			if err := b.db.Pool.QueryRow(context.Background(), `SELECT count(*) FROM task`).Scan(&tasks); err != nil || tasks != n {
+				t.Errorf("%d tasks left (%v), want the %d young ones", tasks, err, n)
+			}
+		})
 	}
 }

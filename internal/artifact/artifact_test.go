@@ -1790,3 +1790,60 @@ func TestConcurrentDeleteOfOneToken(t *testing.T) {
 		t.Errorf("the second Delete's erasure: %v, want nothing to do", err)
 	}
 }
+
+// DeleteMany deletes each of its tokens as Delete does, with the fsyncs
+// shared: records in one pack (one readable, one hidden) and in another,
+// an absent token (done already) and an invalid one (its own error, the
+// others go on). The deleted records' bytes and tokens are gone from the
+// packs, their neighbours read as before.
+func TestDeleteManyDeletesEachAsDeleteDoes(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	item := func(task string, data []byte) artifact.Item {
+		return artifact.Item{Token: artifact.Token(task, 1), TaskID: task, Attempt: 1, Data: data}
+	}
+	first := []artifact.Item{
+		item("task-keep-a", []byte("kept bytes of a")),
+		item("task-secret-b", []byte("secret bytes of b")),
+		item("task-secret-c", []byte("secret bytes of c")),
+	}
+	second := []artifact.Item{
+		item("task-secret-d", []byte("secret bytes of d")),
+		item("task-keep-e", []byte("kept bytes of e")),
+	}
+	mustPutMany(t, b.store, first)
+	mustPutMany(t, b.store, second)
+	if err := b.store.Hide(first[2].Token); err != nil {
+		t.Fatal(err)
+	}
+	tokens := []string{first[1].Token, "not a token", first[2].Token, second[0].Token, artifact.Token("task-never-put", 1)}
+	errs := b.store.DeleteMany(tokens)
+	for i, err := range errs {
+		if want := tokens[i] == "not a token"; (err != nil) != want || (want && !errors.Is(err, artifact.ErrInvalidToken)) {
+			t.Errorf("DeleteMany %q: %v", tokens[i], err)
+		}
+	}
+	for _, it := range []artifact.Item{first[1], first[2], second[0]} {
+		if gone, err := b.store.Gone(it.Token); !gone || err != nil {
+			t.Errorf("Gone(%s) = %v, %v", it.Token, gone, err)
+		}
+	}
+	for _, it := range []artifact.Item{first[0], second[1]} {
+		if obs, err := b.store.Observe(it.Token); err != nil || obs.SHA256 != sha(it.Data) || obs.Meta.TaskID != it.TaskID {
+			t.Errorf("%s after its neighbours' deletion: %+v, %v", it.Token, obs, err)
+		}
+		raw, err := os.ReadFile(filepath.Join(b.store.Root(), "objects", it.Token+".obj"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if i := bytes.Index(raw, []byte("secret")); i >= 0 {
+			t.Errorf("the pack of %s still holds %q", it.Token, raw[max(0, i-30):min(len(raw), i+30)])
+		}
+		if bytes.Contains(raw, []byte("task-secret")) {
+			t.Errorf("the pack of %s still holds a deleted record's token", it.Token)
+		}
+	}
+	if errs := b.store.DeleteMany(tokens[2:]); errs[0] != nil || errs[1] != nil || errs[2] != nil {
+		t.Errorf("DeleteMany again: %v, want nothing left to do", errs)
+	}
+}

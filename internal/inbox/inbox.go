@@ -368,17 +368,38 @@ FROM inbox_conflict ORDER BY seen_at DESC, consumer_name, message_id LIMIT $1`, 
 	return cs, nil
 }
 
-// sqlConsumers lists the consumer names of inbox_message by a loose scan of
-// its primary key (one index probe per consumer, however many rows): the
-// retention statements below find a message's rows of every consumer
+// consumerNames lists the consumer names of inbox_message by a loose scan
+// of its primary key (one index probe per consumer, however many rows):
+// the retention statements below find a message's rows of every consumer
 // through the primary key (consumer_name, message_id) without an index on
-// message_id, which every Register would have to write.
-const sqlConsumers = `
+// message_id, which every Register would have to write. They name the rows
+// by sqlRowsOf, two arrays given as values in the primary key's condition
+// (one probe per pair), planned at each call (pgx.QueryExecModeExec): with
+// the names computed inside the statement, or with a generic plan, the
+// planner did not know how many there were and took the names alone as
+// the index condition, reading every row of every consumer (12,000 rows
+// for 200 messages, growing with the table; TestPassReadsOnlyWhatItLooksFor).
+func consumerNames(ctx context.Context, q dbpool.Querier) ([]string, error) {
+	rows, err := q.Query(ctx, `
 WITH RECURSIVE consumers(name) AS (
   (SELECT consumer_name FROM inbox_message ORDER BY consumer_name LIMIT 1)
   UNION ALL
   SELECT (SELECT i.consumer_name FROM inbox_message i WHERE i.consumer_name > c.name ORDER BY i.consumer_name LIMIT 1)
-  FROM consumers c WHERE c.name IS NOT NULL)`
+  FROM consumers c WHERE c.name IS NOT NULL)
+SELECT name FROM consumers WHERE name IS NOT NULL`)
+	if err != nil {
+		return nil, fmt.Errorf("list inbox consumers: %w", err)
+	}
+	names, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	if err != nil {
+		return nil, fmt.Errorf("list inbox consumers: %w", err)
+	}
+	return names, nil
+}
+
+// sqlRowsOf is the condition on inbox_message m naming the rows of the
+// consumers $2 (consumerNames) of the message ids $1.
+const sqlRowsOf = `m.consumer_name = ANY ($2::text[]) AND m.message_id = ANY ($1::text[])`
 
 // DeleteMessages removes the rows of every consumer for the messages ids
 // that are not Processing (Completed or Failed: their outcome is durable)
@@ -389,9 +410,12 @@ func DeleteMessages(ctx context.Context, q dbpool.Querier, ids []string) (int64,
 	if len(ids) == 0 {
 		return 0, nil
 	}
-	tag, err := q.Exec(ctx, sqlConsumers+`
-DELETE FROM inbox_message m USING consumers c, unnest($1::text[]) AS id(message_id)
-WHERE m.consumer_name = c.name AND m.message_id = id.message_id AND m.state <> 'processing'`, ids)
+	names, err := consumerNames(ctx, q)
+	if err != nil || len(names) == 0 {
+		return 0, err
+	}
+	tag, err := q.Exec(ctx, `DELETE FROM inbox_message m WHERE `+sqlRowsOf+` AND m.state <> 'processing'`,
+		pgx.QueryExecModeExec, ids, names)
 	if err != nil {
 		return 0, fmt.Errorf("delete inbox rows of %d messages: %w", len(ids), err)
 	}
@@ -402,15 +426,56 @@ WHERE m.consumer_name = c.name AND m.message_id = id.message_id AND m.state <> '
 // state Processing (a delivery whose outcome is not durable yet): the
 // retention of their task waits.
 func AnyProcessing(ctx context.Context, q dbpool.Querier, ids []string) (bool, error) {
+	busy, err := ProcessingOf(ctx, q, ids)
+	return len(busy) > 0, err
+}
+
+// ProcessingOf returns which of the messages ids a consumer has in state
+// Processing (AnyProcessing for a batch of tasks' messages, in one
+// statement after the consumers' names).
+func ProcessingOf(ctx context.Context, q dbpool.Querier, ids []string) (map[string]bool, error) {
+	busy := map[string]bool{}
 	if len(ids) == 0 {
-		return false, nil
+		return busy, nil
 	}
-	var found bool
-	err := q.QueryRow(ctx, sqlConsumers+`
-SELECT EXISTS (SELECT 1 FROM consumers c, unnest($1::text[]) AS id(message_id), inbox_message m
-               WHERE m.consumer_name = c.name AND m.message_id = id.message_id AND m.state = 'processing')`, ids).Scan(&found)
+	names, err := consumerNames(ctx, q)
+	if err != nil || len(names) == 0 {
+		return busy, err
+	}
+	rows, err := q.Query(ctx, `SELECT DISTINCT m.message_id FROM inbox_message m WHERE `+sqlRowsOf+` AND m.state = 'processing'`,
+		pgx.QueryExecModeExec, ids, names)
 	if err != nil {
-		return false, fmt.Errorf("read inbox rows of %d messages: %w", len(ids), err)
+		return nil, fmt.Errorf("read inbox rows of %d messages: %w", len(ids), err)
 	}
-	return found, nil
+	defer rows.Close()
+	for rows.Next() {
+		var id string
+		if err := rows.Scan(&id); err != nil {
+			return nil, fmt.Errorf("read inbox rows of %d messages: %w", len(ids), err)
+		}
+		busy[id] = true
+	}
+	if err := rows.Err(); err != nil {
+		return nil, fmt.Errorf("read inbox rows of %d messages: %w", len(ids), err)
+	}
+	return busy, nil
+}
+
+// LockMessages locks every consumer's inbox row of the messages ids (FOR
+// UPDATE, in (consumer, message) order), as a delivery does before it
+// locks the task: see deadletter.LockOfTasks for the retention batch's
+// lock order.
+func LockMessages(ctx context.Context, q dbpool.Querier, ids []string) error {
+	if len(ids) == 0 {
+		return nil
+	}
+	names, err := consumerNames(ctx, q)
+	if err != nil || len(names) == 0 {
+		return err
+	}
+	if _, err := q.Exec(ctx, `SELECT 1 FROM inbox_message m WHERE `+sqlRowsOf+`
+ORDER BY m.consumer_name, m.message_id FOR UPDATE OF m`, pgx.QueryExecModeExec, ids, names); err != nil {
+		return fmt.Errorf("lock inbox rows of %d messages: %w", len(ids), err)
+	}
+	return nil
 }

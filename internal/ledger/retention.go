@@ -23,19 +23,28 @@ import (
 // token was invalid), without a verified artifact.delete effect of token
 // DeleteToken(put). Oldest attempt first.
 func Undeleted(ctx context.Context, q dbpool.Querier, taskID string) ([]Effect, error) {
+	return UndeletedOf(ctx, q, []string{taskID})
+}
+
+// UndeletedOf is Undeleted for every task of taskIDs, in one statement:
+// ordered by task, then oldest attempt first.
+func UndeletedOf(ctx context.Context, q dbpool.Querier, taskIDs []string) ([]Effect, error) {
+	if len(taskIDs) == 0 {
+		return nil, nil
+	}
 	rows, err := q.Query(ctx, `
 SELECT `+columns+` FROM effect_ledger p
-WHERE p.task_id = $1 AND p.effect_kind = 'artifact.put' AND p.state <> 'failed'
+WHERE p.task_id = ANY($1) AND p.effect_kind = 'artifact.put' AND p.state <> 'failed'
   AND NOT EXISTS (SELECT 1 FROM effect_ledger d
                   WHERE d.effect_id = 'delete-for-' || p.effect_id AND d.effect_kind = 'artifact.delete'
                     AND d.state = 'verified')
-ORDER BY p.attempt, p.effect_id`, taskID)
+ORDER BY p.task_id, p.attempt, p.effect_id`, taskIDs)
 	if err != nil {
-		return nil, fmt.Errorf("select undeleted artifacts of task %s: %w", taskID, err)
+		return nil, fmt.Errorf("select undeleted artifacts of %d tasks: %w", len(taskIDs), err)
 	}
 	effects, err := pgx.CollectRows(rows, func(row pgx.CollectableRow) (Effect, error) { return scanEffect(row) })
 	if err != nil {
-		return nil, fmt.Errorf("read undeleted artifacts of task %s: %w", taskID, err)
+		return nil, fmt.Errorf("read undeleted artifacts of %d tasks: %w", len(taskIDs), err)
 	}
 	return effects, nil
 }
@@ -64,35 +73,88 @@ type Deletion struct {
 // after the ledger row, fault.RetentionAfterArtifactDelete after the
 // removal.
 func DeleteArtifact(ctx context.Context, q dbpool.Querier, store *artifact.Store, faults *fault.Set, put Effect) (Deletion, error) {
-	var d Deletion
-	del, planned, err := Plan(ctx, q, NewDelete(put))
+	d, errs, err := DeleteArtifacts(ctx, q, store, faults, []Effect{put})
 	if err != nil {
-		return d, err
+		return d[0], err
 	}
-	d.DeleteID, d.Planned = del.EffectID, planned
-	if del.State == Verified {
-		return d, nil
+	return d[0], errs[0]
+}
+
+// DeleteArtifacts is DeleteArtifact for each of puts, the ledger's writes
+// and the store's fsyncs of all of them together: the deletions' rows in
+// one batch of statements (one implicit transaction outside a
+// transaction), then the objects removed together (artifact.Store.DeleteMany)
+// and each observed gone, then the verified ones moved to verified in one
+// batch. It returns, for each put in its order, how
+// its deletion ended and its own error (a put whose removal failed, or a
+// fault point that fired for its task, is left started, and the next call
+// resumes it with the same token; the others go on). err is set when a
+// batch failed: then no deletion of the batch is verified by this
+// call (those whose objects were removed are resumed as above).
+func DeleteArtifacts(ctx context.Context, q dbpool.Querier, store *artifact.Store, faults *fault.Set, puts []Effect) (ds []Deletion, errs []error, err error) {
+	ds, errs = make([]Deletion, len(puts)), make([]error, len(puts))
+	if len(puts) == 0 {
+		return ds, errs, nil
 	}
-	if err := faults.ErrKey(fault.RetentionAfterDeletePlanned, put.TaskID); err != nil {
-		return d, err
+	dels := make([]Effect, len(puts))
+	b := &pgx.Batch{}
+	for i, put := range puts {
+		QueuePlan(b, NewDelete(put), &dels[i], &ds[i].Planned)
 	}
-	if err := store.Delete(put.Token); err != nil {
-		return d, err
+	if err := q.SendBatch(ctx, b).Close(); err != nil {
+		return ds, errs, fmt.Errorf("plan the deletion of %d artifacts: %w", len(puts), err)
 	}
+	var todo []int // puts whose objects are removed now
+	for i, put := range puts {
+		ds[i].DeleteID = dels[i].EffectID
+		if dels[i].State == Verified {
+			continue
+		}
+		if errs[i] = faults.ErrKey(fault.RetentionAfterDeletePlanned, put.TaskID); errs[i] == nil {
+			todo = append(todo, i)
+		}
+	}
+	tokens := make([]string, len(todo))
+	for k, i := range todo {
+		tokens[k] = puts[i].Token
+	}
+	b = &pgx.Batch{}
+	for k, err := range store.DeleteMany(tokens) {
+		i := todo[k]
+		if err == nil {
+			err = observeGone(store, faults, puts[i])
+		}
+		if errs[i] = err; err == nil {
+			QueueMarkVerified(b, dels[i].EffectID, dels[i].State, nil, &ds[i].Verified)
+		}
+	}
+	if b.Len() == 0 {
+		return ds, errs, nil
+	}
+	if err := q.SendBatch(ctx, b).Close(); err != nil {
+		for i := range ds {
+			ds[i].Verified = false
+		}
+		return ds, errs, fmt.Errorf("verify the deletion of %d artifacts: %w", b.Len(), err)
+	}
+	return ds, errs, nil
+}
+
+// observeGone observes that the store holds nothing under put's token
+// after its removal, with the fault point of a crash between the two (key:
+// task id).
+func observeGone(store *artifact.Store, faults *fault.Set, put Effect) error {
 	if err := faults.ErrKey(fault.RetentionAfterArtifactDelete, put.TaskID); err != nil {
-		return d, err
+		return err
 	}
 	gone, err := store.Gone(put.Token)
 	if err != nil {
-		return d, err
+		return err
 	}
 	if !gone {
-		return d, fmt.Errorf("artifact %s still in the store after its deletion", put.Token)
+		return fmt.Errorf("artifact %s still in the store after its deletion", put.Token)
 	}
-	if d.Verified, err = MarkVerified(ctx, q, del.EffectID, del.State, nil); err != nil {
-		return d, err
-	}
-	return d, nil
+	return nil
 }
 
 // ArtifactDeleted reports whether the object of the artifact.put of token
@@ -118,9 +180,18 @@ SELECT EXISTS (SELECT 1 FROM effect_ledger p JOIN effect_ledger d
 // empty and every effect settled (task.Hold), in the transaction that
 // removes the task.
 func DeleteOfTask(ctx context.Context, q dbpool.Querier, taskID string) (int64, error) {
-	tag, err := q.Exec(ctx, `DELETE FROM effect_ledger WHERE task_id = $1`, taskID)
+	return DeleteOfTasks(ctx, q, []string{taskID})
+}
+
+// DeleteOfTasks is DeleteOfTask for every task of taskIDs, in one
+// statement.
+func DeleteOfTasks(ctx context.Context, q dbpool.Querier, taskIDs []string) (int64, error) {
+	if len(taskIDs) == 0 {
+		return 0, nil
+	}
+	tag, err := q.Exec(ctx, `DELETE FROM effect_ledger WHERE task_id = ANY($1)`, taskIDs)
 	if err != nil {
-		return 0, fmt.Errorf("delete effects of task %s: %w", taskID, err)
+		return 0, fmt.Errorf("delete effects of %d tasks: %w", len(taskIDs), err)
 	}
 	return tag.RowsAffected(), nil
 }

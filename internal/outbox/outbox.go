@@ -3,6 +3,7 @@ package outbox
 import (
 	"context"
 	"fmt"
+	"slices"
 	"strconv"
 	"sync/atomic"
 	"time"
@@ -285,12 +286,17 @@ ORDER BY created_xid, created_at, outbox_id LIMIT $3`, pgx.QueryExecModeExec, st
 
 // Purgeable returns the ids of at most limit outbox rows created more than
 // olderThan ago that are published, or parked and decided, and below the
-// watermark (issue 13 retention), the oldest first. The rows are found
-// through outbox_event_created_brin (migration 00013: only the block ranges
-// holding rows older than olderThan, and the one not summarized yet, are
-// read), not by walking outbox_event_created_xid_idx from the oldest row,
-// which read every published row whenever none was old enough yet. Unpublished rows, and parked rows no one decided on,
-// are never among them. The reconciler removes their inbox rows
+// watermark (issue 13 retention), in the table's order (about the order
+// they were created in). The rows are found through
+// outbox_event_created_brin (migration 00013: only the block ranges holding
+// rows older than olderThan, and the one not summarized yet, are read), not
+// by walking outbox_event_created_xid_idx from the oldest row, which read
+// every published row whenever none was old enough yet; the scan stops at
+// the limit (an ORDER BY created_xid, which the BRIN index cannot give,
+// read and sorted every row past olderThan at each call: 20 ms per 100 rows
+// with 40,000 behind them, growing with the backlog, issue 11).
+// Unpublished rows, and parked rows no one decided on, are never among
+// them. The reconciler removes their inbox rows
 // (inbox.DeleteMessages), then the rows (DeletePurgeable), in one
 // transaction.
 func (b *Backlog) Purgeable(ctx context.Context, q dbpool.Querier, olderThan time.Duration, limit int) ([]string, error) {
@@ -298,7 +304,7 @@ func (b *Backlog) Purgeable(ctx context.Context, q dbpool.Querier, olderThan tim
 SELECT outbox_id FROM outbox_event
 WHERE created_xid < $1::text::xid8 AND created_at < now() - make_interval(secs => $2)
   AND `+sqlSettledRow+`
-ORDER BY created_xid LIMIT $3`, pgx.QueryExecModeExec, strconv.FormatUint(b.low.Load(), 10), olderThan.Seconds(), limit)
+LIMIT $3`, pgx.QueryExecModeExec, strconv.FormatUint(b.low.Load(), 10), olderThan.Seconds(), limit)
 	if err != nil {
 		return nil, fmt.Errorf("select purgeable outbox rows: %w", err)
 	}
@@ -331,13 +337,29 @@ func DeletePurgeable(ctx context.Context, q dbpool.Querier, ids []string) (int64
 // IDsOfTask returns the ids of the outbox rows of task taskID (the message
 // ids of its events), through the unique (aggregate_id, ...) index.
 func IDsOfTask(ctx context.Context, q dbpool.Querier, taskID string) ([]string, error) {
-	rows, err := q.Query(ctx, `SELECT outbox_id FROM outbox_event WHERE aggregate_id = $1 ORDER BY created_xid`, taskID)
+	ids, err := IDsOfTasks(ctx, q, []string{taskID})
+	return ids[taskID], err
+}
+
+// IDsOfTasks is IDsOfTask for each of taskIDs in one statement: task id ->
+// the ids of its outbox rows, oldest first (a task without rows has no
+// entry).
+func IDsOfTasks(ctx context.Context, q dbpool.Querier, taskIDs []string) (map[string][]string, error) {
+	rows, err := q.Query(ctx, `SELECT aggregate_id, outbox_id FROM outbox_event WHERE aggregate_id = ANY($1) ORDER BY aggregate_id, created_xid`, taskIDs)
 	if err != nil {
-		return nil, fmt.Errorf("select outbox rows of task %s: %w", taskID, err)
+		return nil, fmt.Errorf("select outbox rows of %d tasks: %w", len(taskIDs), err)
 	}
-	ids, err := pgx.CollectRows(rows, pgx.RowTo[string])
-	if err != nil {
-		return nil, fmt.Errorf("read outbox rows of task %s: %w", taskID, err)
+	defer rows.Close()
+	ids := make(map[string][]string, len(taskIDs))
+	for rows.Next() {
+		var task, id string
+		if err := rows.Scan(&task, &id); err != nil {
+			return nil, fmt.Errorf("read outbox rows of %d tasks: %w", len(taskIDs), err)
+		}
+		ids[task] = append(ids[task], id)
+	}
+	if err := rows.Err(); err != nil {
+		return nil, fmt.Errorf("read outbox rows of %d tasks: %w", len(taskIDs), err)
 	}
 	return ids, nil
 }
@@ -348,15 +370,27 @@ func IDsOfTask(ctx context.Context, q dbpool.Querier, taskID string) ([]string, 
 // retention, which first checked that no other row of it is left
 // (task.Hold).
 func DeleteOfTask(ctx context.Context, q dbpool.Querier, taskID string) (int64, error) {
-	rows, err := q.Query(ctx, `DELETE FROM outbox_event WHERE aggregate_id = $1 AND `+sqlSettledRow+` RETURNING created_xid::text`, taskID)
+	return DeleteOfTasks(ctx, q, []string{taskID})
+}
+
+// DeleteOfTasks is DeleteOfTask for every task of taskIDs, in one
+// statement (and one for the records of their transactions: rows of
+// several tasks created by one transaction, as the API's group commit
+// creates them, leave its record only when the last of them goes, which
+// one transaction removing them all sees).
+func DeleteOfTasks(ctx context.Context, q dbpool.Querier, taskIDs []string) (int64, error) {
+	if len(taskIDs) == 0 {
+		return 0, nil
+	}
+	rows, err := q.Query(ctx, `DELETE FROM outbox_event WHERE aggregate_id = ANY($1) AND `+sqlSettledRow+` RETURNING created_xid::text`, taskIDs)
 	if err != nil {
-		return 0, fmt.Errorf("delete outbox rows of task %s: %w", taskID, err)
+		return 0, fmt.Errorf("delete outbox rows of %d tasks: %w", len(taskIDs), err)
 	}
 	xids, err := pgx.CollectRows(rows, pgx.RowTo[string])
 	if err != nil {
-		return 0, fmt.Errorf("delete outbox rows of task %s: %w", taskID, err)
+		return 0, fmt.Errorf("delete outbox rows of %d tasks: %w", len(taskIDs), err)
 	}
-	return int64(len(xids)), deleteOrphanTransactions(ctx, q, xids)
+	return int64(len(xids)), deleteOrphanTransactions(ctx, q, slices.Compact(slices.Sorted(slices.Values(xids))))
 }
 
 // Watermark returns the created_xid below which every row was seen

@@ -2,11 +2,8 @@ package task
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"time"
-
-	"github.com/jackc/pgx/v5"
 
 	"github.com/converge-run/converge/internal/dbpool"
 )
@@ -95,46 +92,99 @@ LIMIT $4`, olderThan.Seconds(), after.UpdatedAt, after.TaskID, limit)
 // answer holds until the transaction ends for everything but rows inserted
 // meanwhile, which none of converge's writers inserts for a settled task.
 func Hold(ctx context.Context, q dbpool.Querier, id string, olderThan time.Duration) (reason string, found bool, err error) {
-	var (
-		status                                         string
-		old, keyed, unpublished, deadLetter, unsettled bool
-		undeleted                                      bool
-	)
-	err = q.QueryRow(ctx, `
-SELECT t.status, t.updated_at < now() - make_interval(secs => $2),
-  EXISTS (SELECT 1 FROM idempotency_record ir WHERE ir.task_id = t.task_id),
-  EXISTS (SELECT 1 FROM outbox_event o WHERE o.aggregate_id = t.task_id AND outbox_published_at(o) IS NULL AND o.decision IS NULL),
-  EXISTS (SELECT 1 FROM dead_letter d WHERE d.task_id = t.task_id AND d.state IN ('parked', 'refused')),
-  EXISTS (SELECT 1 FROM effect_ledger e WHERE e.task_id = t.task_id AND e.effect_kind IN ('artifact.put', 'artifact.hide')
-          AND e.state NOT IN ('verified', 'compensated', 'failed')),
-  EXISTS (SELECT 1 FROM effect_ledger p WHERE p.task_id = t.task_id AND p.effect_kind = 'artifact.put' AND p.state <> 'failed'
-          AND NOT EXISTS (SELECT 1 FROM effect_ledger d WHERE d.effect_id = 'delete-for-' || p.effect_id
-                          AND d.effect_kind = 'artifact.delete' AND d.state = 'verified'))
-FROM task t WHERE t.task_id = $1`, id, olderThan.Seconds()).
-		Scan(&status, &old, &keyed, &unpublished, &deadLetter, &unsettled, &undeleted)
-	if errors.Is(err, pgx.ErrNoRows) {
-		return "", false, nil
-	}
+	holds, err := Holds(ctx, q, []string{id}, olderThan)
 	if err != nil {
-		return "", false, fmt.Errorf("read retention of task %s: %w", id, err)
+		return "", false, err
 	}
-	switch {
-	case status != "completed" && status != "failed" && status != "compensated" && status != "cancelled":
-		return HoldNotTerminal, true, nil
-	case !old:
-		return HoldInsideWindow, true, nil
-	case keyed:
-		return HoldIdempotencyRecord, true, nil
-	case unpublished:
-		return HoldUnpublishedEvent, true, nil
-	case deadLetter:
-		return HoldDeadLetter, true, nil
-	case unsettled:
-		return HoldEffect, true, nil
-	case undeleted:
-		return HoldArtifact, true, nil
+	reason, found = holds[id]
+	return reason, found, nil
+}
+
+// Holds is Hold for each of ids in one statement: the reason each task
+// that exists must be kept ("" when every row of it may be removed); a task
+// that does not exist has no entry. The reconciler's retention reads a
+// batch of expired tasks with it, and again under the batch's locks. Each
+// question is a subquery with LIMIT 1, looked up by the task's id: written
+// as EXISTS, the planner could hash the whole table's answer instead (it
+// did for idempotency_record, every row of its index read per batch;
+// TestPassReadsOnlyWhatItLooksFor).
+func Holds(ctx context.Context, q dbpool.Querier, ids []string, olderThan time.Duration) (map[string]string, error) {
+	holds := make(map[string]string, len(ids))
+	if len(ids) == 0 {
+		return holds, nil
 	}
-	return "", true, nil
+	rows, err := q.Query(ctx, `
+SELECT t.task_id, t.status, t.updated_at < now() - make_interval(secs => $2),
+  (SELECT true FROM idempotency_record ir WHERE ir.task_id = t.task_id LIMIT 1) IS NOT NULL,
+  (SELECT true FROM outbox_event o WHERE o.aggregate_id = t.task_id AND outbox_published_at(o) IS NULL AND o.decision IS NULL LIMIT 1) IS NOT NULL,
+  (SELECT true FROM dead_letter d WHERE d.task_id = t.task_id AND d.state IN ('parked', 'refused') LIMIT 1) IS NOT NULL,
+  (SELECT true FROM effect_ledger e WHERE e.task_id = t.task_id AND e.effect_kind IN ('artifact.put', 'artifact.hide')
+          AND e.state NOT IN ('verified', 'compensated', 'failed') LIMIT 1) IS NOT NULL,
+  (SELECT true FROM effect_ledger p WHERE p.task_id = t.task_id AND p.effect_kind = 'artifact.put' AND p.state <> 'failed'
+          AND NOT EXISTS (SELECT 1 FROM effect_ledger d WHERE d.effect_id = 'delete-for-' || p.effect_id
+                          AND d.effect_kind = 'artifact.delete' AND d.state = 'verified') LIMIT 1) IS NOT NULL
+FROM task t WHERE t.task_id = ANY($1)`, ids, olderThan.Seconds())
+	if err != nil {
+		return nil, fmt.Errorf("read retention of %d tasks: %w", len(ids), err)
+	}
+	defer rows.Close()
+	for rows.Next() {
+		var (
+			id, status                                     string
+			old, keyed, unpublished, deadLetter, unsettled bool
+			undeleted                                      bool
+		)
+		if err := rows.Scan(&id, &status, &old, &keyed, &unpublished, &deadLetter, &unsettled, &undeleted); err != nil {
+			return nil, fmt.Errorf("read retention of %d tasks: %w", len(ids), err)
+		}
+		var reason string
+		switch {
+		case status != "completed" && status != "failed" && status != "compensated" && status != "cancelled":
+			reason = HoldNotTerminal
+		case !old:
+			reason = HoldInsideWindow
+		case keyed:
+			reason = HoldIdempotencyRecord
+		case unpublished:
+			reason = HoldUnpublishedEvent
+		case deadLetter:
+			reason = HoldDeadLetter
+		case unsettled:
+			reason = HoldEffect
+		case undeleted:
+			reason = HoldArtifact
+		}
+		holds[id] = reason
+	}
+	if err := rows.Err(); err != nil {
+		return nil, fmt.Errorf("read retention of %d tasks: %w", len(ids), err)
+	}
+	return holds, nil
+}
+
+// LockAll locks the tasks of ids that exist (FOR UPDATE, in task id order,
+// so that two batches lock their common tasks in the same order) and
+// returns each one's version: the retention batch's compare-and-set
+// (DeleteAll).
+func LockAll(ctx context.Context, q dbpool.Querier, ids []string) (map[string]int64, error) {
+	rows, err := q.Query(ctx, `SELECT task_id, version FROM task WHERE task_id = ANY($1) ORDER BY task_id FOR UPDATE`, ids)
+	if err != nil {
+		return nil, fmt.Errorf("lock %d tasks: %w", len(ids), err)
+	}
+	defer rows.Close()
+	versions := make(map[string]int64, len(ids))
+	for rows.Next() {
+		var id string
+		var v int64
+		if err := rows.Scan(&id, &v); err != nil {
+			return nil, fmt.Errorf("lock %d tasks: %w", len(ids), err)
+		}
+		versions[id] = v
+	}
+	if err := rows.Err(); err != nil {
+		return nil, fmt.Errorf("lock %d tasks: %w", len(ids), err)
+	}
+	return versions, nil
 }
 
 // Delete removes task id at version, terminal, with its input (task_input)
@@ -143,13 +193,32 @@ FROM task t WHERE t.task_id = $1`, id, olderThan.Seconds()).
 // references it first (effects, idempotency records: their foreign keys
 // refuse otherwise), in the same transaction, after Hold answered "".
 func Delete(ctx context.Context, q dbpool.Querier, id string, version int64) (bool, error) {
-	if _, err := q.Exec(ctx, `DELETE FROM task_input WHERE task_id = $1`, id); err != nil {
-		return false, fmt.Errorf("delete input of task %s: %w", id, err)
+	n, err := DeleteAll(ctx, q, map[string]int64{id: version})
+	return n == 1, err
+}
+
+// DeleteAll is Delete for each task of versions (task id -> version) and
+// returns how many tasks it removed; a task that moved keeps its row, but
+// its input is removed with the others', so call it only on tasks locked
+// at these versions (LockAll), in the transaction that checked Holds.
+func DeleteAll(ctx context.Context, q dbpool.Querier, versions map[string]int64) (int64, error) {
+	if len(versions) == 0 {
+		return 0, nil
+	}
+	ids := make([]string, 0, len(versions))
+	vs := make([]int64, 0, len(versions))
+	for id, v := range versions {
+		ids = append(ids, id)
+		vs = append(vs, v)
+	}
+	if _, err := q.Exec(ctx, `DELETE FROM task_input WHERE task_id = ANY($1)`, ids); err != nil {
+		return 0, fmt.Errorf("delete inputs of %d tasks: %w", len(ids), err)
 	}
 	tag, err := q.Exec(ctx, `
-DELETE FROM task WHERE task_id = $1 AND version = $2 AND status IN ('completed', 'failed', 'compensated', 'cancelled')`, id, version)
+DELETE FROM task t USING unnest($1::text[], $2::bigint[]) AS v(task_id, version)
+WHERE t.task_id = v.task_id AND t.version = v.version AND t.status IN ('completed', 'failed', 'compensated', 'cancelled')`, ids, vs)
 	if err != nil {
-		return false, fmt.Errorf("delete task %s: %w", id, err)
+		return 0, fmt.Errorf("delete %d tasks: %w", len(ids), err)
 	}
-	return tag.RowsAffected() == 1, nil
+	return tag.RowsAffected(), nil
 }

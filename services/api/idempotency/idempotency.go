@@ -270,21 +270,26 @@ func AppendCreateResponse(dst []byte, taskID, status string, version int64, inpu
 // skipped. It returns how many it removed. After removal the key may create
 // a new task: the retention window (the API's IdempotencyTTL, 24 h by
 // default) is public (README, OpenAPI).
+//
+// The records are taken in the table's order, not oldest first: an ORDER
+// BY expires_at (which the BRIN index on it cannot give) made each call
+// test every expired record and sort them to keep 100, 4.6 s for 20,000
+// expired records; without it the scan stops at the limit. The task's
+// status is read by its primary key (a scalar subquery: a status condition
+// inside the lookup let the planner walk the partial index of terminal
+// tasks instead, a whole index per record).
 func Purge(ctx context.Context, q dbpool.Querier, limit int) (int64, error) {
 	tag, err := q.Exec(ctx, `
 WITH victims AS (
   SELECT ir.scope, ir.idempotency_key FROM idempotency_record ir
   WHERE ir.expires_at < now()
     AND (ir.state IN ('failed_retryable', 'failed_final')
-      OR (ir.state = 'succeeded' AND EXISTS (
-        SELECT 1 FROM task t
-        WHERE t.task_id = ir.task_id
-          AND t.status IN ('completed', 'failed', 'compensated', 'cancelled')
-          AND NOT EXISTS (SELECT 1 FROM outbox_event o
-                          WHERE o.aggregate_id = t.task_id AND outbox_published_at(o) IS NULL AND o.decision IS NULL)
-          AND NOT EXISTS (SELECT 1 FROM effect_ledger e
-                          WHERE e.task_id = t.task_id AND e.state IN ('started', 'unknown', 'compensation_required')))))
-  ORDER BY ir.expires_at
+      OR (ir.state = 'succeeded'
+        AND (SELECT t.status FROM task t WHERE t.task_id = ir.task_id) IN ('completed', 'failed', 'compensated', 'cancelled')
+        AND NOT EXISTS (SELECT 1 FROM outbox_event o
+                        WHERE o.aggregate_id = ir.task_id AND outbox_published_at(o) IS NULL AND o.decision IS NULL)
+        AND NOT EXISTS (SELECT 1 FROM effect_ledger e
+                        WHERE e.task_id = ir.task_id AND e.state IN ('started', 'unknown', 'compensation_required'))))
   LIMIT $1
   FOR UPDATE OF ir SKIP LOCKED)
 DELETE FROM idempotency_record d USING victims v

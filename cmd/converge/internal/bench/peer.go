@@ -46,6 +46,26 @@ type PeerResult struct {
 	// Ratios of converge's median tasks/s to River's.
 	RatioToRiver      float64 `json:"ratio_to_river"`
 	RatioToRiverTuned float64 `json:"ratio_to_river_tuned"`
+	// Retention is the removal of the last converge run's tasks by the
+	// pipeline's reconciler, once they are past every retention window
+	// (nil when it was not measured).
+	Retention *RetentionRun `json:"retention,omitempty"`
+}
+
+// RetentionRun is what removing tasks past their retention costs: the
+// reconciler's idempotency, outbox and task retention (with each task's
+// artifact, through its ledger entry) over every task of a peer run, aged
+// past the windows at once. What a deployment spends on each task a second
+// time, a retention window after its processing.
+type RetentionRun struct {
+	Tasks       int     `json:"tasks"`
+	Seconds     float64 `json:"seconds"` // aged -> no task left
+	TasksPerSec float64 `json:"tasks_per_sec"`
+	// CPUMsPerTask: the converge process and PostgreSQL, per removed task;
+	// PostgresMsPerTask is PostgreSQL's part.
+	CPUMsPerTask      float64 `json:"cpu_ms_per_task"`
+	PostgresMsPerTask float64 `json:"postgres_ms_per_task"`
+	CommitsPerTask    float64 `json:"commits_per_task"`
 }
 
 // PeerRun is one run of one system.
@@ -125,6 +145,22 @@ func runPeer(ctx context.Context, e *env, res *Results) error {
 					if err = e.resetStatements(ctx); err == nil {
 						r, err = conv.run(ctx, run)
 					}
+					// One CPU profile at a time: the run's ends here. Its
+					// statements are read before retention's are added.
+					stop()
+					stop = func() {}
+					if err == nil {
+						r.Statements, err = e.readStatements(ctx, db, e.cfg.PeerTasks)
+					}
+					if err == nil && run == e.cfg.Runs-1 {
+						stopRetention := e.profile("peer-converge-retention")
+						pr.Retention, err = conv.retention(ctx)
+						stopRetention()
+						if err == nil {
+							e.progress("peer    converge    retention: %d tasks removed in %.1fs = %.0f tasks/s; %.2f ms CPU (PostgreSQL %.2f), %.2f commits per task",
+								pr.Retention.Tasks, pr.Retention.Seconds, pr.Retention.TasksPerSec, pr.Retention.CPUMsPerTask, pr.Retention.PostgresMsPerTask, pr.Retention.CommitsPerTask)
+						}
+					}
 					conv.stop()
 				}
 				stop()
@@ -134,8 +170,10 @@ func runPeer(ctx context.Context, e *env, res *Results) error {
 			if err != nil {
 				return fmt.Errorf("%s run %d: %w", system, run+1, err)
 			}
-			if r.Statements, err = e.readStatements(ctx, db, e.cfg.PeerTasks); err != nil {
-				return fmt.Errorf("%s run %d: %w", system, run+1, err)
+			if system != peerConverge {
+				if r.Statements, err = e.readStatements(ctx, db, e.cfg.PeerTasks); err != nil {
+					return fmt.Errorf("%s run %d: %w", system, run+1, err)
+				}
 			}
 			e.progress("peer    %-11s run %d: %d tasks in %.2fs (created in %.2fs) = %.0f tasks/s; %.2f ms CPU, %.2f xids, %.2f commits per task",
 				system, run+1, e.cfg.PeerTasks, r.Seconds, r.CreateSeconds, r.TasksPerSec, r.CPUMsPerTask, r.XIDsPerTask, r.CommitsPerTask)
@@ -455,6 +493,66 @@ WHERE i.idempotency_key LIKE $1 || '%'`, prefix).Scan(&done, &secs, &createSecs)
 		CPUMsPerTask: round2((cpu.Converge + cpu.Postgres) * wall.Seconds() * 1000 / n),
 		XIDsPerTask:  round2(float64(xid1-xid0-1) / n), CommitsPerTask: round2(float64(xact1-xact0) / n),
 		PostgresMsPerTask: pgByApp}, nil
+}
+
+// retention ages every task of the pipeline's database past the retention
+// windows (task, idempotency record and outbox row: the reconciler's
+// defaults, 30 days, 24 hours and 7 days) and measures the pipeline's
+// reconciler removing them all, with their artifacts: the rate, and the
+// CPU and commits per removed task. It fails when tasks are still left
+// after 10 minutes.
+func (p *peerPipeline) retention(ctx context.Context) (*RetentionRun, error) {
+	e := p.e
+	var n int
+	if err := p.pool.QueryRow(ctx, `SELECT count(*) FROM task`).Scan(&n); err != nil || n == 0 {
+		return nil, fmt.Errorf("retention: %d tasks (%v)", n, err)
+	}
+	xact0, err := settledXactCommit(ctx, p.pool, p.db)
+	if err != nil {
+		return nil, err
+	}
+	// The ages are written in one transaction, before the measurement
+	// starts (the reconciler may start on them a few milliseconds before
+	// it).
+	if _, err := p.pool.Exec(ctx, `
+UPDATE task SET created_at = created_at - interval '31 days', updated_at = updated_at - interval '31 days';
+UPDATE idempotency_record SET created_at = created_at - interval '2 days', expires_at = now() - interval '1 minute';
+UPDATE outbox_event SET created_at = created_at - interval '8 days'`); err != nil {
+		return nil, fmt.Errorf("retention: age the rows: %w", err)
+	}
+	if err := e.resetStatements(ctx); err != nil {
+		return nil, err
+	}
+	m := e.cpuStart()
+	deadline := time.Now().Add(10 * time.Minute)
+	for left := n; left > 0; {
+		if time.Now().After(deadline) {
+			return nil, fmt.Errorf("retention: %d of %d tasks left after 10 minutes", left, n)
+		}
+		select {
+		case <-ctx.Done():
+			return nil, ctx.Err()
+		case <-time.After(500 * time.Millisecond):
+		}
+		if err := p.pool.QueryRow(ctx, `SELECT count(*) FROM task`).Scan(&left); err != nil {
+			return nil, err
+		}
+	}
+	wall := time.Since(m.start)
+	cpu := m.stop(0)
+	xact1, err := settledXactCommit(ctx, p.pool, p.db)
+	if err != nil {
+		return nil, err
+	}
+	st, err := e.readStatements(ctx, p.db, n)
+	if err != nil {
+		return nil, err
+	}
+	e.printStatements("converge-retention", 0, st)
+	return &RetentionRun{Tasks: n, Seconds: round2(wall.Seconds()), TasksPerSec: round2(float64(n) / wall.Seconds()),
+		CPUMsPerTask:      round2((cpu.Converge + cpu.Postgres) * wall.Seconds() * 1000 / float64(n)),
+		PostgresMsPerTask: round2(cpu.Postgres * wall.Seconds() * 1000 / float64(n)),
+		CommitsPerTask:    round2(float64(xact1-xact0) / float64(n))}, nil
 }
 
 // backend is one PostgreSQL backend's application_name and CPU time so far.
