@@ -244,20 +244,14 @@ DELETE FROM dead_letter WHERE dead_letter_id IN (
 	return tag.RowsAffected(), nil
 }
 
-// DeleteOfTask removes the dead letters of task taskID that no longer wait
+// DeleteOfTasks removes the dead letters of the tasks of taskIDs that no longer wait
 // for anyone — resolved, or replayed (a replay that failed again was
 // recorded as a new dead letter) — and returns how many: the retention of
 // the task (issue 13), which keeps a task while one of its dead letters is
 // parked or refused (task.Hold). A dead letter of a removed task could
 // only re-publish a record about a task that is gone, and its value holds
 // the task's data, so it goes with the task. Parked and refused ones are
-// never removed.
-func DeleteOfTask(ctx context.Context, q dbpool.Querier, taskID string) (int64, error) {
-	return DeleteOfTasks(ctx, q, []string{taskID})
-}
-
-// DeleteOfTasks is DeleteOfTask for every task of taskIDs, in one
-// statement.
+// never removed. One statement for the whole batch.
 func DeleteOfTasks(ctx context.Context, q dbpool.Querier, taskIDs []string) (int64, error) {
 	if len(taskIDs) == 0 {
 		return 0, nil

@@ -76,7 +76,7 @@
 //     an event unpublished, a dead letter parked or refused, an effect not
 //     settled) or an inbox row of its events is processing. Otherwise its
 //     artifacts are deleted first, each under its own artifact.delete
-//     ledger entry (ledger.DeleteArtifact: ledger row, store Delete,
+//     ledger entry (ledger.DeleteArtifacts: ledger row, store DeleteMany,
 //     observe gone, verified; a crash between two steps is resumed with the
 //     same token, fault points retention.after-delete-planned and
 //     retention.after-artifact-delete), then one transaction removes, in
@@ -84,6 +84,10 @@
 //     inbox rows, effects, outbox rows, input and the task, after checking
 //     Hold again under the locks; then its Redis view is removed (a
 //     failure counts as an error; the view then expires with its TTL).
+//     Tasks go a batch of BatchSize at a time (the batch's ledger writes,
+//     the store's fsyncs and the removal transaction shared), batch after
+//     batch while they come back full, for up to RetentionBudget per pass;
+//     the keys and outbox rows above too.
 //   - Dead letters: parked or refused dead letters whose task has
 //     completed since (by another route) are resolved — nothing is left to
 //     replay (deadletter.Store.ResolveCompleted, "dead_letter_resolved") —

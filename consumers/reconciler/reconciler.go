@@ -83,7 +83,7 @@ const (
 	ActionInboxPurged = "inbox_purged"
 	// ActionArtifactDeleted: an artifact of a task past TaskRetention was
 	// removed from the store under its own artifact.delete ledger entry,
-	// verified by observing it gone (ledger.DeleteArtifact).
+	// verified by observing it gone (ledger.DeleteArtifacts).
 	ActionArtifactDeleted = "artifact_deleted"
 	// ActionTaskPurged: a settled task past TaskRetention was removed with
 	// its input, effects, outbox and inbox rows and dead letters, in one

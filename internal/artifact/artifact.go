@@ -949,8 +949,9 @@ func (s *Store) hideFile(name string) error {
 // copy-on-write filesystems (btrfs, ZFS) the old blocks may persist until
 // reused. Deleting an absent object is not an error (the call is
 // idempotent: a deletion retried after a crash finds it done). Only the
-// retention of whole tasks calls it, under its own ledger entry
-// (ledger.DeleteArtifact, kind artifact.delete); Gone verifies it.
+// retention of whole tasks calls it (through DeleteMany), under each
+// object's own ledger entry
+// (ledger.DeleteArtifacts, kind artifact.delete); Gone verifies it.
 func (s *Store) Delete(token string) error {
 	return s.DeleteMany([]string{token})[0]
 }

@@ -422,17 +422,9 @@ func DeleteMessages(ctx context.Context, q dbpool.Querier, ids []string) (int64,
 	return tag.RowsAffected(), nil
 }
 
-// AnyProcessing reports whether a consumer has one of the messages ids in
-// state Processing (a delivery whose outcome is not durable yet): the
-// retention of their task waits.
-func AnyProcessing(ctx context.Context, q dbpool.Querier, ids []string) (bool, error) {
-	busy, err := ProcessingOf(ctx, q, ids)
-	return len(busy) > 0, err
-}
-
 // ProcessingOf returns which of the messages ids a consumer has in state
-// Processing (AnyProcessing for a batch of tasks' messages, in one
-// statement after the consumers' names).
+// Processing (a delivery whose outcome is not durable yet): the retention
+// of their tasks waits. One statement after the consumers' names.
 func ProcessingOf(ctx context.Context, q dbpool.Querier, ids []string) (map[string]bool, error) {
 	busy := map[string]bool{}
 	if len(ids) == 0 {

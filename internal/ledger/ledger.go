@@ -25,7 +25,7 @@ const (
 	KindArtifactHide Kind = "artifact.hide"
 	// KindArtifactDelete removes an artifact.put's object (readable or
 	// hidden) for good: the retention of a whole task (issue 13, seed 3.3;
-	// DeleteArtifact).
+	// DeleteArtifacts).
 	KindArtifactDelete Kind = "artifact.delete"
 )
 
@@ -86,7 +86,7 @@ func CompensationToken(effectID string) string { return "compensation-for-" + ef
 
 // DeleteToken is the token (and effect id) of the deletion of the object of
 // artifact.put effect putEffectID: "delete-for-<effect_id>" (retention,
-// DeleteArtifact). One put, one deletion token, whoever computes it.
+// DeleteArtifacts). One put, one deletion token, whoever computes it.
 func DeleteToken(putEffectID string) string { return "delete-for-" + putEffectID }
 
 // NewPut is the ledger row of the artifact.put of a task attempt whose

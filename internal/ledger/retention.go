@@ -17,17 +17,12 @@ import (
 // the store hold nothing under the put's token — and only then the task's
 // ledger rows go with the task (DeleteOfTask).
 
-// Undeleted returns the task's artifact.put effects whose object may be in
-// the store (readable or hidden) and whose deletion is not verified yet:
-// every put but the failed ones (a failed put never reached the store: its
-// token was invalid), without a verified artifact.delete effect of token
-// DeleteToken(put). Oldest attempt first.
-func Undeleted(ctx context.Context, q dbpool.Querier, taskID string) ([]Effect, error) {
-	return UndeletedOf(ctx, q, []string{taskID})
-}
-
-// UndeletedOf is Undeleted for every task of taskIDs, in one statement:
-// ordered by task, then oldest attempt first.
+// UndeletedOf returns the artifact.put effects of the tasks of taskIDs
+// whose object may be in the store (readable or hidden) and whose deletion
+// is not verified yet: every put but the failed ones (a failed put never
+// reached the store: its token was invalid), without a verified
+// artifact.delete effect of token DeleteToken(put). One statement, ordered
+// by task, then oldest attempt first.
 func UndeletedOf(ctx context.Context, q dbpool.Querier, taskIDs []string) ([]Effect, error) {
 	if len(taskIDs) == 0 {
 		return nil, nil
@@ -49,7 +44,7 @@ ORDER BY p.task_id, p.attempt, p.effect_id`, taskIDs)
 	return effects, nil
 }
 
-// Deletion is how DeleteArtifact ended.
+// Deletion is how the deletion of one artifact ended (DeleteArtifacts).
 type Deletion struct {
 	// DeleteID is the deletion's effect id (DeleteToken of the put).
 	DeleteID string
@@ -60,37 +55,30 @@ type Deletion struct {
 	Verified bool
 }
 
-// DeleteArtifact removes the object of artifact.put effect put from the
-// store for good (retention of its task): the ledger row of kind
-// artifact.delete with token DeleteToken(put.EffectID) is written first
-// (NewDelete, state started); unless it is verified already, the store
-// removes put's token (artifact.Store.Delete: readable and hidden object;
-// absent counts as done), the store is observed to hold nothing under it
+// DeleteArtifacts removes the object of each artifact.put effect of puts
+// from the store for good (retention of their tasks): for each, the ledger
+// row of kind artifact.delete with token DeleteToken(put.EffectID) is
+// written first (NewDelete, state started); unless it is verified already,
+// the store removes put's token (readable and hidden object; absent counts
+// as done), the store is observed to hold nothing under it
 // (artifact.Store.Gone), and the deletion moves started -> verified by
-// compare-and-set. An error leaves the deletion started: the next call
+// compare-and-set. An error leaves a deletion started: the next call
 // resumes it with the same token (removing an absent object again is
 // harmless). Fault points (keys: task id): fault.RetentionAfterDeletePlanned
 // after the ledger row, fault.RetentionAfterArtifactDelete after the
 // removal.
-func DeleteArtifact(ctx context.Context, q dbpool.Querier, store *artifact.Store, faults *fault.Set, put Effect) (Deletion, error) {
-	d, errs, err := DeleteArtifacts(ctx, q, store, faults, []Effect{put})
-	if err != nil {
-		return d[0], err
-	}
-	return d[0], errs[0]
-}
-
-// DeleteArtifacts is DeleteArtifact for each of puts, the ledger's writes
-// and the store's fsyncs of all of them together: the deletions' rows in
-// one batch of statements (one implicit transaction outside a
-// transaction), then the objects removed together (artifact.Store.DeleteMany)
-// and each observed gone, then the verified ones moved to verified in one
-// batch. It returns, for each put in its order, how
-// its deletion ended and its own error (a put whose removal failed, or a
-// fault point that fired for its task, is left started, and the next call
-// resumes it with the same token; the others go on). err is set when a
-// batch failed: then no deletion of the batch is verified by this
-// call (those whose objects were removed are resumed as above).
+//
+// The ledger's writes and the store's fsyncs of all of them go together:
+// the deletions' rows in one batch of statements (one implicit transaction
+// outside a transaction), then the objects removed together
+// (artifact.Store.DeleteMany) and each observed gone, then the verified
+// ones moved to verified in one batch. It returns, for each put in its
+// order, how its deletion ended and its own error (a put whose removal
+// failed, or a fault point that fired for its task, is left started, and
+// the next call resumes it with the same token; the others go on). err is
+// set when a batch of statements failed: then no deletion of the batch is
+// verified by this call (those whose objects were removed are resumed as
+// above).
 func DeleteArtifacts(ctx context.Context, q dbpool.Querier, store *artifact.Store, faults *fault.Set, puts []Effect) (ds []Deletion, errs []error, err error) {
 	ds, errs = make([]Deletion, len(puts)), make([]error, len(puts))
 	if len(puts) == 0 {
@@ -175,16 +163,10 @@ SELECT EXISTS (SELECT 1 FROM effect_ledger p JOIN effect_ledger d
 	return ok, nil
 }
 
-// DeleteOfTask removes every effect of task taskID (its puts, hides and
-// deletions) and returns how many: the task's removal, once Undeleted is
-// empty and every effect settled (task.Hold), in the transaction that
-// removes the task.
-func DeleteOfTask(ctx context.Context, q dbpool.Querier, taskID string) (int64, error) {
-	return DeleteOfTasks(ctx, q, []string{taskID})
-}
-
-// DeleteOfTasks is DeleteOfTask for every task of taskIDs, in one
-// statement.
+// DeleteOfTasks removes every effect of the tasks of taskIDs (their
+// puts, hides and deletions) and returns how many, in one statement: the
+// tasks' removal, once UndeletedOf is empty and every effect settled
+// (task.Holds), in the transaction that removes the tasks.
 func DeleteOfTasks(ctx context.Context, q dbpool.Querier, taskIDs []string) (int64, error) {
 	if len(taskIDs) == 0 {
 		return 0, nil

@@ -334,16 +334,9 @@ func DeletePurgeable(ctx context.Context, q dbpool.Querier, ids []string) (int64
 	return int64(len(xids)), deleteOrphanTransactions(ctx, q, xids)
 }
 
-// IDsOfTask returns the ids of the outbox rows of task taskID (the message
-// ids of its events), through the unique (aggregate_id, ...) index.
-func IDsOfTask(ctx context.Context, q dbpool.Querier, taskID string) ([]string, error) {
-	ids, err := IDsOfTasks(ctx, q, []string{taskID})
-	return ids[taskID], err
-}
-
-// IDsOfTasks is IDsOfTask for each of taskIDs in one statement: task id ->
-// the ids of its outbox rows, oldest first (a task without rows has no
-// entry).
+// IDsOfTasks returns, for each of taskIDs, the ids of its outbox rows (the
+// message ids of its events), oldest first, in one statement through the
+// unique (aggregate_id, ...) index (a task without rows has no entry).
 func IDsOfTasks(ctx context.Context, q dbpool.Querier, taskIDs []string) (map[string][]string, error) {
 	rows, err := q.Query(ctx, `SELECT aggregate_id, outbox_id FROM outbox_event WHERE aggregate_id = ANY($1) ORDER BY aggregate_id, created_xid`, taskIDs)
 	if err != nil {
@@ -364,20 +357,14 @@ func IDsOfTasks(ctx context.Context, q dbpool.Querier, taskIDs []string) (map[st
 	return ids, nil
 }
 
-// DeleteOfTask removes the outbox rows of task taskID that are published, or
-// parked and decided, and the records of their transactions that no row is
-// left of, and returns how many rows it removed: the task's removal by
-// retention, which first checked that no other row of it is left
-// (task.Hold).
-func DeleteOfTask(ctx context.Context, q dbpool.Querier, taskID string) (int64, error) {
-	return DeleteOfTasks(ctx, q, []string{taskID})
-}
-
-// DeleteOfTasks is DeleteOfTask for every task of taskIDs, in one
-// statement (and one for the records of their transactions: rows of
-// several tasks created by one transaction, as the API's group commit
-// creates them, leave its record only when the last of them goes, which
-// one transaction removing them all sees).
+// DeleteOfTasks removes the outbox rows of the tasks of taskIDs that are
+// published, or parked and decided, and the records of their transactions
+// that no row is left of, and returns how many rows it removed: the
+// removal of tasks by retention, which first checked that no other row of
+// them is left (task.Holds). One statement for the rows, one for the
+// records (rows of several tasks created by one transaction, as the API's
+// group commit creates them, leave its record only when the last of them
+// goes, which one transaction removing them all sees).
 func DeleteOfTasks(ctx context.Context, q dbpool.Querier, taskIDs []string) (int64, error) {
 	if len(taskIDs) == 0 {
 		return 0, nil

@@ -154,8 +154,8 @@ func TestRecordTransactions(t *testing.T) {
 	if got := records(); got != 1 {
 		t.Fatalf("%d transaction records after the last row of a transaction went, want 1", got)
 	}
-	if n, err := outbox.DeleteOfTask(ctx, db.Pool, "q"); err != nil || n != 1 {
-		t.Fatalf("DeleteOfTask(q) = %d, %v", n, err)
+	if n, err := outbox.DeleteOfTasks(ctx, db.Pool, []string{"q"}); err != nil || n != 1 {
+		t.Fatalf("DeleteOfTasks(q) = %d, %v", n, err)
 	}
 	if got := records(); got != 1 {
 		t.Fatalf("%d transaction records while parked p is left, want 1", got)

@@ -38,8 +38,8 @@ const (
 	HoldEffect = "unsettled_effect"
 	// HoldArtifact: only its artifacts are left — an artifact.put whose
 	// object may be in the store without a verified artifact.delete
-	// (ledger.Undeleted). Not a reason to keep the task: the reconciler
-	// deletes them (ledger.DeleteArtifact), then removes the rows.
+	// (ledger.UndeletedOf). Not a reason to keep the task: the reconciler
+	// deletes them (ledger.DeleteArtifacts), then removes the rows.
 	HoldArtifact = "artifact_not_deleted"
 )
 
@@ -87,7 +87,7 @@ LIMIT $4`, olderThan.Seconds(), after.UpdatedAt, after.TaskID, limit)
 // Hold reports why task id must be kept past the task window olderThan
 // (one of the Hold* reasons, the first that applies in their order above),
 // or "" when every row of it may be removed; found is false when the task
-// does not exist. Inbox rows are the inbox's to judge (inbox.AnyProcessing
+// does not exist. Inbox rows are the inbox's to judge (inbox.ProcessingOf
 // on the task's outbox ids). Under locks on the task's rows (Lock), the
 // answer holds until the transaction ends for everything but rows inserted
 // meanwhile, which none of converge's writers inserts for a settled task.
@@ -187,20 +187,13 @@ func LockAll(ctx context.Context, q dbpool.Querier, ids []string) (map[string]in
 	return versions, nil
 }
 
-// Delete removes task id at version, terminal, with its input (task_input)
-// and reports whether it did: false, removing nothing, when the task moved
-// since it was read (a compare-and-set). The caller removed every row that
-// references it first (effects, idempotency records: their foreign keys
-// refuse otherwise), in the same transaction, after Hold answered "".
-func Delete(ctx context.Context, q dbpool.Querier, id string, version int64) (bool, error) {
-	n, err := DeleteAll(ctx, q, map[string]int64{id: version})
-	return n == 1, err
-}
-
-// DeleteAll is Delete for each task of versions (task id -> version) and
-// returns how many tasks it removed; a task that moved keeps its row, but
-// its input is removed with the others', so call it only on tasks locked
-// at these versions (LockAll), in the transaction that checked Holds.
+// DeleteAll removes each task of versions (task id -> version), terminal,
+// with its input (task_input), and returns how many tasks it removed: a
+// task that moved since it was read keeps its row (a compare-and-set), but
+// its input is removed with the others', so call it only on tasks locked at
+// these versions (LockAll), in the transaction that checked Holds and first
+// removed every row that references them (effects, idempotency records:
+// their foreign keys refuse otherwise).
 func DeleteAll(ctx context.Context, q dbpool.Querier, versions map[string]int64) (int64, error) {
 	if len(versions) == 0 {
 		return 0, nil
