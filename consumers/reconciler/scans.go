@@ -65,18 +65,28 @@ func (r *Reconciler) scans(ctx context.Context, res *Result) error {
 func (r *Reconciler) scanRetention(ctx context.Context, res *Result) error {
 	deadline := time.Now().Add(r.cfg.RetentionBudget)
 	more := func(n int) bool { return n >= r.cfg.BatchSize && time.Now().Before(deadline) && ctx.Err() == nil }
-	var n, m, in, dl int64
-	for {
-		k, err := idempotency.Purge(ctx, r.pool, r.cfg.BatchSize)
-		if err != nil {
-			return err
+	// drain runs purge, a batch at a time, while more: the rows it
+	// removed are counted as action in the metrics and in *count.
+	drain := func(purge func() (int64, error), action string, count *int) (int64, error) {
+		var total int64
+		for {
+			k, err := purge()
+			if err != nil {
+				return total, err
+			}
+			r.m.actions.WithLabelValues(action).Add(float64(k))
+			*count += int(k)
+			total += k
+			if !more(int(k)) {
+				return total, nil
+			}
 		}
-		r.m.actions.WithLabelValues(ActionIdempotencyExpired).Add(float64(k))
-		res.IdempotencyExpired += int(k)
-		n += k
-		if !more(int(k)) {
-			break
-		}
+	}
+	var m, in int64
+	n, err := drain(func() (int64, error) { return idempotency.Purge(ctx, r.pool, r.cfg.BatchSize) },
+		ActionIdempotencyExpired, &res.IdempotencyExpired)
+	if err != nil {
+		return err
 	}
 	for {
 		ids, err := r.backlog.Purgeable(ctx, r.pool, r.cfg.OutboxRetention, r.cfg.BatchSize)
@@ -98,17 +108,10 @@ func (r *Reconciler) scanRetention(ctx context.Context, res *Result) error {
 			break
 		}
 	}
-	for {
-		k, err := deadletter.DeleteOrphans(ctx, r.pool, r.cfg.TaskRetention, r.cfg.BatchSize)
-		if err != nil {
-			return err
-		}
-		r.m.actions.WithLabelValues(ActionDeadLetterPurged).Add(float64(k))
-		res.DeadLettersPurged += int(k)
-		dl += k
-		if !more(int(k)) {
-			break
-		}
+	dl, err := drain(func() (int64, error) { return deadletter.DeleteOrphans(ctx, r.pool, r.cfg.TaskRetention, r.cfg.BatchSize) },
+		ActionDeadLetterPurged, &res.DeadLettersPurged)
+	if err != nil {
+		return err
 	}
 	if n > 0 || m > 0 || in > 0 || dl > 0 {
 		r.log.InfoContext(ctx, "retention", slog.Int64("idempotency_records", n), slog.Int64("outbox_rows", m), slog.Int64("inbox_rows", in),
