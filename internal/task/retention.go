@@ -207,9 +207,12 @@ func DeleteAll(ctx context.Context, q dbpool.Querier, versions map[string]int64)
 	if _, err := q.Exec(ctx, `DELETE FROM task_input WHERE task_id = ANY($1)`, ids); err != nil {
 		return 0, fmt.Errorf("delete inputs of %d tasks: %w", len(ids), err)
 	}
+	// The tasks are named by their primary key (ANY); a join with the
+	// (id, version) pairs let the planner hash the whole table instead.
 	tag, err := q.Exec(ctx, `
-DELETE FROM task t USING unnest($1::text[], $2::bigint[]) AS v(task_id, version)
-WHERE t.task_id = v.task_id AND t.version = v.version AND t.status IN ('completed', 'failed', 'compensated', 'cancelled')`, ids, vs)
+DELETE FROM task t
+WHERE t.task_id = ANY($1::text[]) AND t.version = ($2::bigint[])[array_position($1::text[], t.task_id)]
+  AND t.status IN ('completed', 'failed', 'compensated', 'cancelled')`, ids, vs)
 	if err != nil {
 		return 0, fmt.Errorf("delete %d tasks: %w", len(ids), err)
 	}

@@ -275,9 +275,11 @@ func AppendCreateResponse(dst []byte, taskID, status string, version int64, inpu
 // BY expires_at (which the BRIN index on it cannot give) made each call
 // test every expired record and sort them to keep 100, 4.6 s for 20,000
 // expired records; without it the scan stops at the limit. The task's
-// status is read by its primary key (a scalar subquery: a status condition
-// inside the lookup let the planner walk the partial index of terminal
-// tasks instead, a whole index per record).
+// status is read by its primary key, and each other question is a
+// subquery with LIMIT 1 by the task's id: a status condition inside the
+// lookup let the planner walk the partial index of terminal tasks instead
+// (a whole index per record), and NOT EXISTS, pulled up into an anti-join,
+// let it hash the whole outbox (TestPassReadsOnlyWhatItLooksFor).
 func Purge(ctx context.Context, q dbpool.Querier, limit int) (int64, error) {
 	tag, err := q.Exec(ctx, `
 WITH victims AS (
@@ -286,10 +288,10 @@ WITH victims AS (
     AND (ir.state IN ('failed_retryable', 'failed_final')
       OR (ir.state = 'succeeded'
         AND (SELECT t.status FROM task t WHERE t.task_id = ir.task_id) IN ('completed', 'failed', 'compensated', 'cancelled')
-        AND NOT EXISTS (SELECT 1 FROM outbox_event o
-                        WHERE o.aggregate_id = ir.task_id AND outbox_published_at(o) IS NULL AND o.decision IS NULL)
-        AND NOT EXISTS (SELECT 1 FROM effect_ledger e
-                        WHERE e.task_id = ir.task_id AND e.state IN ('started', 'unknown', 'compensation_required'))))
+        AND (SELECT true FROM outbox_event o
+             WHERE o.aggregate_id = ir.task_id AND outbox_published_at(o) IS NULL AND o.decision IS NULL LIMIT 1) IS NULL
+        AND (SELECT true FROM effect_ledger e
+             WHERE e.task_id = ir.task_id AND e.state IN ('started', 'unknown', 'compensation_required') LIMIT 1) IS NULL))
   LIMIT $1
   FOR UPDATE OF ir SKIP LOCKED)
 DELETE FROM idempotency_record d USING victims v
