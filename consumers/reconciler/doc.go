@@ -127,4 +127,5 @@
 //	converge_outbox_unpublished_rows                 gauge     outbox rows unpublished for longer than OutboxThreshold
 //	converge_outbox_oldest_unpublished_age_seconds   gauge     age of the oldest unpublished outbox row (0 when none; parked rows excluded)
 //	converge_outbox_parked_rows                      gauge     parked outbox rows not yet republished or discarded
+//	converge_reconciler_expired_tasks                gauge     terminal tasks past TaskRetention still present after the pass (kept, or not reached yet), up to 10001
 package reconciler

@@ -590,6 +590,7 @@ type metrics struct {
 	outboxRows   prometheus.Gauge
 	outboxAge    prometheus.Gauge
 	outboxParked prometheus.Gauge
+	expiredTasks prometheus.Gauge
 }
 
 func newMetrics(reg prometheus.Registerer) (*metrics, error) {
@@ -623,6 +624,10 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 			Name: "converge_outbox_parked_rows",
 			Help: "Outbox rows the relay parked (it cannot publish them) that no one has republished or discarded yet (converge outbox list), at the last pass.",
 		}),
+		expiredTasks: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "converge_reconciler_expired_tasks",
+			Help: "Terminal tasks past the task retention window still in the database after the last pass's retention (kept for a reason, or not reached yet), counted up to 10001. Growing: retention falls behind the rate tasks are created at.",
+		}),
 	}
 	for _, k := range []string{ActionVerified, ActionPlanned, ActionCompensationRequired, ActionCompensated, ActionSkipped, ActionError,
 		ActionCompensationObserved, ActionInboxReleased, ActionTaskRedriven, ActionIdempotencyResolved, ActionCacheRepaired, ActionDeadLetterRecorded, ActionDeadLetterResolved, ActionSuperseded, ActionOutboxRepublished, ActionIdempotencyExpired, ActionOutboxPurged,
@@ -632,7 +637,7 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 	for _, r := range []string{"ok", "error"} {
 		m.passes.WithLabelValues(r) // exported at 0 before the first pass
 	}
-	for _, c := range []prometheus.Collector{m.actions, m.passes, m.passSeconds, m.unresolved, m.outboxRows, m.outboxAge, m.outboxParked} {
+	for _, c := range []prometheus.Collector{m.actions, m.passes, m.passSeconds, m.unresolved, m.outboxRows, m.outboxAge, m.outboxParked, m.expiredTasks} {
 		if err := reg.Register(c); err != nil {
 			return nil, fmt.Errorf("reconciler: register metrics: %w", err)
 		}

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"log/slog"
+	"maps"
 	"slices"
 	"time"
 
@@ -108,7 +109,9 @@ func (r *Reconciler) scanRetention(ctx context.Context, res *Result) error {
 			break
 		}
 	}
-	dl, err := drain(func() (int64, error) { return deadletter.DeleteOrphans(ctx, r.pool, r.cfg.TaskRetention, r.cfg.BatchSize) },
+	dl, err := drain(func() (int64, error) {
+		return deadletter.DeleteOrphans(ctx, r.pool, r.cfg.TaskRetention, r.cfg.BatchSize)
+	},
 		ActionDeadLetterPurged, &res.DeadLettersPurged)
 	if err != nil {
 		return err
@@ -119,11 +122,24 @@ func (r *Reconciler) scanRetention(ctx context.Context, res *Result) error {
 	}
 	for {
 		examined, err := r.purgeTasks(ctx, res)
-		if err != nil || !more(examined) {
+		if err != nil {
 			return err
 		}
+		if !more(examined) {
+			break
+		}
 	}
+	left, err := task.CountExpired(ctx, r.pool, r.cfg.TaskRetention, expiredCountCap)
+	if err != nil {
+		return err
+	}
+	r.m.expiredTasks.Set(float64(left))
+	return nil
 }
+
+// expiredCountCap bounds the count behind converge_reconciler_expired_tasks
+// (task.CountExpired reads at most this many index entries per pass).
+const expiredCountCap = 10001
 
 // purgeTasks examines at most BatchSize terminal tasks last updated more
 // than TaskRetention ago (task.Expired: oldest first, from a cursor past
@@ -223,12 +239,37 @@ func (r *Reconciler) purgeBatch(ctx context.Context, res *Result, ids []string) 
 		ready = slices.DeleteFunc(ready, func(id string) bool { return failed[id] })
 	}
 	rm, err := removeTasks(ctx, r.pool, ready, r.cfg.TaskRetention)
+	if err != nil && len(ready) > 1 {
+		// One task may fail the batch's transaction: each alone, so that
+		// it fails alone and the others go.
+		r.log.WarnContext(ctx, "task retention: remove a batch; each task alone", slog.Int("tasks", len(ready)), slog.Any("err", err))
+		rm, err = removed{kept: map[string]string{}}, nil
+		for _, id := range ready {
+			one, err := removeTasks(ctx, r.pool, []string{id}, r.cfg.TaskRetention)
+			if err != nil {
+				r.log.WarnContext(ctx, "task retention: remove task", slog.String("task_id", id), slog.Any("err", err))
+				r.act(res, ActionError, nil)
+				continue
+			}
+			rm.tasks = append(rm.tasks, one.tasks...)
+			maps.Copy(rm.kept, one.kept)
+			rm.deadLetters += one.deadLetters
+			rm.inbox += one.inbox
+			rm.effects += one.effects
+			rm.outbox += one.outbox
+		}
+	}
 	if err != nil {
 		fail("task retention: remove tasks", err)
 		return
 	}
 	for _, id := range ready {
-		if hold, ok := rm.kept[id]; ok {
+		switch hold, ok := rm.kept[id]; {
+		case !ok:
+		case hold == "not_found":
+			// removed meanwhile (another reconciler)
+			r.log.DebugContext(ctx, "expired task gone meanwhile", slog.String("task_id", id))
+		default:
 			r.log.InfoContext(ctx, "expired task kept: it changed since it was read", slog.String("task_id", id), slog.String("reason", hold))
 			res.TasksKept++
 		}
@@ -255,14 +296,14 @@ func (r *Reconciler) purgeBatch(ctx context.Context, res *Result, ids []string) 
 // deleteArtifacts deletes the artifacts of the tasks of ids that may still
 // be in the store (ledger.UndeletedOf, ledger.DeleteArtifacts) and returns
 // the tasks whose deletion failed (each logged and counted as an error):
-// they stay for the next pass. err: the batch's reads or ledger writes
+// they stay for the next pass. err: the batch's read of its artifacts
 // failed, and no task of ids may be removed now.
 func (r *Reconciler) deleteArtifacts(ctx context.Context, res *Result, ids []string) (failed map[string]bool, err error) {
 	puts, err := ledger.UndeletedOf(ctx, r.pool, ids)
 	if err != nil {
 		return nil, err
 	}
-	ds, errs, err := ledger.DeleteArtifacts(ctx, r.pool, r.store, r.cfg.Faults, puts)
+	ds, errs := ledger.DeleteArtifacts(ctx, r.pool, r.store, r.cfg.Faults, puts)
 	failed = map[string]bool{}
 	for i, p := range puts {
 		switch {
@@ -277,7 +318,7 @@ func (r *Reconciler) deleteArtifacts(ctx context.Context, res *Result, ids []str
 			r.act(res, ActionArtifactDeleted, &res.ArtifactsDeleted)
 		}
 	}
-	return failed, err
+	return failed, nil
 }
 
 // holdInboxProcessing: an inbox row of one of the task's events is

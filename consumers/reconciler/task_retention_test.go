@@ -10,6 +10,8 @@ import (
 	"testing"
 	"time"
 
+	dto "github.com/prometheus/client_model/go"
+
 	"github.com/converge-run/converge/internal/artifact"
 	"github.com/converge-run/converge/internal/fault"
 	"github.com/converge-run/converge/internal/inbox"
@@ -577,5 +579,43 @@ func TestRetentionTakesBatchesWhileTheyComeBackFull(t *testing.T) {
 				t.Errorf("%d tasks left (%v), want the %d young ones", tasks, err, n)
 			}
 		})
+	}
+}
+
+// converge_reconciler_expired_tasks says how many terminal tasks past the
+// window are still present after a pass: the ones retention keeps (here:
+// an idempotency record still names it) and the ones it has not reached
+// (here: the budget spent after one batch of 2). It falls to the kept ones
+// once retention caught up.
+func TestExpiredTasksGauge(t *testing.T) {
+	t.Parallel()
+	const batch = 2
+	b := setup(t, Config{BatchSize: batch, RetentionBudget: time.Nanosecond})
+	kept := b.settledTask(t, `{"kept":true}`, true)
+	b.idempotencyRecord(t, "kept-key", kept.id, "1 hour")
+	for i := range 4 {
+		b.settledTask(t, fmt.Sprintf(`{"old":%d}`, i), true)
+	}
+	b.settledTask(t, `{"young":true}`, false)
+	gauge := func() float64 {
+		var m dto.Metric
+		if err := b.r.m.expiredTasks.Write(&m); err != nil {
+			t.Fatal(err)
+		}
+		return m.GetGauge().GetValue()
+	}
+	if _, err := b.r.Pass(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	if got := gauge(); got < 2 || got > 4 {
+		t.Errorf("after one batch: expired_tasks = %v, want 2 to 4 of the 5 expired left", got)
+	}
+	for range 5 {
+		if _, err := b.r.Pass(context.Background()); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if got := gauge(); got != 1 {
+		t.Errorf("once caught up: expired_tasks = %v, want 1 (the kept task)", got)
 	}
 }

@@ -963,7 +963,13 @@ func (s *Store) Delete(token string) error {
 // the same steps, in the same order, behind the same barriers as in
 // Delete, and a crash leaves each where Delete's crash would; what costs
 // four fsyncs per object in Delete costs four per batch here, plus two
-// per pack (the retention of a batch of tasks: issue 11). It returns each
+// per pack (the retention of a batch of tasks: issue 11). So Delete's one
+// case of a leftover (a crash, or a failed directory fsync, between the
+// removal of the names and the overwrite of the tokens leaves the token in
+// its pack) leaves the tokens of the whole batch (README, task retention).
+// A token whose erasure failed in hidden/ after it succeeded in objects/
+// keeps its names, and its erasure in objects/ is not fsynced: the
+// deletion fails and is retried whole. It returns each
 // token's error (nil: deleted, or absent), in tokens' order; a token whose
 // step failed goes no further, the others go on.
 func (s *Store) DeleteMany(tokens []string) []error {

@@ -75,14 +75,14 @@ type Deletion struct {
 // ones moved to verified in one batch. It returns, for each put in its
 // order, how its deletion ended and its own error (a put whose removal
 // failed, or a fault point that fired for its task, is left started, and
-// the next call resumes it with the same token; the others go on). err is
-// set when a batch of statements failed: then no deletion of the batch is
-// verified by this call (those whose objects were removed are resumed as
-// above).
-func DeleteArtifacts(ctx context.Context, q dbpool.Querier, store *artifact.Store, faults *fault.Set, puts []Effect) (ds []Deletion, errs []error, err error) {
+// the next call resumes it with the same token; the others go on). When a
+// batch of statements fails, its statements run again one by one, so that
+// a put whose row cannot be written (its task removed meanwhile by another
+// reconciler) fails alone.
+func DeleteArtifacts(ctx context.Context, q dbpool.Querier, store *artifact.Store, faults *fault.Set, puts []Effect) (ds []Deletion, errs []error) {
 	ds, errs = make([]Deletion, len(puts)), make([]error, len(puts))
 	if len(puts) == 0 {
-		return ds, errs, nil
+		return ds, errs
 	}
 	dels := make([]Effect, len(puts))
 	b := &pgx.Batch{}
@@ -90,10 +90,20 @@ func DeleteArtifacts(ctx context.Context, q dbpool.Querier, store *artifact.Stor
 		QueuePlan(b, NewDelete(put), &dels[i], &ds[i].Planned)
 	}
 	if err := q.SendBatch(ctx, b).Close(); err != nil {
-		return ds, errs, fmt.Errorf("plan the deletion of %d artifacts: %w", len(puts), err)
+		// One put's row may fail the batch (its task removed meanwhile by
+		// another reconciler: the foreign key): each is planned alone, so
+		// that it fails alone.
+		for i, put := range puts {
+			if dels[i], ds[i].Planned, errs[i] = Plan(ctx, q, NewDelete(put)); errs[i] != nil {
+				errs[i] = fmt.Errorf("plan the deletion of artifact %s: %w", put.Token, errs[i])
+			}
+		}
 	}
 	var todo []int // puts whose objects are removed now
 	for i, put := range puts {
+		if errs[i] != nil {
+			continue
+		}
 		ds[i].DeleteID = dels[i].EffectID
 		if dels[i].State == Verified {
 			continue
@@ -117,15 +127,20 @@ func DeleteArtifacts(ctx context.Context, q dbpool.Querier, store *artifact.Stor
 		}
 	}
 	if b.Len() == 0 {
-		return ds, errs, nil
+		return ds, errs
 	}
 	if err := q.SendBatch(ctx, b).Close(); err != nil {
-		for i := range ds {
-			ds[i].Verified = false
+		// As for the plans: each alone, so that one fails alone.
+		for _, i := range todo {
+			if errs[i] != nil {
+				continue
+			}
+			if ds[i].Verified, errs[i] = MarkVerified(ctx, q, dels[i].EffectID, dels[i].State, nil); errs[i] != nil {
+				errs[i] = fmt.Errorf("verify the deletion of artifact %s: %w", puts[i].Token, errs[i])
+			}
 		}
-		return ds, errs, fmt.Errorf("verify the deletion of %d artifacts: %w", b.Len(), err)
 	}
-	return ds, errs, nil
+	return ds, errs
 }
 
 // observeGone observes that the store holds nothing under put's token

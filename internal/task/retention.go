@@ -84,6 +84,23 @@ LIMIT $4`, olderThan.Seconds(), after.UpdatedAt, after.TaskID, limit)
 	return ids, next, nil
 }
 
+// CountExpired counts the terminal tasks last updated more than olderThan
+// ago, up to limit (through task_terminal_updated_idx: at most limit index
+// entries read): the tasks retention has not removed yet, kept for a
+// reason (Hold) or not reached yet. The reconciler exports it after each
+// pass, so that a retention falling behind shows.
+func CountExpired(ctx context.Context, q dbpool.Querier, olderThan time.Duration, limit int) (int, error) {
+	var n int
+	err := q.QueryRow(ctx, `
+SELECT count(*) FROM (SELECT 1 FROM task
+  WHERE status IN ('completed', 'failed', 'compensated', 'cancelled') AND updated_at < now() - make_interval(secs => $1)
+  LIMIT $2) x`, olderThan.Seconds(), limit).Scan(&n)
+	if err != nil {
+		return 0, fmt.Errorf("count expired tasks: %w", err)
+	}
+	return n, nil
+}
+
 // Hold reports why task id must be kept past the task window olderThan
 // (one of the Hold* reasons, the first that applies in their order above),
 // or "" when every row of it may be removed; found is false when the task

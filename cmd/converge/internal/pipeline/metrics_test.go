@@ -88,6 +88,7 @@ var documentedMetrics = []documentedMetric{
 	{doc: "consumers/reconciler", name: "converge_outbox_unpublished_rows"},
 	{doc: "consumers/reconciler", name: "converge_outbox_oldest_unpublished_age_seconds"},
 	{doc: "consumers/reconciler", name: "converge_outbox_parked_rows"},
+	{doc: "consumers/reconciler", name: "converge_reconciler_expired_tasks"},
 	// consumers/deadletter
 	{doc: "consumers/deadletter", name: "converge_deadletter_replays_total", labels: []string{"outcome"}, onEvent: true},
 	// projections/taskview
