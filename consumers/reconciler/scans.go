@@ -13,6 +13,7 @@ import (
 	"github.com/converge-run/converge/cdc"
 	"github.com/converge-run/converge/consumers/deadletter"
 	"github.com/converge-run/converge/internal/artifact"
+	"github.com/converge-run/converge/internal/dbpool"
 	"github.com/converge-run/converge/internal/inbox"
 	"github.com/converge-run/converge/internal/ledger"
 	"github.com/converge-run/converge/internal/outbox"
@@ -129,6 +130,9 @@ func (r *Reconciler) scanRetention(ctx context.Context, res *Result) error {
 			break
 		}
 	}
+	if ctx.Err() != nil {
+		return nil // stopping: the gauge keeps its last value
+	}
 	left, err := task.CountExpired(ctx, r.pool, r.cfg.TaskRetention, expiredCountCap)
 	if err != nil {
 		return err
@@ -183,13 +187,16 @@ func (r *Reconciler) purgeBatch(ctx context.Context, res *Result, ids []string) 
 	if len(ids) == 0 {
 		return
 	}
-	fail := func(msg string, err error) {
-		r.log.WarnContext(ctx, msg, slog.Int("tasks", len(ids)), slog.Any("err", err))
+	fail := func(msg string, tasks int, err error) {
+		if ctx.Err() != nil {
+			return // stopping: the next start resumes
+		}
+		r.log.WarnContext(ctx, msg, slog.Int("tasks", tasks), slog.Any("err", err))
 		r.act(res, ActionError, nil)
 	}
 	holds, err := task.Holds(ctx, r.pool, ids, r.cfg.TaskRetention)
 	if err != nil {
-		fail("task retention", err)
+		fail("task retention", len(ids), err)
 		return
 	}
 	var candidates []string
@@ -210,12 +217,12 @@ func (r *Reconciler) purgeBatch(ctx context.Context, res *Result, ids []string) 
 	}
 	msgs, err := outbox.IDsOfTasks(ctx, r.pool, candidates)
 	if err != nil {
-		fail("task retention", err)
+		fail("task retention", len(ids), err)
 		return
 	}
 	busy, err := inbox.ProcessingOf(ctx, r.pool, messagesOf(msgs, candidates))
 	if err != nil {
-		fail("task retention", err)
+		fail("task retention", len(ids), err)
 		return
 	}
 	var ready, withArtifacts []string
@@ -233,19 +240,24 @@ func (r *Reconciler) purgeBatch(ctx context.Context, res *Result, ids []string) 
 	if len(withArtifacts) > 0 {
 		failed, err := r.deleteArtifacts(ctx, res, withArtifacts)
 		if err != nil {
-			fail("task retention: delete artifacts; resumed next pass", err)
+			fail("task retention: delete artifacts; resumed next pass", len(withArtifacts), err)
 			return
 		}
 		ready = slices.DeleteFunc(ready, func(id string) bool { return failed[id] })
 	}
 	rm, err := removeTasks(ctx, r.pool, ready, r.cfg.TaskRetention)
-	if err != nil && len(ready) > 1 {
+	if err != nil && len(ready) > 1 && dbpool.IsStatementError(err) {
 		// One task may fail the batch's transaction: each alone, so that
-		// it fails alone and the others go.
+		// it fails alone and the others go (not after a failure of the
+		// connection or the context: that would fail each the same way).
 		r.log.WarnContext(ctx, "task retention: remove a batch; each task alone", slog.Int("tasks", len(ready)), slog.Any("err", err))
 		rm, err = removed{kept: map[string]string{}}, nil
 		for _, id := range ready {
 			one, err := removeTasks(ctx, r.pool, []string{id}, r.cfg.TaskRetention)
+			if err != nil && !dbpool.IsStatementError(err) {
+				fail("task retention: remove tasks", len(ready), err)
+				return
+			}
 			if err != nil {
 				r.log.WarnContext(ctx, "task retention: remove task", slog.String("task_id", id), slog.Any("err", err))
 				r.act(res, ActionError, nil)
@@ -260,7 +272,7 @@ func (r *Reconciler) purgeBatch(ctx context.Context, res *Result, ids []string) 
 		}
 	}
 	if err != nil {
-		fail("task retention: remove tasks", err)
+		fail("task retention: remove tasks", len(ready), err)
 		return
 	}
 	for _, id := range ready {
@@ -305,18 +317,29 @@ func (r *Reconciler) deleteArtifacts(ctx context.Context, res *Result, ids []str
 	}
 	ds, errs := ledger.DeleteArtifacts(ctx, r.pool, r.store, r.cfg.Faults, puts)
 	failed = map[string]bool{}
+	notTried := 0
 	for i, p := range puts {
 		switch {
+		case errors.Is(errs[i], ledger.ErrTaskGone):
+			// removed meanwhile, with everything of it (another reconciler)
+			r.log.DebugContext(ctx, "task retention: the task is gone", slog.String("task_id", p.TaskID))
+			failed[p.TaskID] = true
+		case errors.Is(errs[i], ledger.ErrNotTried):
+			notTried++
+			failed[p.TaskID] = true
 		case errs[i] != nil:
 			r.log.WarnContext(ctx, "task retention: delete artifact; resumed next pass", slog.String("task_id", p.TaskID),
 				slog.String("token", p.Token), slog.Any("err", errs[i]))
 			r.act(res, ActionError, nil)
 			failed[p.TaskID] = true
 		case ds[i].Verified:
-			r.log.InfoContext(ctx, "artifact deleted (task retention)", slog.String("task_id", p.TaskID), slog.String("token", p.Token),
+			r.log.DebugContext(ctx, "artifact deleted (task retention)", slog.String("task_id", p.TaskID), slog.String("token", p.Token),
 				slog.String("effect_id", ds[i].DeleteID))
 			r.act(res, ActionArtifactDeleted, &res.ArtifactsDeleted)
 		}
+	}
+	if notTried > 0 && ctx.Err() == nil {
+		r.log.WarnContext(ctx, "task retention: artifacts not deleted after a failure of their batch; resumed next pass", slog.Int("artifacts", notTried))
 	}
 	return failed, nil
 }

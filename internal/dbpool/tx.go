@@ -174,3 +174,13 @@ func rollback(conn *pgx.Conn) {
 		_ = conn.Close(ctx)
 	}
 }
+
+// IsStatementError reports whether err is PostgreSQL's answer to one
+// statement (a *pgconn.PgError: a constraint, a serialization failure, ...),
+// as opposed to a failure of the connection or of the caller's context,
+// which fails every statement after it the same way. Callers that retry a
+// failed batch item by item stop at the first error that is not one.
+func IsStatementError(err error) bool {
+	var pe *pgconn.PgError
+	return errors.As(err, &pe)
+}

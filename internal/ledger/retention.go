@@ -2,9 +2,12 @@ package ledger
 
 import (
 	"context"
+	"errors"
 	"fmt"
+	"slices"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/converge-run/converge/internal/artifact"
 	"github.com/converge-run/converge/internal/dbpool"
@@ -93,11 +96,14 @@ func DeleteArtifacts(ctx context.Context, q dbpool.Querier, store *artifact.Stor
 		// One put's row may fail the batch (its task removed meanwhile by
 		// another reconciler: the foreign key): each is planned alone, so
 		// that it fails alone.
-		for i, put := range puts {
-			if dels[i], ds[i].Planned, errs[i] = Plan(ctx, q, NewDelete(put)); errs[i] != nil {
-				errs[i] = fmt.Errorf("plan the deletion of artifact %s: %w", put.Token, errs[i])
+		each(puts, errs, err, func(i int) error {
+			var err error
+			dels[i], ds[i].Planned, err = Plan(ctx, q, NewDelete(puts[i]))
+			if isForeignKeyViolation(err) {
+				return fmt.Errorf("plan the deletion of artifact %s: %w", puts[i].Token, ErrTaskGone)
 			}
-		}
+			return err
+		})
 	}
 	var todo []int // puts whose objects are removed now
 	for i, put := range puts {
@@ -131,16 +137,70 @@ func DeleteArtifacts(ctx context.Context, q dbpool.Querier, store *artifact.Stor
 	}
 	if err := q.SendBatch(ctx, b).Close(); err != nil {
 		// As for the plans: each alone, so that one fails alone.
-		for _, i := range todo {
-			if errs[i] != nil {
-				continue
+		pending := make([]error, len(puts))
+		for i := range puts {
+			if !slices.Contains(todo, i) || errs[i] != nil {
+				pending[i] = errDone
 			}
-			if ds[i].Verified, errs[i] = MarkVerified(ctx, q, dels[i].EffectID, dels[i].State, nil); errs[i] != nil {
-				errs[i] = fmt.Errorf("verify the deletion of artifact %s: %w", puts[i].Token, errs[i])
+		}
+		each(puts, pending, err, func(i int) error {
+			var err error
+			ds[i].Verified, err = MarkVerified(ctx, q, dels[i].EffectID, dels[i].State, nil)
+			return err
+		})
+		for i, err := range pending {
+			if err != errDone && err != nil {
+				errs[i] = fmt.Errorf("verify the deletion of artifact %s: %w", puts[i].Token, err)
 			}
 		}
 	}
 	return ds, errs
+}
+
+// ErrTaskGone: the deletion's ledger row could not be written because its
+// task no longer exists (removed meanwhile by another reconciler, with
+// everything of it): nothing is left to do.
+var ErrTaskGone = errors.New("the task is gone")
+
+// ErrNotTried marks a put of a batch that failed before its turn came: the
+// batch's statements failed, then, run one by one, one failed for a reason
+// that is not its own row's (the connection, the context), and the rest
+// were not tried. Each is resumed by the next call.
+var ErrNotTried = errors.New("not tried: the batch failed")
+
+// errDone marks, for each, an item that has nothing to run.
+var errDone = errors.New("done")
+
+// each runs one(i) for every item whose errs[i] is nil, after batchErr
+// failed the batch that held them all, and records its error. It stops at
+// the first error that is not the item's own (not a statement's error
+// from PostgreSQL: a broken connection, a cancelled context), and marks the
+// items after it ErrNotTried, so that an outage costs one attempt, not one
+// per item.
+func each(items []Effect, errs []error, batchErr error, one func(i int) error) {
+	var stop error
+	if !dbpool.IsStatementError(batchErr) {
+		stop = batchErr
+	}
+	for i := range items {
+		if errs[i] != nil {
+			continue
+		}
+		if stop != nil {
+			errs[i] = fmt.Errorf("%w: %w", ErrNotTried, stop)
+			continue
+		}
+		if errs[i] = one(i); errs[i] != nil && !dbpool.IsStatementError(errs[i]) && !errors.Is(errs[i], ErrTaskGone) {
+			stop = errs[i]
+		}
+	}
+}
+
+// isForeignKeyViolation reports whether err is PostgreSQL's
+// foreign_key_violation (23503).
+func isForeignKeyViolation(err error) bool {
+	var pe *pgconn.PgError
+	return errors.As(err, &pe) && pe.Code == "23503"
 }
 
 // observeGone observes that the store holds nothing under put's token

@@ -2,8 +2,10 @@ package ledger_test
 
 import (
 	"context"
+	"errors"
 	"crypto/sha256"
 	"encoding/hex"
+	"fmt"
 	"testing"
 
 	"github.com/converge-run/converge/internal/artifact"
@@ -45,7 +47,7 @@ func TestDeleteArtifactsFailsAPutAlone(t *testing.T) {
 	ds, errs := ledger.DeleteArtifacts(ctx, db.Pool, store, nil, puts)
 	for i, p := range puts {
 		orphan := p.TaskID == "task-removed-meanwhile"
-		if (errs[i] != nil) != orphan {
+		if (errs[i] != nil) != orphan || (orphan && !errors.Is(errs[i], ledger.ErrTaskGone)) {
 			t.Errorf("%s: error %v", p.Token, errs[i])
 		}
 		if !orphan && (!ds[i].Planned || !ds[i].Verified) {
@@ -58,6 +60,33 @@ func TestDeleteArtifactsFailsAPutAlone(t *testing.T) {
 			if e := testenv.RequireEffect(t, db.Pool, ledger.KindArtifactDelete, ledger.DeleteToken(p.EffectID)); e.State != ledger.Verified {
 				t.Errorf("%s: deletion %s, want verified", p.Token, e.State)
 			}
+		}
+	}
+}
+
+// A batch that fails for a reason that is not one row's (here: the
+// caller's context, cancelled) is not run again item by item: every put
+// is ErrNotTried at once, for the next call to resume (second review: a
+// shutdown during retention logged one warning per put).
+func TestDeleteArtifactsStopsAtABatchWideFailure(t *testing.T) {
+	t.Parallel()
+	db := testenv.NewDB(t)
+	store, err := artifact.Open(t.TempDir(), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var puts []ledger.Effect
+	for i := range 5 {
+		doc := fmt.Sprintf(`{"n":%d}`, i)
+		sum := sha256.Sum256([]byte(doc))
+		puts = append(puts, putOfStartedTask(t, db, doc, hex.EncodeToString(sum[:]), int64(len(doc))))
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	_, errs := ledger.DeleteArtifacts(ctx, db.Pool, store, nil, puts)
+	for i, err := range errs {
+		if !errors.Is(err, ledger.ErrNotTried) {
+			t.Errorf("put %d: %v, want ErrNotTried", i, err)
 		}
 	}
 }
