@@ -253,13 +253,13 @@ func (r *Reconciler) purgeBatch(ctx context.Context, res *Result, ids []string) 
 		r.log.WarnContext(ctx, "task retention: remove a batch; each task alone", slog.Int("tasks", len(ready)), slog.Any("err", err))
 		rm, err = removed{kept: map[string]string{}}, nil
 		for _, id := range ready {
-			one, err := removeTasks(ctx, r.pool, []string{id}, r.cfg.TaskRetention)
-			if err != nil && !dbpool.IsStatementError(err) {
-				fail("task retention: remove tasks", len(ready), err)
-				return
+			one, oneErr := removeTasks(ctx, r.pool, []string{id}, r.cfg.TaskRetention)
+			if oneErr != nil && !dbpool.IsStatementError(oneErr) {
+				err = oneErr // the ones removed so far are counted below
+				break
 			}
-			if err != nil {
-				r.log.WarnContext(ctx, "task retention: remove task", slog.String("task_id", id), slog.Any("err", err))
+			if oneErr != nil {
+				r.log.WarnContext(ctx, "task retention: remove task", slog.String("task_id", id), slog.Any("err", oneErr))
 				r.act(res, ActionError, nil)
 				continue
 			}
@@ -272,8 +272,7 @@ func (r *Reconciler) purgeBatch(ctx context.Context, res *Result, ids []string) 
 		}
 	}
 	if err != nil {
-		fail("task retention: remove tasks", len(ready), err)
-		return
+		fail("task retention: remove tasks", len(ready)-len(rm.tasks)-len(rm.kept), err)
 	}
 	for _, id := range ready {
 		switch hold, ok := rm.kept[id]; {
