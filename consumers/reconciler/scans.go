@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"log/slog"
-	"maps"
 	"slices"
 	"time"
 
@@ -227,7 +226,7 @@ func (r *Reconciler) purgeBatch(ctx context.Context, res *Result, ids []string) 
 	}
 	var ready, withArtifacts []string
 	for _, id := range candidates {
-		if slices.ContainsFunc(msgs[id], func(m string) bool { return busy[m] }) {
+		if anyBusy(msgs[id], busy) {
 			r.log.DebugContext(ctx, "expired task kept", slog.String("task_id", id), slog.String("reason", holdInboxProcessing))
 			res.TasksKept++
 			continue
@@ -263,12 +262,7 @@ func (r *Reconciler) purgeBatch(ctx context.Context, res *Result, ids []string) 
 				r.act(res, ActionError, nil)
 				continue
 			}
-			rm.tasks = append(rm.tasks, one.tasks...)
-			maps.Copy(rm.kept, one.kept)
-			rm.deadLetters += one.deadLetters
-			rm.inbox += one.inbox
-			rm.effects += one.effects
-			rm.outbox += one.outbox
+			rm.add(one)
 		}
 	}
 	if err != nil {

@@ -3,6 +3,7 @@ package reconciler
 import (
 	"context"
 	"fmt"
+	"maps"
 	"slices"
 	"time"
 
@@ -98,6 +99,16 @@ type removed struct {
 	deadLetters, inbox, effects, outbox int64
 }
 
+// add counts o's tasks and rows in rm.
+func (rm *removed) add(o removed) {
+	rm.tasks = append(rm.tasks, o.tasks...)
+	maps.Copy(rm.kept, o.kept)
+	rm.deadLetters += o.deadLetters
+	rm.inbox += o.inbox
+	rm.effects += o.effects
+	rm.outbox += o.outbox
+}
+
 // removeTasks removes the tasks of ids, and every row of each, in one
 // transaction, taking the order the project's transactions lock rows
 // (dead letters, as a replay does; inbox; task; effects; outbox): it locks
@@ -147,7 +158,7 @@ func removeTasks(ctx context.Context, db *pgxpool.Pool, ids []string, olderThan 
 				rm.kept[id] = "not_found"
 			case holds[id] != "":
 				rm.kept[id] = holds[id]
-			case slices.ContainsFunc(msgs[id], func(m string) bool { return busy[m] }):
+			case anyBusy(msgs[id], busy):
 				rm.kept[id] = holdInboxProcessing
 			default:
 				gone[id] = versions[id]
@@ -184,6 +195,12 @@ func removeTasks(ctx context.Context, db *pgxpool.Pool, ids []string, olderThan 
 		return removed{}, fmt.Errorf("remove %d tasks: %w", len(ids), err)
 	}
 	return rm, nil
+}
+
+// anyBusy reports whether one of a task's messages is processing (busy:
+// inbox.ProcessingOf).
+func anyBusy(messages []string, busy map[string]bool) bool {
+	return slices.ContainsFunc(messages, func(m string) bool { return busy[m] })
 }
 
 // messagesOf is the message ids of the tasks of ids, from msgs (task id ->

@@ -83,6 +83,11 @@ func readAll(t *testing.T, r io.Reader) []byte {
 
 // mustPutMany is PutManyUnsynced of items that all must succeed; it returns
 // their Metas.
+// firstAttempt is the item of attempt 1 of task, under its token.
+func firstAttempt(task string, data []byte) artifact.Item {
+	return artifact.Item{Token: artifact.Token(task, 1), TaskID: task, Attempt: 1, Data: data}
+}
+
 func mustPutMany(tb testing.TB, st *artifact.Store, items []artifact.Item) []artifact.Meta {
 	tb.Helper()
 	metas, errs := st.PutManyUnsynced(items)
@@ -1641,14 +1646,11 @@ func TestPutManyWritesOneRecordPerToken(t *testing.T) {
 func TestDeleteErasesItsRecord(t *testing.T) {
 	t.Parallel()
 	b := setup(t, nil)
-	item := func(task string, data []byte) artifact.Item {
-		return artifact.Item{Token: artifact.Token(task, 1), TaskID: task, Attempt: 1, Data: data}
-	}
 	items := []artifact.Item{
-		item("task-keep-a", []byte("kept bytes of a")),
-		item("task-secret-b", bytes.Repeat([]byte("secret-b "), 10000)),
-		item("task-secret-c", []byte("secret bytes of c")),
-		item("task-keep-d", []byte("kept bytes of d")),
+		firstAttempt("task-keep-a", []byte("kept bytes of a")),
+		firstAttempt("task-secret-b", bytes.Repeat([]byte("secret-b "), 10000)),
+		firstAttempt("task-secret-c", []byte("secret bytes of c")),
+		firstAttempt("task-keep-d", []byte("kept bytes of d")),
 	}
 	mustPutMany(t, b.store, items)
 	pack := filepath.Join(b.store.Root(), "objects", items[0].Token+".obj")
@@ -1799,17 +1801,14 @@ func TestConcurrentDeleteOfOneToken(t *testing.T) {
 func TestDeleteManyDeletesEachAsDeleteDoes(t *testing.T) {
 	t.Parallel()
 	b := setup(t, nil)
-	item := func(task string, data []byte) artifact.Item {
-		return artifact.Item{Token: artifact.Token(task, 1), TaskID: task, Attempt: 1, Data: data}
-	}
 	first := []artifact.Item{
-		item("task-keep-a", []byte("kept bytes of a")),
-		item("task-secret-b", []byte("secret bytes of b")),
-		item("task-secret-c", []byte("secret bytes of c")),
+		firstAttempt("task-keep-a", []byte("kept bytes of a")),
+		firstAttempt("task-secret-b", []byte("secret bytes of b")),
+		firstAttempt("task-secret-c", []byte("secret bytes of c")),
 	}
 	second := []artifact.Item{
-		item("task-secret-d", []byte("secret bytes of d")),
-		item("task-keep-e", []byte("kept bytes of e")),
+		firstAttempt("task-secret-d", []byte("secret bytes of d")),
+		firstAttempt("task-keep-e", []byte("kept bytes of e")),
 	}
 	mustPutMany(t, b.store, first)
 	mustPutMany(t, b.store, second)

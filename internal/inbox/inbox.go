@@ -439,16 +439,12 @@ func ProcessingOf(ctx context.Context, q dbpool.Querier, ids []string) (map[stri
 	if err != nil {
 		return nil, fmt.Errorf("read inbox rows of %d messages: %w", len(ids), err)
 	}
-	defer rows.Close()
-	for rows.Next() {
-		var id string
-		if err := rows.Scan(&id); err != nil {
-			return nil, fmt.Errorf("read inbox rows of %d messages: %w", len(ids), err)
-		}
-		busy[id] = true
-	}
-	if err := rows.Err(); err != nil {
+	processing, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	if err != nil {
 		return nil, fmt.Errorf("read inbox rows of %d messages: %w", len(ids), err)
+	}
+	for _, id := range processing {
+		busy[id] = true
 	}
 	return busy, nil
 }

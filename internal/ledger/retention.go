@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"slices"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
@@ -96,7 +95,7 @@ func DeleteArtifacts(ctx context.Context, q dbpool.Querier, store *artifact.Stor
 		// One put's row may fail the batch (its task removed meanwhile by
 		// another reconciler: the foreign key): each is planned alone, so
 		// that it fails alone.
-		each(puts, errs, err, func(i int) error {
+		each(indexes(len(puts)), errs, err, func(i int) error {
 			var err error
 			dels[i], ds[i].Planned, err = Plan(ctx, q, NewDelete(puts[i]))
 			if isForeignKeyViolation(err) {
@@ -123,6 +122,7 @@ func DeleteArtifacts(ctx context.Context, q dbpool.Querier, store *artifact.Stor
 		tokens[k] = puts[i].Token
 	}
 	b = &pgx.Batch{}
+	var verifying []int // puts whose objects are observed gone
 	for k, err := range store.DeleteMany(tokens) {
 		i := todo[k]
 		if err == nil {
@@ -130,6 +130,7 @@ func DeleteArtifacts(ctx context.Context, q dbpool.Querier, store *artifact.Stor
 		}
 		if errs[i] = err; err == nil {
 			QueueMarkVerified(b, dels[i].EffectID, dels[i].State, nil, &ds[i].Verified)
+			verifying = append(verifying, i)
 		}
 	}
 	if b.Len() == 0 {
@@ -137,22 +138,13 @@ func DeleteArtifacts(ctx context.Context, q dbpool.Querier, store *artifact.Stor
 	}
 	if err := q.SendBatch(ctx, b).Close(); err != nil {
 		// As for the plans: each alone, so that one fails alone.
-		pending := make([]error, len(puts))
-		for i := range puts {
-			if !slices.Contains(todo, i) || errs[i] != nil {
-				pending[i] = errDone
-			}
-		}
-		each(puts, pending, err, func(i int) error {
+		each(verifying, errs, err, func(i int) error {
 			var err error
-			ds[i].Verified, err = MarkVerified(ctx, q, dels[i].EffectID, dels[i].State, nil)
-			return err
-		})
-		for i, err := range pending {
-			if err != errDone && err != nil {
-				errs[i] = fmt.Errorf("verify the deletion of artifact %s: %w", puts[i].Token, err)
+			if ds[i].Verified, err = MarkVerified(ctx, q, dels[i].EffectID, dels[i].State, nil); err != nil {
+				return fmt.Errorf("verify the deletion of artifact %s: %w", puts[i].Token, err)
 			}
-		}
+			return nil
+		})
 	}
 	return ds, errs
 }
@@ -168,24 +160,18 @@ var ErrTaskGone = errors.New("the task is gone")
 // were not tried. Each is resumed by the next call.
 var ErrNotTried = errors.New("not tried: the batch failed")
 
-// errDone marks, for each, an item that has nothing to run.
-var errDone = errors.New("done")
-
-// each runs one(i) for every item whose errs[i] is nil, after batchErr
-// failed the batch that held them all, and records its error. It stops at
-// the first error that is not the item's own (not a statement's error
-// from PostgreSQL: a broken connection, a cancelled context), and marks the
+// each runs one(i) for every index of idx, after batchErr failed the batch
+// that held them all, and records its error in errs[i]. It stops at the
+// first error that is not the item's own (not a statement's error from
+// PostgreSQL: a broken connection, a cancelled context), and marks the
 // items after it ErrNotTried, so that an outage costs one attempt, not one
 // per item.
-func each(items []Effect, errs []error, batchErr error, one func(i int) error) {
+func each(idx []int, errs []error, batchErr error, one func(i int) error) {
 	var stop error
 	if !dbpool.IsStatementError(batchErr) {
 		stop = batchErr
 	}
-	for i := range items {
-		if errs[i] != nil {
-			continue
-		}
+	for _, i := range idx {
 		if stop != nil {
 			errs[i] = fmt.Errorf("%w: %w", ErrNotTried, stop)
 			continue
@@ -194,6 +180,15 @@ func each(items []Effect, errs []error, batchErr error, one func(i int) error) {
 			stop = errs[i]
 		}
 	}
+}
+
+// indexes is 0, 1, ..., n-1.
+func indexes(n int) []int {
+	idx := make([]int, n)
+	for i := range idx {
+		idx[i] = i
+	}
+	return idx
 }
 
 // isForeignKeyViolation reports whether err is PostgreSQL's

@@ -345,16 +345,9 @@ func IDsOfTasks(ctx context.Context, q dbpool.Querier, taskIDs []string) (map[st
 	if err != nil {
 		return nil, fmt.Errorf("select outbox rows of %d tasks: %w", len(taskIDs), err)
 	}
-	defer rows.Close()
 	ids := make(map[string][]string, len(taskIDs))
-	for rows.Next() {
-		var task, id string
-		if err := rows.Scan(&task, &id); err != nil {
-			return nil, fmt.Errorf("read outbox rows of %d tasks: %w", len(taskIDs), err)
-		}
-		ids[task] = append(ids[task], id)
-	}
-	if err := rows.Err(); err != nil {
+	var task, id string
+	if _, err := pgx.ForEachRow(rows, []any{&task, &id}, func() error { ids[task] = append(ids[task], id); return nil }); err != nil {
 		return nil, fmt.Errorf("read outbox rows of %d tasks: %w", len(taskIDs), err)
 	}
 	return ids, nil

@@ -5,6 +5,8 @@ import (
 	"fmt"
 	"time"
 
+	"github.com/jackc/pgx/v5"
+
 	"github.com/converge-run/converge/internal/dbpool"
 )
 
@@ -61,8 +63,7 @@ type Cursor struct {
 func Expired(ctx context.Context, q dbpool.Querier, olderThan time.Duration, after Cursor, limit int) ([]string, Cursor, error) {
 	rows, err := q.Query(ctx, `
 SELECT task_id, updated_at FROM task
-WHERE status IN ('completed', 'failed', 'compensated', 'cancelled')
-  AND updated_at < now() - make_interval(secs => $1)
+WHERE `+sqlExpired+`
   AND (updated_at, task_id) > ($2, $3)
 ORDER BY updated_at, task_id
 LIMIT $4`, olderThan.Seconds(), after.UpdatedAt, after.TaskID, limit)
@@ -84,6 +85,11 @@ LIMIT $4`, olderThan.Seconds(), after.UpdatedAt, after.TaskID, limit)
 	return ids, next, nil
 }
 
+// sqlExpired is the condition on task of the terminal tasks last updated
+// more than $1 seconds ago (Expired, CountExpired): the predicate of
+// task_terminal_updated_idx (migration 00012) and its key.
+const sqlExpired = `status IN ('completed', 'failed', 'compensated', 'cancelled') AND updated_at < now() - make_interval(secs => $1)`
+
 // CountExpired counts the terminal tasks last updated more than olderThan
 // ago, up to limit (through task_terminal_updated_idx: at most limit index
 // entries read): the tasks retention has not removed yet, kept for a
@@ -92,9 +98,7 @@ LIMIT $4`, olderThan.Seconds(), after.UpdatedAt, after.TaskID, limit)
 func CountExpired(ctx context.Context, q dbpool.Querier, olderThan time.Duration, limit int) (int, error) {
 	var n int
 	err := q.QueryRow(ctx, `
-SELECT count(*) FROM (SELECT 1 FROM task
-  WHERE status IN ('completed', 'failed', 'compensated', 'cancelled') AND updated_at < now() - make_interval(secs => $1)
-  LIMIT $2) x`, olderThan.Seconds(), limit).Scan(&n)
+SELECT count(*) FROM (SELECT 1 FROM task WHERE `+sqlExpired+` LIMIT $2) x`, olderThan.Seconds(), limit).Scan(&n)
 	if err != nil {
 		return 0, fmt.Errorf("count expired tasks: %w", err)
 	}
@@ -144,16 +148,12 @@ FROM task t WHERE t.task_id = ANY($1)`, ids, olderThan.Seconds())
 	if err != nil {
 		return nil, fmt.Errorf("read retention of %d tasks: %w", len(ids), err)
 	}
-	defer rows.Close()
-	for rows.Next() {
-		var (
-			id, status                                     string
-			old, keyed, unpublished, deadLetter, unsettled bool
-			undeleted                                      bool
-		)
-		if err := rows.Scan(&id, &status, &old, &keyed, &unpublished, &deadLetter, &unsettled, &undeleted); err != nil {
-			return nil, fmt.Errorf("read retention of %d tasks: %w", len(ids), err)
-		}
+	var (
+		id, status                                     string
+		old, keyed, unpublished, deadLetter, unsettled bool
+		undeleted                                      bool
+	)
+	_, err = pgx.ForEachRow(rows, []any{&id, &status, &old, &keyed, &unpublished, &deadLetter, &unsettled, &undeleted}, func() error {
 		var reason string
 		switch {
 		case status != "completed" && status != "failed" && status != "compensated" && status != "cancelled":
@@ -172,8 +172,9 @@ FROM task t WHERE t.task_id = ANY($1)`, ids, olderThan.Seconds())
 			reason = HoldArtifact
 		}
 		holds[id] = reason
-	}
-	if err := rows.Err(); err != nil {
+		return nil
+	})
+	if err != nil {
 		return nil, fmt.Errorf("read retention of %d tasks: %w", len(ids), err)
 	}
 	return holds, nil
@@ -188,17 +189,10 @@ func LockAll(ctx context.Context, q dbpool.Querier, ids []string) (map[string]in
 	if err != nil {
 		return nil, fmt.Errorf("lock %d tasks: %w", len(ids), err)
 	}
-	defer rows.Close()
 	versions := make(map[string]int64, len(ids))
-	for rows.Next() {
-		var id string
-		var v int64
-		if err := rows.Scan(&id, &v); err != nil {
-			return nil, fmt.Errorf("lock %d tasks: %w", len(ids), err)
-		}
-		versions[id] = v
-	}
-	if err := rows.Err(); err != nil {
+	var id string
+	var v int64
+	if _, err := pgx.ForEachRow(rows, []any{&id, &v}, func() error { versions[id] = v; return nil }); err != nil {
 		return nil, fmt.Errorf("lock %d tasks: %w", len(ids), err)
 	}
 	return versions, nil
