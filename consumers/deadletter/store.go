@@ -267,16 +267,31 @@ func DeleteOfTasks(ctx context.Context, q dbpool.Querier, taskIDs []string) (int
 // as a replay or a resolution does before it
 // locks the task: the retention of a batch of tasks takes the project's
 // lock order (dead letters, inbox, task) before it reads which of them it
-// may remove.
-func LockOfTasks(ctx context.Context, q dbpool.Querier, taskIDs []string) error {
+// may remove. It returns, for each task with dead letters, the message ids
+// they hold (those with one): a replay delivers its message again, maybe
+// after retention removed the message's outbox row, so the inbox row that
+// delivery leaves is found through the dead letter.
+func LockOfTasks(ctx context.Context, q dbpool.Querier, taskIDs []string) (map[string][]string, error) {
+	msgs := map[string][]string{}
 	if len(taskIDs) == 0 {
-		return nil
+		return msgs, nil
 	}
 	// Planned with the ids (pgx.QueryExecModeExec), through the index on
 	// task_id, in its order: an ORDER BY dead_letter_id walked the whole
 	// primary key instead.
-	if _, err := q.Exec(ctx, `SELECT 1 FROM dead_letter WHERE task_id = ANY($1) FOR UPDATE`, pgx.QueryExecModeExec, taskIDs); err != nil {
-		return fmt.Errorf("lock dead letters of %d tasks: %w", len(taskIDs), err)
+	rows, err := q.Query(ctx, `SELECT task_id, message_id FROM dead_letter WHERE task_id = ANY($1) FOR UPDATE`, pgx.QueryExecModeExec, taskIDs)
+	if err != nil {
+		return nil, fmt.Errorf("lock dead letters of %d tasks: %w", len(taskIDs), err)
 	}
-	return nil
+	var task string
+	var msg *string
+	if _, err := pgx.ForEachRow(rows, []any{&task, &msg}, func() error {
+		if msg != nil {
+			msgs[task] = append(msgs[task], *msg)
+		}
+		return nil
+	}); err != nil {
+		return nil, fmt.Errorf("lock dead letters of %d tasks: %w", len(taskIDs), err)
+	}
+	return msgs, nil
 }

@@ -43,7 +43,10 @@
 //
 //   - Inbox: rows processing with no delivery for InboxLease whose task is
 //     terminal are finished (-> completed, result {"released_by":
-//     "reconciler"}); rows of non-terminal tasks are left to the task scan.
+//     "reconciler"}); rows of non-terminal tasks are left to the task scan
+//     (and not read: they would fill the batch); rows whose message reaches
+//     no task any more (its outbox row removed before the delivery
+//     registered it, as a late replay does) are removed ("inbox_purged").
 //   - Tasks: queued or running without an update for TaskDeadline are
 //     re-driven by a TaskRedriveRequested outbox event for their current
 //     version, written in a transaction that re-checks status and version;
@@ -69,12 +72,15 @@
 //   - Retention (issue 13, seed 3.3): idempotency records past expires_at
 //     whose task is settled (idempotency.Purge); outbox rows published, or
 //     parked and decided, past OutboxRetention, with their inbox rows of
-//     every consumer that are not processing (one transaction); terminal
+//     every consumer, in one transaction, except a row one of whose inbox
+//     rows is processing (kept with it until the inbox scan releases it,
+//     and left out of the next batches of the pass); terminal
 //     tasks last updated more than TaskRetention ago (task.Expired: a
 //     cursor on (updated_at, task_id) walks past the tasks kept). A task is
 //     kept while task.Hold names a reason (an idempotency record names it,
 //     an event unpublished, a dead letter parked or refused, an effect not
-//     settled) or an inbox row of its events is processing. Otherwise its
+//     settled) or an inbox row of its events (or of its dead letters'
+//     messages) is processing. Otherwise its
 //     artifacts are deleted first, each under its own artifact.delete
 //     ledger entry (ledger.DeleteArtifacts: ledger row, store DeleteMany,
 //     observe gone, verified; a crash between two steps is resumed with the

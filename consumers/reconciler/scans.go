@@ -53,9 +53,11 @@ func (r *Reconciler) scans(ctx context.Context, res *Result) error {
 //  1. idempotency records past expires_at whose task is settled
 //     (idempotency.Purge);
 //  2. outbox rows published (or parked and decided) more than
-//     OutboxRetention ago, with their inbox rows of every consumer that are
-//     not processing, in one transaction (purgeOutbox): the event is gone
-//     from Kafka too, so no delivery can need its inbox row any more;
+//     OutboxRetention ago, with their inbox rows of every consumer, in one
+//     transaction (purgeOutbox): the event is gone from Kafka too, so no
+//     delivery can need its inbox row any more; a row with an inbox row
+//     processing stays, with that inbox row, until the inbox scan has
+//     released it;
 //  3. terminal tasks last updated more than TaskRetention ago (purgeTasks).
 //
 // Each step takes batch after batch while they come back full, until the
@@ -89,23 +91,29 @@ func (r *Reconciler) scanRetention(ctx context.Context, res *Result) error {
 	if err != nil {
 		return err
 	}
+	// Rows kept by a batch (an inbox row processing, or changed since
+	// read) are left out of the next ones, so that they cannot fill them.
+	var kept []string
 	for {
-		ids, err := r.backlog.Purgeable(ctx, r.pool, r.cfg.OutboxRetention, r.cfg.BatchSize)
+		ids, err := r.backlog.Purgeable(ctx, r.pool, r.cfg.OutboxRetention, r.cfg.BatchSize, kept)
 		if err != nil {
 			return err
 		}
-		i, k, err := purgeOutbox(ctx, r.pool, ids)
+		i, gone, err := purgeOutbox(ctx, r.pool, ids)
 		if err != nil {
 			return err
 		}
+		k := int64(len(gone))
 		r.m.actions.WithLabelValues(ActionOutboxPurged).Add(float64(k))
 		r.m.actions.WithLabelValues(ActionInboxPurged).Add(float64(i))
 		res.OutboxPurged += int(k)
 		res.InboxPurged += int(i)
 		m, in = m+k, in+i
-		// A row that changed since it was read stays, and the next batch
-		// would read it again: go on only when the whole batch went.
-		if k < int64(len(ids)) || !more(len(ids)) {
+		full := more(len(ids))
+		if len(gone) < len(ids) {
+			kept = append(kept, slices.DeleteFunc(ids, func(id string) bool { return slices.Contains(gone, id) })...)
+		}
+		if !full {
 			break
 		}
 	}
@@ -379,14 +387,28 @@ func (r *Reconciler) act(res *Result, kind string, n *int) {
 // scanInbox finishes inbox rows left processing past InboxLease whose task
 // is terminal: the delivery's outcome was decided by another delivery or a
 // repair. Rows of tasks still queued or running are left to scanTasks,
-// which re-drives the task; a redelivery resumes the processing row.
+// which re-drives the task; a redelivery resumes the processing row. A row
+// whose message no longer reaches a task (its outbox row or its task
+// removed by retention) is removed (inbox.DeleteStale), counted as
+// inbox_purged.
 func (r *Reconciler) scanInbox(ctx context.Context, res *Result) error {
-	rows, err := inbox.Stales(ctx, r.pool, r.cfg.InboxLease, r.cfg.BatchSize)
+	rows, err := inbox.Stales(ctx, r.pool, r.cfg.InboxLease, taskevent.TerminalStatuses, r.cfg.BatchSize)
 	if err != nil {
 		return err
 	}
 	for _, in := range rows {
-		if in.TaskStatus == nil || !taskevent.Terminal(*in.TaskStatus) {
+		if in.TaskStatus == nil {
+			ok, err := inbox.DeleteStale(ctx, r.pool, in)
+			switch {
+			case err != nil:
+				r.log.WarnContext(ctx, "remove inbox row", slog.String("message_id", in.MessageID), slog.Any("err", err))
+				r.act(res, ActionError, nil)
+			case !ok:
+				r.act(res, ActionSkipped, nil)
+			default:
+				r.log.InfoContext(ctx, "inbox row of no task removed", slog.String("consumer", in.Consumer), slog.String("message_id", in.MessageID))
+				r.act(res, ActionInboxPurged, &res.InboxPurged)
+			}
 			continue
 		}
 		ok, err := inbox.Release(ctx, r.pool, in, *in.TaskStatus)

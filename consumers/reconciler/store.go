@@ -70,22 +70,32 @@ func resolveIdempotency(ctx context.Context, db *pgxpool.Pool, rec idempotency.R
 
 // purgeOutbox removes, in one transaction, the inbox rows (of every
 // consumer, not processing) of the outbox rows ids, then those rows that
-// are still published or decided: the inbox first, the order of the
-// project's transactions (package inbox). It returns how many of each.
-func purgeOutbox(ctx context.Context, db *pgxpool.Pool, ids []string) (inboxRows, outboxRows int64, err error) {
+// are still published or decided and of which no inbox row is processing:
+// the inbox first, the order of the project's transactions (package
+// inbox). A processing row is a delivery whose outcome is not durable yet;
+// its outbox row stays, so that the inbox scan still finds the row's task
+// (and releases it once the task is terminal) and task retention still
+// finds the row. It returns how many inbox rows it removed and the ids of
+// the outbox rows it removed.
+func purgeOutbox(ctx context.Context, db *pgxpool.Pool, ids []string) (inboxRows int64, outboxRows []string, err error) {
 	if len(ids) == 0 {
-		return 0, 0, nil
+		return 0, nil, nil
 	}
 	err = pgx.BeginFunc(ctx, db, func(tx pgx.Tx) error {
 		var err error
 		if inboxRows, err = inbox.DeleteMessages(ctx, tx, ids); err != nil {
 			return err
 		}
-		outboxRows, err = outbox.DeletePurgeable(ctx, tx, ids)
+		// What is left of those inbox rows is processing.
+		busy, err := inbox.ProcessingOf(ctx, tx, ids)
+		if err != nil {
+			return err
+		}
+		outboxRows, err = outbox.DeletePurgeable(ctx, tx, slices.DeleteFunc(slices.Clone(ids), func(id string) bool { return busy[id] }))
 		return err
 	})
 	if err != nil {
-		return 0, 0, err
+		return 0, nil, err
 	}
 	return inboxRows, outboxRows, nil
 }
@@ -112,7 +122,9 @@ func (rm *removed) add(o removed) {
 // removeTasks removes the tasks of ids, and every row of each, in one
 // transaction, taking the order the project's transactions lock rows
 // (dead letters, as a replay does; inbox; task; effects; outbox): it locks
-// their dead letters, their events' inbox rows and the tasks, then reads
+// their dead letters, the inbox rows of their events and of their dead
+// letters' messages (a replay may deliver one after the outbox window
+// removed its outbox row) and the tasks, then reads
 // task.Holds again, and whether an inbox row of their events is
 // processing, under those locks — a task whose answer is no longer "" (it
 // or one of its rows changed since the pass read it) is kept, with the
@@ -132,8 +144,18 @@ func removeTasks(ctx context.Context, db *pgxpool.Pool, ids []string, olderThan 
 		if err != nil {
 			return err
 		}
-		if err := deadletter.LockOfTasks(ctx, tx, ids); err != nil {
+		replayed, err := deadletter.LockOfTasks(ctx, tx, ids)
+		if err != nil {
 			return err
+		}
+		for id, m := range replayed {
+			// A replay after the outbox window left an inbox row that no
+			// outbox row names any more.
+			for _, msg := range m {
+				if !slices.Contains(msgs[id], msg) {
+					msgs[id] = append(msgs[id], msg)
+				}
+			}
 		}
 		if err := inbox.LockMessages(ctx, tx, messagesOf(msgs, ids)); err != nil {
 			return err

@@ -210,6 +210,11 @@ func TestRetentionRemovesSettledTaskAndArtifacts(t *testing.T) {
 	}
 	b.deadLetter(t, old.id, "resolved", 1)
 	b.deadLetter(t, old.id, "replayed", 2)
+	// The replay delivered its message after the outbox window had removed
+	// the message's outbox row: the inbox row it left is found through the
+	// dead letter.
+	b.exec(t, `UPDATE dead_letter SET message_id = 'replayed-late' WHERE task_id = $1 AND state = 'replayed'`, old.id)
+	b.inboxRow(t, consumers[0], "replayed-late", inbox.Completed)
 	b.idempotencyRecord(t, "old-key", old.id, "-1 minute")
 	b.age(t, old.id)
 
@@ -222,8 +227,12 @@ func TestRetentionRemovesSettledTaskAndArtifacts(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if res.TasksPurged != 1 || res.ArtifactsDeleted != 2 || res.IdempotencyExpired != 1 || res.InboxPurged != 4 {
-		t.Fatalf("pass: %+v; want 1 task purged, 2 artifacts deleted, 1 record expired, 4 inbox rows", res)
+	if res.TasksPurged != 1 || res.ArtifactsDeleted != 2 || res.IdempotencyExpired != 1 || res.InboxPurged != 5 {
+		t.Fatalf("pass: %+v; want 1 task purged, 2 artifacts deleted, 1 record expired, 5 inbox rows", res)
+	}
+	var late int
+	if err := b.db.Pool.QueryRow(ctx, `SELECT count(*) FROM inbox_message WHERE message_id = 'replayed-late'`).Scan(&late); err != nil || late != 0 {
+		t.Errorf("%d inbox rows of the late replay left (%v)", late, err)
 	}
 	for table, n := range b.rows(t, old) {
 		if n != 0 {

@@ -26,5 +26,7 @@
 //     replays never deadlock.
 //   - Rows are removed only when not Processing (DeleteMessages): with
 //     their outbox rows past the outbox window, or with their task past the
-//     task window (issue 13 retention; the reconciler decides when).
+//     task window (issue 13 retention; the reconciler decides when). A
+//     Processing row is removed only when stale and of a message that
+//     reaches no task any more (DeleteStale).
 package inbox

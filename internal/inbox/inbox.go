@@ -296,11 +296,16 @@ type Stale struct {
 }
 
 // Stales returns at most limit messages Processing with no delivery for
-// lease and no live lease of a delivery (Lease), oldest first. It reads the
-// processing rows only (inbox_message_processing_idx, migrations 00013 and
-// 00014: keyed, so every processing row's entry is read and the stale ones
-// sorted).
-func Stales(ctx context.Context, q dbpool.Querier, lease time.Duration, limit int) ([]Stale, error) {
+// lease and no live lease of a delivery (Lease), oldest first, that the
+// reconciler can finish: their task's status is one of statuses (the
+// terminal ones), or their message has no task any more (TaskID nil: its
+// outbox row, or its task, was removed by retention, so no delivery of it
+// can matter). Rows of tasks in other states are not returned: left in the
+// batch, a hundred of them would hide every other row for ever. It reads
+// the processing rows only (inbox_message_processing_idx, migrations 00013
+// and 00014: keyed, so every processing row's entry is read and the stale
+// ones sorted).
+func Stales(ctx context.Context, q dbpool.Querier, lease time.Duration, statuses []string, limit int) ([]Stale, error) {
 	rows, err := q.Query(ctx, `
 SELECT i.consumer_name, i.message_id, i.last_seen_at, t.task_id, t.status
 FROM inbox_message i
@@ -308,8 +313,9 @@ LEFT JOIN outbox_event o ON o.outbox_id = i.message_id
 LEFT JOIN task t ON t.task_id = o.aggregate_id
 WHERE i.state = 'processing' AND i.last_seen_at < now() - make_interval(secs => $1)
   AND (i.locked_until IS NULL OR i.locked_until < now())
+  AND (t.task_id IS NULL OR t.status = ANY ($3))
 ORDER BY i.last_seen_at
-LIMIT $2`, lease.Seconds(), limit)
+LIMIT $2`, lease.Seconds(), limit, statuses)
 	if err != nil {
 		return nil, fmt.Errorf("select stale inbox rows: %w", err)
 	}
@@ -331,6 +337,25 @@ WHERE consumer_name = $1 AND message_id = $2 AND state = 'processing' AND last_s
 		s.Consumer, s.MessageID, taskStatus, s.LastSeenAt)
 	if err != nil {
 		return false, fmt.Errorf("release inbox row %s: %w", s.MessageID, err)
+	}
+	return tag.RowsAffected() == 1, nil
+}
+
+// DeleteStale removes a stale message of no task (Stales, TaskID nil): a
+// compare-and-set on state and last_seen_at as read, and only while its
+// message still reaches no task. Retention removes an inbox row with its
+// outbox row, or with its task; a row of a message whose outbox row was
+// removed already (a delivery that registered it later, such as a dead
+// letter's replay, or one from before the outbox kept such rows) would
+// otherwise stay processing for ever.
+func DeleteStale(ctx context.Context, q dbpool.Querier, s Stale) (bool, error) {
+	tag, err := q.Exec(ctx, `
+DELETE FROM inbox_message i
+WHERE i.consumer_name = $1 AND i.message_id = $2 AND i.state = 'processing' AND i.last_seen_at = $3
+  AND NOT EXISTS (SELECT FROM outbox_event o JOIN task t ON t.task_id = o.aggregate_id WHERE o.outbox_id = i.message_id)`,
+		s.Consumer, s.MessageID, s.LastSeenAt)
+	if err != nil {
+		return false, fmt.Errorf("delete stale inbox row %s: %w", s.MessageID, err)
 	}
 	return tag.RowsAffected() == 1, nil
 }

@@ -37,6 +37,6 @@
 //   - Rows are removed only when published, or parked and decided (issue
 //     13 retention): past the outbox window (Backlog.Purgeable,
 //     DeletePurgeable), or with their task past the task window
-//     (DeleteOfTask), and a transaction's record with the last row of it.
+//     (DeleteOfTasks), and a transaction's record with the last row of it.
 //     An unpublished or undecided row is never removed.
 package outbox

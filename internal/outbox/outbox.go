@@ -290,7 +290,9 @@ ORDER BY created_xid, created_at, outbox_id LIMIT $3`, pgx.QueryExecModeExec, st
 // Purgeable returns the ids of at most limit outbox rows created more than
 // olderThan ago that are published, or parked and decided, and below the
 // watermark (issue 13 retention), in the table's order (about the order
-// they were created in). The rows are found through
+// they were created in), leaving out the ids of skip (rows a caller kept
+// in an earlier batch: without it, rows kept at the front of the table
+// would fill every batch). The rows are found through
 // outbox_event_created_brin (migration 00013: only the block ranges holding
 // rows older than olderThan, and the one not summarized yet, are read), not
 // by walking outbox_event_created_xid_idx from the oldest row, which read
@@ -300,14 +302,17 @@ ORDER BY created_xid, created_at, outbox_id LIMIT $3`, pgx.QueryExecModeExec, st
 // with 40,000 behind them, growing with the backlog, issue 11).
 // Unpublished rows, and parked rows no one decided on, are never among
 // them. The reconciler removes their inbox rows
-// (inbox.DeleteMessages), then the rows (DeletePurgeable), in one
-// transaction.
-func (b *Backlog) Purgeable(ctx context.Context, q dbpool.Querier, olderThan time.Duration, limit int) ([]string, error) {
+// (inbox.DeleteMessages), then the rows no inbox row of which is
+// processing (DeletePurgeable), in one transaction.
+func (b *Backlog) Purgeable(ctx context.Context, q dbpool.Querier, olderThan time.Duration, limit int, skip []string) ([]string, error) {
+	if skip == nil {
+		skip = []string{} // nil is NULL, and <> ALL (NULL) is never true
+	}
 	rows, err := q.Query(ctx, `
 SELECT outbox_id FROM outbox_event
 WHERE created_xid < $1::text::xid8 AND created_at < now() - make_interval(secs => $2)
-  AND `+sqlSettledRow+`
-LIMIT $3`, pgx.QueryExecModeExec, strconv.FormatUint(b.low.Load(), 10), olderThan.Seconds(), limit)
+  AND `+sqlSettledRow+` AND outbox_id <> ALL ($4::text[])
+LIMIT $3`, pgx.QueryExecModeExec, strconv.FormatUint(b.low.Load(), 10), olderThan.Seconds(), limit, skip)
 	if err != nil {
 		return nil, fmt.Errorf("select purgeable outbox rows: %w", err)
 	}
@@ -320,21 +325,25 @@ LIMIT $3`, pgx.QueryExecModeExec, strconv.FormatUint(b.low.Load(), 10), olderTha
 
 // DeletePurgeable removes the rows of ids that are published, or parked and
 // decided (a row of ids in any other state stays), and the records of their
-// transactions that no row is left of, and returns how many rows it
+// transactions that no row is left of, and returns the ids of the rows it
 // removed. Run it in a transaction with the caller's other removals.
-func DeletePurgeable(ctx context.Context, q dbpool.Querier, ids []string) (int64, error) {
+func DeletePurgeable(ctx context.Context, q dbpool.Querier, ids []string) ([]string, error) {
 	if len(ids) == 0 {
-		return 0, nil
+		return nil, nil
 	}
-	rows, err := q.Query(ctx, `DELETE FROM outbox_event WHERE outbox_id = ANY($1) AND `+sqlSettledRow+` RETURNING created_xid::text`, ids)
+	rows, err := q.Query(ctx, `DELETE FROM outbox_event WHERE outbox_id = ANY($1) AND `+sqlSettledRow+` RETURNING outbox_id, created_xid::text`, ids)
 	if err != nil {
-		return 0, fmt.Errorf("delete %d outbox rows: %w", len(ids), err)
+		return nil, fmt.Errorf("delete %d outbox rows: %w", len(ids), err)
 	}
-	xids, err := pgx.CollectRows(rows, pgx.RowTo[string])
-	if err != nil {
-		return 0, fmt.Errorf("delete %d outbox rows: %w", len(ids), err)
+	var removed, xids []string
+	var id, xid string
+	if _, err := pgx.ForEachRow(rows, []any{&id, &xid}, func() error {
+		removed, xids = append(removed, id), append(xids, xid)
+		return nil
+	}); err != nil {
+		return nil, fmt.Errorf("delete %d outbox rows: %w", len(ids), err)
 	}
-	return int64(len(xids)), deleteOrphanTransactions(ctx, q, xids)
+	return removed, deleteOrphanTransactions(ctx, q, xids)
 }
 
 // IDsOfTasks returns, for each of taskIDs, the ids of its outbox rows (the

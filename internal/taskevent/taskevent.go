@@ -20,6 +20,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"slices"
 	"strconv"
 	"time"
 
@@ -76,10 +77,13 @@ const (
 	StatusCancelled    = "cancelled"
 )
 
-// Terminal reports whether status is final: completed, failed, compensated
-// or cancelled.
+// TerminalStatuses are the final statuses: completed, failed, compensated
+// and cancelled. Read it, never change it.
+var TerminalStatuses = []string{StatusCompleted, StatusFailed, StatusCompensated, StatusCancelled}
+
+// Terminal reports whether status is final (TerminalStatuses).
 func Terminal(status string) bool {
-	return status == StatusCompleted || status == StatusFailed || status == StatusCompensated || status == StatusCancelled
+	return slices.Contains(TerminalStatuses, status)
 }
 
 // Task is the task snapshot every event carries and the Redis task view
