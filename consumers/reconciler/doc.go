@@ -93,7 +93,10 @@
 //     Tasks go a batch of BatchSize at a time (the batch's ledger writes,
 //     the store's fsyncs and the removal transaction shared), batch after
 //     batch while they come back full, for up to RetentionBudget per pass;
-//     the keys and outbox rows above too.
+//     the keys and outbox rows above too. Several reconcilers share the
+//     walk: each claims its batch's tasks with session advisory locks
+//     (claimTasks, never waited for) and passes over the ones claimed
+//     elsewhere.
 //   - Dead letters: parked or refused dead letters whose task has
 //     completed since (by another route) are resolved — nothing is left to
 //     replay (deadletter.Store.ResolveCompleted, "dead_letter_resolved") —

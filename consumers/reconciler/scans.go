@@ -155,8 +155,11 @@ const expiredCountCap = 10001
 // purgeTasks examines at most BatchSize terminal tasks last updated more
 // than TaskRetention ago (task.Expired: oldest first, from a cursor past
 // the tasks kept by earlier batches, back to the start once a batch reaches
-// the end) and removes those nothing needs any more (purgeBatch). It
-// returns how many it examined.
+// the end) and removes those nothing needs any more (purgeBatch), among
+// the ones no other reconciler is removing (claimTasks: two reconcilers
+// walking the same tasks take alternate batches, where the second used to
+// wait for the first's locks and find its batch gone). It returns how many
+// it examined.
 func (r *Reconciler) purgeTasks(ctx context.Context, res *Result) (int, error) {
 	ids, next, err := task.Expired(ctx, r.pool, r.cfg.TaskRetention, r.retentionCursor, r.cfg.BatchSize)
 	if err != nil {
@@ -167,7 +170,18 @@ func (r *Reconciler) purgeTasks(ctx context.Context, res *Result) (int, error) {
 	} else {
 		r.retentionCursor = next
 	}
-	r.purgeBatch(ctx, res, ids)
+	if len(ids) == 0 {
+		return 0, nil
+	}
+	claim, err := claimTasks(ctx, r.pool, ids)
+	if err != nil {
+		return 0, err
+	}
+	defer claim.release()
+	if n := len(ids) - len(claim.ids); n > 0 {
+		r.log.DebugContext(ctx, "expired tasks claimed by another reconciler", slog.Int("tasks", n))
+	}
+	r.purgeBatch(ctx, res, claim.ids)
 	return len(ids), nil
 }
 

@@ -234,3 +234,62 @@ func messagesOf(msgs map[string][]string, ids []string) []string {
 	}
 	return all
 }
+
+// retentionLockClass is the first key of the session advisory locks by
+// which reconcilers claim the tasks they remove (claimTasks): "conv". The
+// two-key advisory locks do not conflict with the one-key ones (goose's
+// migration lock).
+const retentionLockClass = 0x636f6e76
+
+// claim is a set of tasks claimed for removal on one connection.
+type claim struct {
+	ids  []string
+	conn *pgxpool.Conn
+}
+
+// claimTasks takes, on a connection of its own, a session advisory lock
+// for each task of ids that no other reconciler holds
+// (pg_try_advisory_lock(retentionLockClass, hashtext(task id)): never
+// waits) and returns the tasks it locked, which release gives up. The locks
+// only spread the work: every removal still takes its row locks and checks
+// its rows again under them (removeTasks), so a claim that is lost (a
+// collision of hashes, a connection that dies) costs time, never a row.
+// The connection is held for the batch (a lock left on a pooled connection
+// would outlive the batch), so a pool of one connection, which the batch
+// itself needs, claims nothing and takes every task as before.
+func claimTasks(ctx context.Context, db *pgxpool.Pool, ids []string) (claim, error) {
+	if db.Stat().MaxConns() < 2 {
+		return claim{ids: ids}, nil
+	}
+	conn, err := db.Acquire(ctx)
+	if err != nil {
+		return claim{}, fmt.Errorf("claim %d expired tasks: %w", len(ids), err)
+	}
+	rows, err := conn.Query(ctx, `SELECT id FROM unnest($1::text[]) id WHERE pg_try_advisory_lock($2, hashtext(id))`, ids, retentionLockClass)
+	var claimed []string
+	if err == nil {
+		claimed, err = pgx.CollectRows(rows, pgx.RowTo[string])
+	}
+	c := claim{ids: claimed, conn: conn}
+	if err != nil {
+		c.release()
+		return claim{}, fmt.Errorf("claim %d expired tasks: %w", len(ids), err)
+	}
+	return c, nil
+}
+
+// release gives up the claim's locks and its connection. A connection
+// whose locks could not be given up is closed (which gives them up), not
+// returned to the pool.
+func (c claim) release() {
+	if c.conn == nil {
+		return
+	}
+	defer c.conn.Release()
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	if _, err := c.conn.Exec(ctx, `SELECT pg_advisory_unlock_all()`); err != nil {
+		_ = c.conn.Conn().Close(ctx)
+	}
+}
+

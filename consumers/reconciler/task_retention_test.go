@@ -628,3 +628,45 @@ func TestExpiredTasksGauge(t *testing.T) {
 		t.Errorf("once caught up: expired_tasks = %v, want 1 (the kept task)", got)
 	}
 }
+
+// Two reconcilers share the walk over expired tasks: a task another
+// reconciler has claimed (claimTasks, a session advisory lock) is passed
+// over at once, neither waited for nor removed, and the others of the
+// batch go; once the claim is given up, the next pass removes it. Before
+// claims, the second reconciler read the same batch, waited for the first's
+// row locks and found its batch gone: two removed no faster than one.
+func TestRetentionPassesOverTasksClaimedElsewhere(t *testing.T) {
+	t.Parallel()
+	b := setup(t, Config{})
+	var tasks []settled
+	for i := range 3 {
+		tasks = append(tasks, b.settledTask(t, fmt.Sprintf(`{"claimed":%d}`, i), true))
+	}
+	other, err := claimTasks(context.Background(), b.db.Pool, []string{tasks[1].id})
+	if err != nil || len(other.ids) != 1 {
+		t.Fatalf("claim: %v %v", other.ids, err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	res, err := b.r.Pass(ctx)
+	if err != nil || res.TasksPurged != 2 || res.TasksKept != 0 {
+		other.release()
+		t.Fatalf("pass: %+v %v; want the 2 tasks not claimed elsewhere removed, none kept", res, err)
+	}
+	if left := b.rows(t, tasks[1]); left["task"] != 1 {
+		t.Errorf("the claimed task's rows: %v", left)
+	}
+	if _, err := b.store.Head(tasks[1].token); err != nil {
+		t.Errorf("the claimed task's artifact: %v", err)
+	}
+	// The pass gave up its own claims: the other reconciler can take them.
+	again, err := claimTasks(context.Background(), b.db.Pool, []string{tasks[0].id, tasks[2].id})
+	if err != nil || len(again.ids) != 2 {
+		t.Errorf("the pass's claims were not given up: %v %v", again.ids, err)
+	}
+	again.release()
+	other.release()
+	if res, err = b.r.Pass(ctx); err != nil || res.TasksPurged != 1 {
+		t.Fatalf("pass after the claim was given up: %+v %v; want the third task removed", res, err)
+	}
+}

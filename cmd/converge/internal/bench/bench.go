@@ -91,6 +91,12 @@ type Config struct {
 	// PeerTasks is the number of tasks of each run of the peer stage
 	// (converge against River, same job). Defaults to 20000.
 	PeerTasks int
+	// RetentionReconcilers is the number of reconcilers removing the peer
+	// stage's tasks in its retention measurement (PeerResult.Retention):
+	// the pipeline's own and RetentionReconcilers-1 more in this process,
+	// on the same database and artifact directory, as replicas of
+	// `converge reconciler` would run. Defaults to 1.
+	RetentionReconcilers int
 	// RiverDir is the source directory of the peer stage's River program
 	// (a module of its own). Defaults to
 	// cmd/converge/internal/bench/riverpeer, relative to the working
@@ -177,6 +183,9 @@ func (c *Config) setDefaults() {
 	}
 	if c.Partitions <= 0 {
 		c.Partitions = 4
+	}
+	if c.RetentionReconcilers <= 0 {
+		c.RetentionReconcilers = 1
 	}
 	if c.PeerTasks <= 0 {
 		c.PeerTasks = 20000

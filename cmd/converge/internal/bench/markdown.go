@@ -97,8 +97,12 @@ func (r *Results) Markdown(w io.Writer) {
 		fmt.Fprintf(w, "\nconverge / River: %.2f at River's defaults, %.2f against River tuned (target ≥ 1.5: %s).\n",
 			pr.RatioToRiver, pr.RatioToRiverTuned, target(true, "≥ 1.5", pr.RatioToRiver >= 1.5 && pr.RatioToRiverTuned >= 1.5))
 		if rt := pr.Retention; rt != nil {
-			fmt.Fprintf(w, "\nRetention: the last converge run's %d tasks, aged past every window at once, removed by the pipeline's reconciler (with their artifacts) in %.1f s = %.0f tasks/s; %.2f ms CPU (converge process + PostgreSQL; PostgreSQL %.2f) and %.2f commits per removed task: a second cost of every task, one retention window after it ran.\n",
-				rt.Tasks, rt.Seconds, rt.TasksPerSec, rt.CPUMsPerTask, rt.PostgresMsPerTask, rt.CommitsPerTask)
+			by := "the pipeline's reconciler"
+			if rt.Reconcilers > 1 {
+				by = fmt.Sprintf("%d reconcilers (the pipeline's and %d more)", rt.Reconcilers, rt.Reconcilers-1)
+			}
+			fmt.Fprintf(w, "\nRetention: the last converge run's %d tasks, aged past every window at once, removed by %s (with their artifacts) in %.1f s = %.0f tasks/s; %.2f ms CPU (converge process + PostgreSQL; PostgreSQL %.2f) and %.2f commits per removed task: a second cost of every task, one retention window after it ran.\n",
+				rt.Tasks, by, rt.Seconds, rt.TasksPerSec, rt.CPUMsPerTask, rt.PostgresMsPerTask, rt.CommitsPerTask)
 		}
 		if m := pr.Median[peerConverge]; len(m.PostgresMsPerTask) > 0 {
 			keys := make([]string, 0, len(m.PostgresMsPerTask))

@@ -12,16 +12,20 @@ import (
 	"path/filepath"
 	"slices"
 	"strconv"
+	"sync"
 	"syscall"
 	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/common/expfmt"
 	"github.com/prometheus/common/model"
 
 	"github.com/converge-run/converge/cmd/converge/internal/pipeline"
+	"github.com/converge-run/converge/consumers/reconciler"
 	"github.com/converge-run/converge/consumers/worker"
+	"github.com/converge-run/converge/internal/artifact"
 )
 
 // The peer stage (issue 11): converge against River (riverqueue/river), the
@@ -58,7 +62,9 @@ type PeerResult struct {
 // past the windows at once. What a deployment spends on each task a second
 // time, a retention window after its processing.
 type RetentionRun struct {
-	Tasks       int     `json:"tasks"`
+	Tasks int `json:"tasks"`
+	// Reconcilers removing them (Config.RetentionReconcilers).
+	Reconcilers int     `json:"reconcilers"`
 	Seconds     float64 `json:"seconds"` // aged -> no task left
 	TasksPerSec float64 `json:"tasks_per_sec"`
 	// CPUMsPerTask: the converge process and PostgreSQL, per removed task;
@@ -157,8 +163,8 @@ func runPeer(ctx context.Context, e *env, res *Results) error {
 						pr.Retention, err = conv.retention(ctx)
 						stopRetention()
 						if err == nil {
-							e.progress("peer    converge    retention: %d tasks removed in %.1fs = %.0f tasks/s; %.2f ms CPU (PostgreSQL %.2f), %.2f commits per task",
-								pr.Retention.Tasks, pr.Retention.Seconds, pr.Retention.TasksPerSec, pr.Retention.CPUMsPerTask, pr.Retention.PostgresMsPerTask, pr.Retention.CommitsPerTask)
+							e.progress("peer    converge    retention: %d tasks removed by %d reconciler(s) in %.1fs = %.0f tasks/s; %.2f ms CPU (PostgreSQL %.2f), %.2f commits per task",
+								pr.Retention.Tasks, pr.Retention.Reconcilers, pr.Retention.Seconds, pr.Retention.TasksPerSec, pr.Retention.CPUMsPerTask, pr.Retention.PostgresMsPerTask, pr.Retention.CommitsPerTask)
 						}
 					}
 					conv.stop()
@@ -318,14 +324,15 @@ func childCPU(cmd *exec.Cmd) time.Duration {
 // pipeline, on a database, slot, topic and artifact directory of the run's
 // own, and the load generator run as a process of its own.
 type peerPipeline struct {
-	e       *env
-	dbURL   string
-	db      string
-	token   string // the API token of the load generator's tenant
-	pool    *pgxpool.Pool
-	baseURL string
-	cancel  context.CancelFunc
-	done    chan error
+	e         *env
+	dbURL     string
+	db        string
+	artifacts string // the artifact store's directory
+	token     string // the API token of the load generator's tenant
+	pool      *pgxpool.Pool
+	baseURL   string
+	cancel    context.CancelFunc
+	done      chan error
 }
 
 func (e *env) startPeerPipeline(ctx context.Context, run int) (*peerPipeline, error) {
@@ -347,7 +354,7 @@ func (e *env) startPeerPipeline(ctx context.Context, run int) (*peerPipeline, er
 		pool.Close()
 		return nil, err
 	}
-	p := &peerPipeline{e: e, dbURL: dbURL, db: db, pool: pool, token: token, baseURL: "http://" + ln.Addr().String(), done: make(chan error, 1)}
+	p := &peerPipeline{e: e, dbURL: dbURL, db: db, artifacts: artifacts, pool: pool, token: token, baseURL: "http://" + ln.Addr().String(), done: make(chan error, 1)}
 	ready := make(chan struct{})
 	pctx, cancel := context.WithCancel(ctx)
 	p.cancel = cancel
@@ -524,6 +531,11 @@ UPDATE outbox_event SET created_at = created_at - interval '8 days'`); err != ni
 		return nil, err
 	}
 	m := e.cpuStart()
+	more, err := p.moreReconcilers(ctx, e.cfg.RetentionReconcilers-1)
+	if err != nil {
+		return nil, err
+	}
+	defer more()
 	deadline := time.Now().Add(10 * time.Minute)
 	for left := n; left > 0; {
 		if time.Now().After(deadline) {
@@ -549,10 +561,35 @@ UPDATE outbox_event SET created_at = created_at - interval '8 days'`); err != ni
 		return nil, err
 	}
 	e.printStatements("converge-retention", 0, st)
-	return &RetentionRun{Tasks: n, Seconds: round2(wall.Seconds()), TasksPerSec: round2(float64(n) / wall.Seconds()),
+	return &RetentionRun{Tasks: n, Reconcilers: e.cfg.RetentionReconcilers, Seconds: round2(wall.Seconds()), TasksPerSec: round2(float64(n) / wall.Seconds()),
 		CPUMsPerTask:      round2((cpu.Converge + cpu.Postgres) * wall.Seconds() * 1000 / float64(n)),
 		PostgresMsPerTask: round2(cpu.Postgres * wall.Seconds() * 1000 / float64(n)),
 		CommitsPerTask:    round2(float64(xact1-xact0) / float64(n))}, nil
+}
+
+// moreReconcilers starts n reconcilers in this process besides the
+// pipeline's, on its database and artifact directory, with the default
+// settings and no broker (retention needs none), and returns the function
+// that stops them.
+func (p *peerPipeline) moreReconcilers(ctx context.Context, n int) (stop func(), err error) {
+	rctx, cancel := context.WithCancel(ctx)
+	var wg sync.WaitGroup
+	stop = func() { cancel(); wg.Wait() }
+	for i := range n {
+		store, err := artifact.Open(p.artifacts, nil)
+		if err != nil {
+			stop()
+			return nil, err
+		}
+		r, err := reconciler.New(reconciler.Config{DatabaseURL: p.dbURL + "&application_name=reconciler-" + strconv.Itoa(i+2), ArtifactStore: store,
+			Logger: p.e.log.With("component", "reconciler-"+strconv.Itoa(i+2)), Registerer: prometheus.NewRegistry()})
+		if err != nil {
+			stop()
+			return nil, err
+		}
+		wg.Go(func() { _ = r.Run(rctx) })
+	}
+	return stop, nil
 }
 
 // backend is one PostgreSQL backend's application_name and CPU time so far.
