@@ -292,4 +292,3 @@ func (c claim) release() {
 		_ = c.conn.Conn().Close(ctx)
 	}
 }
-
