@@ -217,14 +217,24 @@ ON CONFLICT (xid) DO NOTHING`, xs)
 
 // deleteOrphanTransactions removes the recorded transactions among xids
 // that have no outbox row left (retention removed their rows). A row of a
-// transaction is never left without its record: a concurrent removal of the
-// transaction's other rows only keeps a record that could have gone. The
-// question "is a row left" is a subquery with LIMIT 1 on created_xid's
-// index: as NOT EXISTS, pulled up into an anti-join, the planner could hash
-// the whole outbox instead (TestPassReadsOnlyWhatItLooksFor).
+// transaction is never left without its record. Two removals of rows of
+// the same transaction (two reconcilers, or the outbox window and a task's
+// removal) each saw the other's rows, not yet removed, and both kept the
+// record for ever: so the records are locked first (FOR UPDATE, in xid
+// order, so two such removals never deadlock), and the question "is a row
+// left" is asked by the next statement, whose snapshot is taken once the
+// lock is granted, so it sees the removals committed meanwhile (READ
+// COMMITTED, the project's isolation). The question is a subquery with
+// LIMIT 1 on created_xid's index: as NOT EXISTS, pulled up into an
+// anti-join, the planner could hash the whole outbox instead
+// (TestPassReadsOnlyWhatItLooksFor).
 func deleteOrphanTransactions(ctx context.Context, q dbpool.Querier, xids []string) error {
 	if len(xids) == 0 {
 		return nil
+	}
+	if _, err := q.Exec(ctx, `
+SELECT 1 FROM outbox_published_transaction WHERE xid = ANY($1::text[]::xid8[]) ORDER BY xid FOR UPDATE`, xids); err != nil {
+		return fmt.Errorf("lock the records of %d published outbox transactions: %w", len(xids), err)
 	}
 	if _, err := q.Exec(ctx, `
 DELETE FROM outbox_published_transaction pt

@@ -7,6 +7,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
+
 	"github.com/converge-run/converge/internal/dbpool"
 	"github.com/converge-run/converge/internal/outbox"
 	"github.com/converge-run/converge/internal/testenv"
@@ -160,5 +162,51 @@ func TestRecordTransactions(t *testing.T) {
 	}
 	if got := records(); got != 1 {
 		t.Fatalf("%d transaction records while parked p is left, want 1", got)
+	}
+}
+
+// Two removals of rows of the same transaction, concurrent (two
+// reconcilers, or the outbox window and a task's removal), leave no record
+// of it once both committed: each saw the other's row, not yet removed,
+// and both kept the record for ever. The second now waits for the first's
+// lock on the record, then sees its removal.
+func TestConcurrentRemovalsLeaveNoRecord(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	db := testenv.NewDB(t)
+	xid := insertInTx(t, db, "a", "b")
+	if n, err := outbox.RecordTransactions(ctx, db.Pool, []uint32{xid}); err != nil || n != 1 {
+		t.Fatalf("RecordTransactions = %d, %v", n, err)
+	}
+	first, err := db.Pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer first.Rollback(ctx)
+	if got, err := outbox.DeletePurgeable(ctx, first, []string{"a"}); err != nil || len(got) != 1 {
+		t.Fatalf("first removal = %v, %v", got, err)
+	}
+	second := make(chan error, 1)
+	go func() {
+		second <- pgx.BeginFunc(ctx, db.Pool, func(tx pgx.Tx) error {
+			_, err := outbox.DeletePurgeable(ctx, tx, []string{"b"})
+			return err
+		})
+	}()
+	// The second removal waits for the record's lock.
+	testenv.Eventually(t, 10*time.Second, "the second removal waiting for the record", func() bool {
+		var waiting int
+		err := db.Pool.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'`).Scan(&waiting)
+		return err == nil && waiting == 1
+	})
+	if err := first.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if err := <-second; err != nil {
+		t.Fatal(err)
+	}
+	var records int
+	if err := db.Pool.QueryRow(ctx, `SELECT count(*) FROM outbox_published_transaction`).Scan(&records); err != nil || records != 0 {
+		t.Fatalf("%d transaction records left (%v), want 0: both rows are gone", records, err)
 	}
 }
