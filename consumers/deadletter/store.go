@@ -267,11 +267,20 @@ func DeleteOfTasks(ctx context.Context, q dbpool.Querier, taskIDs []string) (int
 // as a replay or a resolution does before it
 // locks the task: the retention of a batch of tasks takes the project's
 // lock order (dead letters, inbox, task) before it reads which of them it
-// may remove. It returns, for each task with dead letters, the message ids
-// they hold (those with one): a replay delivers its message again, maybe
-// after retention removed the message's outbox row, so the inbox row that
-// delivery leaves is found through the dead letter.
+// may remove. It returns MessagesOfTasks' answer, read under the locks.
 func LockOfTasks(ctx context.Context, q dbpool.Querier, taskIDs []string) (map[string][]string, error) {
+	return messagesOfTasks(ctx, q, taskIDs, " FOR UPDATE")
+}
+
+// MessagesOfTasks returns, for each task of taskIDs with dead letters, the
+// message ids they hold (those with one): a replay delivers its message
+// again, maybe after retention removed the message's outbox row, so the
+// inbox row that delivery leaves is found through the dead letter.
+func MessagesOfTasks(ctx context.Context, q dbpool.Querier, taskIDs []string) (map[string][]string, error) {
+	return messagesOfTasks(ctx, q, taskIDs, "")
+}
+
+func messagesOfTasks(ctx context.Context, q dbpool.Querier, taskIDs []string, lock string) (map[string][]string, error) {
 	msgs := map[string][]string{}
 	if len(taskIDs) == 0 {
 		return msgs, nil
@@ -279,9 +288,9 @@ func LockOfTasks(ctx context.Context, q dbpool.Querier, taskIDs []string) (map[s
 	// Planned with the ids (pgx.QueryExecModeExec), through the index on
 	// task_id, in its order: an ORDER BY dead_letter_id walked the whole
 	// primary key instead.
-	rows, err := q.Query(ctx, `SELECT task_id, message_id FROM dead_letter WHERE task_id = ANY($1) FOR UPDATE`, pgx.QueryExecModeExec, taskIDs)
+	rows, err := q.Query(ctx, `SELECT task_id, message_id FROM dead_letter WHERE task_id = ANY($1)`+lock, pgx.QueryExecModeExec, taskIDs)
 	if err != nil {
-		return nil, fmt.Errorf("lock dead letters of %d tasks: %w", len(taskIDs), err)
+		return nil, fmt.Errorf("read the dead letters of %d tasks: %w", len(taskIDs), err)
 	}
 	var task string
 	var msg *string
@@ -291,7 +300,7 @@ func LockOfTasks(ctx context.Context, q dbpool.Querier, taskIDs []string) (map[s
 		}
 		return nil
 	}); err != nil {
-		return nil, fmt.Errorf("lock dead letters of %d tasks: %w", len(taskIDs), err)
+		return nil, fmt.Errorf("read the dead letters of %d tasks: %w", len(taskIDs), err)
 	}
 	return msgs, nil
 }

@@ -44,9 +44,10 @@
 //   - Inbox: rows processing with no delivery for InboxLease whose task is
 //     terminal are finished (-> completed, result {"released_by":
 //     "reconciler"}); rows of non-terminal tasks are left to the task scan
-//     (and not read: they would fill the batch); rows whose message reaches
-//     no task any more (its outbox row removed before the delivery
-//     registered it, as a late replay does) are removed ("inbox_purged").
+//     (and not read: they would fill the batch); rows whose message has no
+//     outbox row any more (removed before the delivery registered it, as a
+//     late replay does; its task may still be live, and a redelivery is
+//     made safe by the ledger) are removed ("inbox_purged").
 //   - Tasks: queued or running without an update for TaskDeadline are
 //     re-driven by a TaskRedriveRequested outbox event for their current
 //     version, written in a transaction that re-checks status and version;

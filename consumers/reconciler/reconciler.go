@@ -350,6 +350,9 @@ func (r *Reconciler) runPasses(ctx context.Context) error {
 	t := time.NewTicker(r.cfg.Interval)
 	defer t.Stop()
 	r.log.InfoContext(ctx, "reconciler started", slog.Duration("interval", r.cfg.Interval), slog.Duration("effect_deadline", r.cfg.EffectDeadline))
+	if r.cache == nil {
+		r.log.WarnContext(ctx, "reconciler without Redis: the task views of the tasks retention removes stay until their TTL, and the API may answer from them; stale views are not repaired")
+	}
 	for {
 		res, err := r.Pass(ctx)
 		switch {

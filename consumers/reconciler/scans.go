@@ -241,6 +241,12 @@ func (r *Reconciler) purgeBatch(ctx context.Context, res *Result, ids []string) 
 		fail("task retention", len(ids), err)
 		return
 	}
+	replayed, err := deadletter.MessagesOfTasks(ctx, r.pool, candidates)
+	if err != nil {
+		fail("task retention", len(ids), err)
+		return
+	}
+	addMessages(msgs, replayed)
 	busy, err := inbox.ProcessingOf(ctx, r.pool, messagesOf(msgs, candidates))
 	if err != nil {
 		fail("task retention", len(ids), err)
@@ -402,9 +408,9 @@ func (r *Reconciler) act(res *Result, kind string, n *int) {
 // is terminal: the delivery's outcome was decided by another delivery or a
 // repair. Rows of tasks still queued or running are left to scanTasks,
 // which re-drives the task; a redelivery resumes the processing row. A row
-// whose message no longer reaches a task (its outbox row or its task
-// removed by retention) is removed (inbox.DeleteStale), counted as
-// inbox_purged.
+// whose message has no outbox row any more (removed by retention before
+// the delivery registered it, as a late replay does) is removed
+// (inbox.DeleteStale), counted as inbox_purged.
 func (r *Reconciler) scanInbox(ctx context.Context, res *Result) error {
 	rows, err := inbox.Stales(ctx, r.pool, r.cfg.InboxLease, taskevent.TerminalStatuses, r.cfg.BatchSize)
 	if err != nil {
@@ -420,7 +426,7 @@ func (r *Reconciler) scanInbox(ctx context.Context, res *Result) error {
 			case !ok:
 				r.act(res, ActionSkipped, nil)
 			default:
-				r.log.InfoContext(ctx, "inbox row of no task removed", slog.String("consumer", in.Consumer), slog.String("message_id", in.MessageID))
+				r.log.InfoContext(ctx, "inbox row of a removed outbox row removed", slog.String("consumer", in.Consumer), slog.String("message_id", in.MessageID))
 				r.act(res, ActionInboxPurged, &res.InboxPurged)
 			}
 			continue

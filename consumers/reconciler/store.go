@@ -148,15 +148,7 @@ func removeTasks(ctx context.Context, db *pgxpool.Pool, ids []string, olderThan 
 		if err != nil {
 			return err
 		}
-		for id, m := range replayed {
-			// A replay after the outbox window left an inbox row that no
-			// outbox row names any more.
-			for _, msg := range m {
-				if !slices.Contains(msgs[id], msg) {
-					msgs[id] = append(msgs[id], msg)
-				}
-			}
-		}
+		addMessages(msgs, replayed)
 		if err := inbox.LockMessages(ctx, tx, messagesOf(msgs, ids)); err != nil {
 			return err
 		}
@@ -223,6 +215,20 @@ func removeTasks(ctx context.Context, db *pgxpool.Pool, ids []string, olderThan 
 // inbox.ProcessingOf).
 func anyBusy(messages []string, busy map[string]bool) bool {
 	return slices.ContainsFunc(messages, func(m string) bool { return busy[m] })
+}
+
+// addMessages adds to msgs (task id -> its message ids) the messages of
+// more that it does not hold: the messages of a task's dead letters, whose
+// replay after the outbox window left an inbox row that no outbox row
+// names any more.
+func addMessages(msgs, more map[string][]string) {
+	for id, m := range more {
+		for _, msg := range m {
+			if !slices.Contains(msgs[id], msg) {
+				msgs[id] = append(msgs[id], msg)
+			}
+		}
+	}
 }
 
 // messagesOf is the message ids of the tasks of ids, from msgs (task id ->

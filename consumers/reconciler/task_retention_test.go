@@ -330,6 +330,17 @@ func TestRetentionKeepsTasksSomethingNeeds(t *testing.T) {
 		func(s settled) {
 			b.exec(t, `UPDATE inbox_message SET state = 'completed', completed_at = now() WHERE message_id = $1`, s.outbox[1])
 		})
+	// A replay after the outbox window: its message's inbox row is found
+	// through the dead letter, before any artifact is touched.
+	add("replayed-message-processing", holdInboxProcessing,
+		func(s settled) {
+			b.deadLetter(t, s.id, "replayed", 12)
+			b.exec(t, `UPDATE dead_letter SET message_id = 'late-replay-' || task_id WHERE task_id = $1`, s.id)
+			b.inboxRow(t, consumers[0], "late-replay-"+s.id, inbox.Processing)
+		},
+		func(s settled) {
+			b.exec(t, `UPDATE inbox_message SET state = 'completed', completed_at = now() WHERE message_id = $1`, "late-replay-"+s.id)
+		})
 	add("live-idempotency-record", task.HoldIdempotencyRecord,
 		func(s settled) { b.idempotencyRecord(t, "live-"+s.id, s.id, "1 hour") },
 		func(s settled) {

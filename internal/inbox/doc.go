@@ -28,5 +28,5 @@
 //     their outbox rows past the outbox window, or with their task past the
 //     task window (issue 13 retention; the reconciler decides when). A
 //     Processing row is removed only when stale and of a message that
-//     reaches no task any more (DeleteStale).
+//     has no outbox row, or no task, any more (DeleteStale).
 package inbox

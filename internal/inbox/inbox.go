@@ -341,9 +341,11 @@ WHERE consumer_name = $1 AND message_id = $2 AND state = 'processing' AND last_s
 	return tag.RowsAffected() == 1, nil
 }
 
-// DeleteStale removes a stale message of no task (Stales, TaskID nil): a
-// compare-and-set on state and last_seen_at as read, and only while its
-// message still reaches no task. Retention removes an inbox row with its
+// DeleteStale removes a stale message whose outbox row, or its task, is
+// gone (Stales, TaskID nil): a compare-and-set on state and last_seen_at as
+// read, and only while no outbox row of a task names the message. A dead
+// letter's replay may still name a live task: a redelivery registers the
+// message again, and the effect ledger keeps its effect safe. Retention removes an inbox row with its
 // outbox row, or with its task; a row of a message whose outbox row was
 // removed already (a delivery that registered it later, such as a dead
 // letter's replay, or one from before the outbox kept such rows) would

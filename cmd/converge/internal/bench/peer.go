@@ -21,6 +21,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/common/expfmt"
 	"github.com/prometheus/common/model"
+	"github.com/redis/go-redis/v9"
 
 	"github.com/converge-run/converge/cmd/converge/internal/pipeline"
 	"github.com/converge-run/converge/consumers/reconciler"
@@ -569,20 +570,36 @@ UPDATE outbox_event SET created_at = created_at - interval '8 days'`); err != ni
 
 // moreReconcilers starts n reconcilers in this process besides the
 // pipeline's, on its database and artifact directory, with the default
-// settings and no broker (retention needs none), and returns the function
+// settings, the pipeline's Redis (their removals delete the task views as
+// the pipeline's reconciler does) and no broker (retention needs none), and
+// returns the function
 // that stops them.
 func (p *peerPipeline) moreReconcilers(ctx context.Context, n int) (stop func(), err error) {
 	rctx, cancel := context.WithCancel(ctx)
 	var wg sync.WaitGroup
-	stop = func() { cancel(); wg.Wait() }
+	var stops []func()
+	stop = func() {
+		cancel()
+		wg.Wait()
+		for _, s := range stops {
+			s()
+		}
+	}
 	for i := range n {
 		store, err := artifact.Open(p.artifacts, nil)
 		if err != nil {
 			stop()
 			return nil, err
 		}
+		ropt, err := redis.ParseURL(p.e.redisURL)
+		if err != nil {
+			stop()
+			return nil, err
+		}
+		rdb := redis.NewClient(ropt)
+		stops = append(stops, func() { _ = rdb.Close() })
 		r, err := reconciler.New(reconciler.Config{DatabaseURL: p.dbURL + "&application_name=reconciler-" + strconv.Itoa(i+2), ArtifactStore: store,
-			Logger: p.e.log.With("component", "reconciler-"+strconv.Itoa(i+2)), Registerer: prometheus.NewRegistry()})
+			Redis: rdb, Logger: p.e.log.With("component", "reconciler-"+strconv.Itoa(i+2)), Registerer: prometheus.NewRegistry()})
 		if err != nil {
 			stop()
 			return nil, err
