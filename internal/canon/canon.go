@@ -130,21 +130,13 @@ func Transform(doc []byte) ([]byte, error) {
 // where a '-' or a digit starts a run of number characters.
 func policyHolds(doc []byte) bool {
 	depth := 0
-	inString, escaped := false, false
+	var str jsonStrings
 	for i := 0; i < len(doc); i++ {
 		c := doc[i]
+		if str.holds(c) {
+			continue
+		}
 		switch {
-		case inString:
-			switch {
-			case escaped:
-				escaped = false
-			case c == '\\':
-				escaped = true
-			case c == '"':
-				inString = false
-			}
-		case c == '"':
-			inString = true
 		case c == '[' || c == '{':
 			if depth++; depth > MaxDepth {
 				return false
@@ -258,20 +250,12 @@ func canonicalNumber(f float64) string {
 // without a parser's depth limit; it does not validate anything else.
 func Balanced(b []byte) bool {
 	var stack []byte
-	inString, escaped := false, false
+	var str jsonStrings
 	for _, c := range b {
+		if str.holds(c) {
+			continue
+		}
 		switch {
-		case inString:
-			switch {
-			case escaped:
-				escaped = false
-			case c == '\\':
-				escaped = true
-			case c == '"':
-				inString = false
-			}
-		case c == '"':
-			inString = true
 		case c == '[' || c == '{':
 			stack = append(stack, c)
 		case c == ']' || c == '}':
@@ -281,7 +265,27 @@ func Balanced(b []byte) bool {
 			stack = stack[:len(stack)-1]
 		}
 	}
-	return !inString && len(stack) == 0
+	return !str.in && len(stack) == 0
+}
+
+// jsonStrings follows a JSON text byte by byte and tells the bytes of its
+// strings (their quotes and escapes included) from the others.
+type jsonStrings struct{ in, escaped bool }
+
+// holds reports whether c, the text's next byte, belongs to a string.
+func (s *jsonStrings) holds(c byte) bool {
+	switch {
+	case !s.in:
+		s.in = c == '"'
+		return s.in
+	case s.escaped:
+		s.escaped = false
+	case c == '\\':
+		s.escaped = true
+	case c == '"':
+		s.in = false
+	}
+	return true
 }
 
 // significand returns the significant digits of a JSON number literal
