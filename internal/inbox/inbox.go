@@ -298,9 +298,8 @@ type Stale struct {
 // Stales returns at most limit messages Processing with no delivery for
 // lease and no live lease of a delivery (Lease), oldest first, that the
 // reconciler can finish: their task's status is one of statuses (the
-// terminal ones), or their message has no task any more (TaskID nil: its
-// outbox row, or its task, was removed by retention, so no delivery of it
-// can matter). Rows of tasks in other states are not returned: left in the
+// terminal ones), or their message has no outbox row of a task any more
+// (TaskID nil: removed by retention; DeleteStale). Rows of tasks in other states are not returned: left in the
 // batch, a hundred of them would hide every other row for ever. It reads
 // the processing rows only (inbox_message_processing_idx, migrations 00013
 // and 00014: keyed, so every processing row's entry is read and the stale
@@ -343,13 +342,13 @@ WHERE consumer_name = $1 AND message_id = $2 AND state = 'processing' AND last_s
 
 // DeleteStale removes a stale message whose outbox row, or its task, is
 // gone (Stales, TaskID nil): a compare-and-set on state and last_seen_at as
-// read, and only while no outbox row of a task names the message. A dead
-// letter's replay may still name a live task: a redelivery registers the
-// message again, and the effect ledger keeps its effect safe. Retention removes an inbox row with its
-// outbox row, or with its task; a row of a message whose outbox row was
-// removed already (a delivery that registered it later, such as a dead
-// letter's replay, or one from before the outbox kept such rows) would
-// otherwise stay processing for ever.
+// read, and only while no outbox row of a task names the message.
+// Retention removes an inbox row with its outbox row, or with its task; a
+// row of a message whose outbox row was removed already (registered by a
+// later delivery, such as a dead letter's replay, or left by a version
+// before the outbox kept such rows) would otherwise stay processing for
+// ever. A replay's message may still belong to a live task: a redelivery
+// registers it again, and the effect ledger keeps its effect safe.
 func DeleteStale(ctx context.Context, q dbpool.Querier, s Stale) (bool, error) {
 	tag, err := q.Exec(ctx, `
 DELETE FROM inbox_message i
