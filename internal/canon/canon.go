@@ -226,6 +226,12 @@ func CheckNumber(raw string) *Error {
 	if !isInt && len(mantissa) <= 17 {
 		return nil // the usual rendering of a double: nearest double is meant
 	}
+	if len(mantissa) > maxCanonicalDigits {
+		// The canonical form cannot denote this decimal: decided without
+		// the exact comparison below, whose cost grows faster than the
+		// literal (a million digits took seconds per check).
+		return &Error{Code: CodeNumberPrecisionLoss, Detail: fmt.Sprintf("number %s would change to %s", clip(raw), canonicalNumber(f)), Offset: -1}
+	}
 	in, ok1 := new(big.Rat).SetString(raw)
 	out, ok2 := new(big.Rat).SetString(strconv.FormatFloat(f, 'g', -1, 64))
 	if !ok1 || !ok2 || in.Cmp(out) != 0 {
@@ -233,6 +239,12 @@ func CheckNumber(raw string) *Error {
 	}
 	return nil
 }
+
+// maxCanonicalDigits is the most significant digits a number's canonical
+// form has (the shortest decimal that reads back as the same double: 17 at
+// most), so a literal with more, leading and trailing zeros aside, never
+// denotes the same decimal as its canonical form.
+const maxCanonicalDigits = 17
 
 // canonicalNumber is f as RFC 8785 writes it (ECMAScript
 // Number.prototype.toString: 12345678901234567000, not Go's
@@ -313,14 +325,15 @@ func classify(err error, off int64) *Error {
 	if errors.As(err, &se) {
 		off = se.ByteOffset
 	}
+	cause := Cause(err)
 	switch {
 	case errors.Is(err, jsontext.ErrDuplicateName):
 		return &Error{Code: CodeDuplicateMemberName, Detail: trimPrefix(msg), Offset: off}
-	case strings.Contains(msg, "surrogate"):
+	case strings.Contains(cause, "surrogate"):
 		return &Error{Code: CodeLoneSurrogate, Detail: trimPrefix(msg), Offset: off}
-	case strings.Contains(msg, "invalid UTF-8"):
+	case strings.Contains(cause, "invalid UTF-8"):
 		return &Error{Code: CodeInvalidUTF8, Detail: trimPrefix(msg), Offset: off}
-	case strings.Contains(msg, "exceeded max depth"):
+	case strings.Contains(cause, "exceeded max depth"):
 		return &Error{Code: CodeNestingTooDeep, Detail: trimPrefix(msg), Offset: off} // callers check Balanced first
 	default:
 		return &Error{Code: CodeMalformedJSON, Detail: trimPrefix(msg), Offset: off}
@@ -328,6 +341,19 @@ func classify(err error, off int64) *Error {
 }
 
 func trimPrefix(msg string) string { return strings.TrimPrefix(msg, "jsontext: ") }
+
+// Cause is the message of a JSON library error's cause: without the JSON
+// pointer the library adds to its message, which holds member names taken
+// from the document. A classification by message must read Cause: the
+// whole message of {"exceeded max depth":tru} says "exceeded max depth",
+// and the document is only malformed.
+func Cause(err error) string {
+	var se *jsontext.SyntacticError
+	if errors.As(err, &se) && se.Err != nil {
+		return se.Err.Error()
+	}
+	return err.Error()
+}
 
 func invalidUTF8Offset(b []byte) int64 {
 	for i := 0; i < len(b); {

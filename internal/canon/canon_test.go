@@ -3,6 +3,8 @@ package canon_test
 import (
 	"bytes"
 	"errors"
+	"math"
+	"math/big"
 	"os"
 	"path/filepath"
 	"strings"
@@ -103,6 +105,15 @@ func TestNumberPolicy(t *testing.T) {
 		{"0e-400", "0"},
 		{"5e-324", "5e-324"},
 		{"1.7976931348623157e308", "1.7976931348623157e+308"},
+		// More significant digits than a canonical form has: refused
+		// without the exact comparison, whatever the length.
+		{"1." + strings.Repeat("3", 800), canon.CodeNumberPrecisionLoss},
+		{"[1." + strings.Repeat("3", 1_000_000) + "]", canon.CodeNumberPrecisionLoss},
+		{"1" + strings.Repeat("0", 30) + "1", canon.CodeNumberPrecisionLoss},
+		{"1" + strings.Repeat("0", 30), "1e+30"},
+		// Even the exact decimal form of a double (2^-1074: 751 significant
+		// digits) changes: its canonical form is 5e-324.
+		{exactSmallest(), canon.CodeNumberPrecisionLoss},
 	}
 	for _, tt := range tests {
 		got, err := canon.Transform([]byte(tt.in))
@@ -128,6 +139,11 @@ func TestRejections(t *testing.T) {
 		{"\"\xff\"", canon.CodeInvalidUTF8},
 		{`"\ud800"`, canon.CodeLoneSurrogate},
 		{`{"a":1,"a":1}`, canon.CodeDuplicateMemberName},
+		// Member names inside the library's message do not decide the code.
+		{`{"exceeded max depth":tru}`, canon.CodeMalformedJSON},
+		{`{"surrogate":tru}`, canon.CodeMalformedJSON},
+		{`{"invalid UTF-8":tru}`, canon.CodeMalformedJSON},
+		{`{"a":{"surrogate":[1,}}`, canon.CodeMalformedJSON},
 		{strings.Repeat("[", canon.MaxDepth+1) + strings.Repeat("]", canon.MaxDepth+1), canon.CodeNestingTooDeep},
 		// Unclosed is not JSON at all, however deep (issue 13): 400, not 422.
 		{strings.Repeat("[", 100000), canon.CodeMalformedJSON},
@@ -213,4 +229,10 @@ func TestBalanced(t *testing.T) {
 			t.Errorf("Balanced(%q) = %v, want %v", in, got, want)
 		}
 	}
+}
+
+// exactSmallest is the exact decimal form of the smallest double, 2^-1074:
+// 751 significant digits.
+func exactSmallest() string {
+	return new(big.Float).SetFloat64(math.SmallestNonzeroFloat64).Text('e', 800)
 }

@@ -4,8 +4,11 @@ import (
 	"bytes"
 	"errors"
 	"fmt"
+	"math/big"
+	"math/rand/v2"
 	"os"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"testing"
 
@@ -86,4 +89,69 @@ func FuzzTransformAnswersAsValidateThenCanonicalize(f *testing.F) {
 		f.Add([]byte(s))
 	}
 	f.Fuzz(func(t *testing.T, doc []byte) { sameAnswer(t, "fuzz", doc) })
+}
+
+// checkNumberExact is CheckNumber without its shortcut for literals of more
+// than maxCanonicalDigits significant digits: the exact comparison decides.
+func checkNumberExact(raw string) *Error {
+	f, err := strconv.ParseFloat(raw, 64)
+	if err != nil {
+		return &Error{Code: CodeNumberOutOfRange}
+	}
+	mantissa, isInt := significand(raw)
+	if f == 0 {
+		if mantissa != "" {
+			return &Error{Code: CodeNumberOutOfRange}
+		}
+		return nil
+	}
+	if isInt && len(mantissa) <= 15 || !isInt && len(mantissa) <= 17 {
+		return nil
+	}
+	in, ok1 := new(big.Rat).SetString(raw)
+	out, ok2 := new(big.Rat).SetString(strconv.FormatFloat(f, 'g', -1, 64))
+	if !ok1 || !ok2 || in.Cmp(out) != 0 {
+		return &Error{Code: CodeNumberPrecisionLoss}
+	}
+	return nil
+}
+
+// CheckNumber's shortcut (more significant digits than a canonical form
+// has: precision loss at once) answers as the exact comparison does, on
+// number literals of every shape up to 40 digits around the limit.
+func TestCheckNumberShortcutAgrees(t *testing.T) {
+	t.Parallel()
+	rng := rand.New(rand.NewPCG(1, 2))
+	digits := func(n int) string {
+		b := make([]byte, n)
+		for i := range b {
+			b[i] = byte('0' + rng.IntN(10))
+		}
+		if n > 0 && b[0] == '0' {
+			b[0] = '1' + byte(rng.IntN(9))
+		}
+		return string(b)
+	}
+	code := func(e *Error) string {
+		if e == nil {
+			return ""
+		}
+		return e.Code
+	}
+	for range 20000 {
+		raw := digits(1 + rng.IntN(40))
+		if rng.IntN(2) == 0 {
+			raw += "." + digits(rng.IntN(25))
+			raw = strings.TrimSuffix(raw, ".")
+		}
+		if rng.IntN(3) == 0 {
+			raw += "e" + []string{"", "+", "-"}[rng.IntN(3)] + strconv.Itoa(rng.IntN(330))
+		}
+		if rng.IntN(2) == 0 {
+			raw = "-" + raw
+		}
+		if got, want := code(CheckNumber(raw)), code(checkNumberExact(raw)); got != want {
+			t.Fatalf("%s: %q, the exact comparison says %q", raw, got, want)
+		}
+	}
 }

@@ -224,6 +224,8 @@ func TestCreateRejectsBadInput(t *testing.T) {
 		{"body over limit, chunked", "application/json", []string{key}, big, true, 413, CodeBodyTooLarge},
 		{"empty body", "application/json", []string{key}, []byte{}, false, 400, canon.CodeMalformedJSON},
 		{"malformed json", "application/json", []string{key}, []byte(`{"document": [1,}`), false, 400, canon.CodeMalformedJSON},
+		// The library's message names the member: only its cause decides.
+		{"malformed, a member named as an error", "application/json", []string{key}, []byte(`{"document": {"exceeded max depth": tru}}`), false, 400, canon.CodeMalformedJSON},
 		{"envelope not an object", "application/json", []string{key}, []byte(`[{"document": 1}]`), false, 400, canon.CodeMalformedJSON},
 		{"envelope a string", "application/json", []string{key}, []byte(`"document"`), false, 400, canon.CodeMalformedJSON},
 		{"trailing garbage", "application/json", []string{key}, []byte(`{"document": 1} x`), false, 400, canon.CodeMalformedJSON},

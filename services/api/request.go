@@ -177,7 +177,7 @@ func syntaxError(err error, dec *jsontext.Decoder, body []byte) error {
 	if errors.As(err, &se) {
 		off = se.ByteOffset
 	}
-	if strings.Contains(err.Error(), "exceeded max depth") {
+	if strings.Contains(canon.Cause(err), "exceeded max depth") {
 		if !canon.Balanced(body) {
 			// Unclosed, so not JSON at all, however deep (issue 13).
 			return canonError(canon.CodeMalformedJSON, "unexpected end of request body: unclosed arrays or objects", int64(len(body)))
