@@ -236,17 +236,11 @@ func (r *Reconciler) purgeBatch(ctx context.Context, res *Result, ids []string) 
 	if len(candidates) == 0 {
 		return
 	}
-	msgs, err := outbox.IDsOfTasks(ctx, r.pool, candidates)
+	msgs, err := taskMessages(ctx, r.pool, candidates, deadletter.MessagesOfTasks)
 	if err != nil {
 		fail("task retention", len(ids), err)
 		return
 	}
-	replayed, err := deadletter.MessagesOfTasks(ctx, r.pool, candidates)
-	if err != nil {
-		fail("task retention", len(ids), err)
-		return
-	}
-	addMessages(msgs, replayed)
 	busy, err := inbox.ProcessingOf(ctx, r.pool, messagesOf(msgs, candidates))
 	if err != nil {
 		fail("task retention", len(ids), err)
@@ -392,6 +386,23 @@ func (r *Reconciler) sweepLeftovers(ctx context.Context, res *Result) error {
 // cacheKey is the Redis key of a task view.
 func cacheKey(taskID string) string { return taskview.Key(taskID) }
 
+// repaired counts one compare-and-set repair of a row (attrs name it) as
+// the scans do: err is logged as fail and counted as an error; !ok (the
+// row changed since it was read) is counted as skipped; otherwise done is
+// logged and the repair counted as kind, and in *n.
+func (r *Reconciler) repaired(ctx context.Context, res *Result, ok bool, err error, kind string, n *int, fail, done string, attrs ...any) {
+	switch {
+	case err != nil:
+		r.log.WarnContext(ctx, fail, append(slices.Clip(attrs), slog.Any("err", err))...)
+		r.act(res, ActionError, nil)
+	case !ok:
+		r.act(res, ActionSkipped, nil)
+	default:
+		r.log.InfoContext(ctx, done, attrs...)
+		r.act(res, kind, n)
+	}
+}
+
 func (r *Reconciler) act(res *Result, kind string, n *int) {
 	r.m.actions.WithLabelValues(kind).Inc()
 	switch kind {
@@ -417,31 +428,15 @@ func (r *Reconciler) scanInbox(ctx context.Context, res *Result) error {
 		return err
 	}
 	for _, in := range rows {
+		row := []any{slog.String("consumer", in.Consumer), slog.String("message_id", in.MessageID)}
 		if in.TaskStatus == nil {
 			ok, err := inbox.DeleteStale(ctx, r.pool, in)
-			switch {
-			case err != nil:
-				r.log.WarnContext(ctx, "remove inbox row", slog.String("message_id", in.MessageID), slog.Any("err", err))
-				r.act(res, ActionError, nil)
-			case !ok:
-				r.act(res, ActionSkipped, nil)
-			default:
-				r.log.InfoContext(ctx, "inbox row of a removed outbox row removed", slog.String("consumer", in.Consumer), slog.String("message_id", in.MessageID))
-				r.act(res, ActionInboxPurged, &res.InboxPurged)
-			}
+			r.repaired(ctx, res, ok, err, ActionInboxPurged, &res.InboxPurged, "remove inbox row", "inbox row of a removed outbox row removed", row...)
 			continue
 		}
 		ok, err := inbox.Release(ctx, r.pool, in, *in.TaskStatus)
-		switch {
-		case err != nil:
-			r.log.WarnContext(ctx, "release inbox row", slog.String("message_id", in.MessageID), slog.Any("err", err))
-			r.act(res, ActionError, nil)
-		case !ok:
-			r.act(res, ActionSkipped, nil)
-		default:
-			r.log.InfoContext(ctx, "inbox row released", slog.String("consumer", in.Consumer), slog.String("message_id", in.MessageID), slog.String("task_status", *in.TaskStatus))
-			r.act(res, ActionInboxReleased, &res.InboxReleased)
-		}
+		r.repaired(ctx, res, ok, err, ActionInboxReleased, &res.InboxReleased, "release inbox row", "inbox row released",
+			append(row, slog.String("task_status", *in.TaskStatus))...)
 	}
 	return nil
 }
@@ -458,16 +453,8 @@ func (r *Reconciler) scanTasks(ctx context.Context, res *Result) error {
 	}
 	for _, t := range tasks {
 		ok, err := redrive(ctx, r.pool, t)
-		switch {
-		case err != nil:
-			r.log.WarnContext(ctx, "re-drive task", slog.String("task_id", t.TaskID), slog.Any("err", err))
-			r.act(res, ActionError, nil)
-		case !ok:
-			r.act(res, ActionSkipped, nil)
-		default:
-			r.log.InfoContext(ctx, "task re-driven", slog.String("task_id", t.TaskID), slog.String("status", t.Status), slog.Int64("version", t.Version))
-			r.act(res, ActionTaskRedriven, &res.TasksRedriven)
-		}
+		r.repaired(ctx, res, ok, err, ActionTaskRedriven, &res.TasksRedriven, "re-drive task", "task re-driven",
+			slog.String("task_id", t.TaskID), slog.String("status", t.Status), slog.Int64("version", t.Version))
 	}
 	return nil
 }
@@ -485,16 +472,8 @@ func (r *Reconciler) scanIdempotency(ctx context.Context, res *Result) error {
 	}
 	for _, rec := range recs {
 		ok, err := resolveIdempotency(ctx, r.pool, rec)
-		switch {
-		case err != nil:
-			r.log.WarnContext(ctx, "resolve idempotency record", slog.String("key", rec.Key), slog.Any("err", err))
-			r.act(res, ActionError, nil)
-		case !ok:
-			r.act(res, ActionSkipped, nil)
-		default:
-			r.log.InfoContext(ctx, "idempotency record resolved", slog.String("scope", rec.Scope), slog.String("key", rec.Key))
-			r.act(res, ActionIdempotencyResolved, &res.IdempotencyResolved)
-		}
+		r.repaired(ctx, res, ok, err, ActionIdempotencyResolved, &res.IdempotencyResolved, "resolve idempotency record", "idempotency record resolved",
+			slog.String("scope", rec.Scope), slog.String("key", rec.Key))
 	}
 	return nil
 }

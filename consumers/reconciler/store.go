@@ -11,6 +11,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/converge-run/converge/consumers/deadletter"
+	"github.com/converge-run/converge/internal/dbpool"
 	"github.com/converge-run/converge/internal/inbox"
 	"github.com/converge-run/converge/internal/ledger"
 	"github.com/converge-run/converge/internal/outbox"
@@ -140,15 +141,10 @@ func removeTasks(ctx context.Context, db *pgxpool.Pool, ids []string, olderThan 
 	}
 	err := pgx.BeginFunc(ctx, db, func(tx pgx.Tx) error {
 		rm = removed{kept: map[string]string{}}
-		msgs, err := outbox.IDsOfTasks(ctx, tx, ids)
+		msgs, err := taskMessages(ctx, tx, ids, deadletter.LockOfTasks)
 		if err != nil {
 			return err
 		}
-		replayed, err := deadletter.LockOfTasks(ctx, tx, ids)
-		if err != nil {
-			return err
-		}
-		addMessages(msgs, replayed)
 		if err := inbox.LockMessages(ctx, tx, messagesOf(msgs, ids)); err != nil {
 			return err
 		}
@@ -217,18 +213,30 @@ func anyBusy(messages []string, busy map[string]bool) bool {
 	return slices.ContainsFunc(messages, func(m string) bool { return busy[m] })
 }
 
-// addMessages adds to msgs (task id -> its message ids) the messages of
-// more that it does not hold: the messages of a task's dead letters, whose
-// replay after the outbox window left an inbox row that no outbox row
-// names any more.
-func addMessages(msgs, more map[string][]string) {
-	for id, m := range more {
+// taskMessages returns each task of ids' message ids (task id -> ids; a
+// task without messages has no entry): its outbox rows' ids, and the ids
+// its dead letters hold, read by deadLetters (deadletter.MessagesOfTasks,
+// or LockOfTasks, which also locks them). A replay after the outbox window
+// delivers a message that no outbox row names any more, and its inbox row
+// is found through the dead letter.
+func taskMessages(ctx context.Context, q dbpool.Querier, ids []string,
+	deadLetters func(context.Context, dbpool.Querier, []string) (map[string][]string, error)) (map[string][]string, error) {
+	msgs, err := outbox.IDsOfTasks(ctx, q, ids)
+	if err != nil {
+		return nil, err
+	}
+	replayed, err := deadLetters(ctx, q, ids)
+	if err != nil {
+		return nil, err
+	}
+	for id, m := range replayed {
 		for _, msg := range m {
 			if !slices.Contains(msgs[id], msg) {
 				msgs[id] = append(msgs[id], msg)
 			}
 		}
 	}
+	return msgs, nil
 }
 
 // messagesOf is the message ids of the tasks of ids, from msgs (task id ->

@@ -575,31 +575,29 @@ UPDATE outbox_event SET created_at = created_at - interval '8 days'`); err != ni
 // returns the function
 // that stops them.
 func (p *peerPipeline) moreReconcilers(ctx context.Context, n int) (stop func(), err error) {
+	if n <= 0 {
+		return func() {}, nil
+	}
+	store, err := artifact.Open(p.artifacts, nil)
+	if err != nil {
+		return nil, err
+	}
+	ropt, err := redis.ParseURL(p.e.redisURL)
+	if err != nil {
+		return nil, err
+	}
+	rdb := redis.NewClient(ropt)
 	rctx, cancel := context.WithCancel(ctx)
 	var wg sync.WaitGroup
-	var stops []func()
 	stop = func() {
 		cancel()
 		wg.Wait()
-		for _, s := range stops {
-			s()
-		}
+		_ = rdb.Close()
 	}
 	for i := range n {
-		store, err := artifact.Open(p.artifacts, nil)
-		if err != nil {
-			stop()
-			return nil, err
-		}
-		ropt, err := redis.ParseURL(p.e.redisURL)
-		if err != nil {
-			stop()
-			return nil, err
-		}
-		rdb := redis.NewClient(ropt)
-		stops = append(stops, func() { _ = rdb.Close() })
-		r, err := reconciler.New(reconciler.Config{DatabaseURL: p.dbURL + "&application_name=reconciler-" + strconv.Itoa(i+2), ArtifactStore: store,
-			Redis: rdb, Logger: p.e.log.With("component", "reconciler-"+strconv.Itoa(i+2)), Registerer: prometheus.NewRegistry()})
+		name := "reconciler-" + strconv.Itoa(i+2)
+		r, err := reconciler.New(reconciler.Config{DatabaseURL: p.dbURL + "&application_name=" + name, ArtifactStore: store,
+			Redis: rdb, Logger: p.e.log.With("component", name), Registerer: prometheus.NewRegistry()})
 		if err != nil {
 			stop()
 			return nil, err
